@@ -1,0 +1,51 @@
+"""Incremental detokenization for one sequence.
+
+Decoding token by token is wrong for two reasons: a byte-level BPE may split one UTF-8
+character over several tokens, and SentencePiece drops the leading space of a token decoded
+on its own. So each new token is decoded together with a few tokens of context (the tail of
+the prompt at first) and only the text that is new and complete is released. Text ending in
+U+FFFD (an incomplete UTF-8 sequence) is held back until the next token completes it.
+This is the prefix/read-offset scheme of TGI and vLLM.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+REPLACEMENT_CHAR = "\ufffd"
+PROMPT_CONTEXT_TOKENS = 5
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, prompt_ids: Sequence[int] = ()):
+        self.tokenizer = tokenizer
+        self._ids = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:])
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self._context_len = len(self._ids)
+
+    def _decode(self, ids) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True,
+                                     clean_up_tokenization_spaces=False)
+
+    def add(self, token_id: int) -> str:
+        """Add one generated token; return the text it completes (possibly "")."""
+        self._ids.append(int(token_id))
+        prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
+        new_text = self._decode(self._ids[self._prefix_offset:])
+        if len(new_text) > len(prefix_text) and not new_text.endswith(REPLACEMENT_CHAR):
+            delta = new_text[len(prefix_text):]
+            self._prefix_offset = self._read_offset
+            self._read_offset = len(self._ids)
+            return delta
+        return ""
+
+    def flush(self) -> str:
+        """Release whatever is held back (at the end of generation), even if incomplete."""
+        prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
+        new_text = self._decode(self._ids[self._prefix_offset:])
+        self._prefix_offset = self._read_offset = len(self._ids)
+        return new_text[len(prefix_text):]
+
+    @property
+    def generated_ids(self) -> list:
+        return self._ids[self._context_len:]

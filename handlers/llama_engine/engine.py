@@ -1,0 +1,146 @@
+"""Generation for one static batch: tokenize, left-pad, prefill, decode, stop, stream.
+
+The engine knows nothing of TorchServe. A caller hands it prepared requests and a sink; the
+sink receives one list of :class:`TokenEvent` per decode step, only for rows that produced
+a token in that step.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import torch
+
+from .backends import Backend, create_backend
+from .detokenizer import IncrementalDetokenizer
+from .errors import RequestError
+from .request import GenerationRequest
+from .selection import TokenSelector, select_tokens
+from .stopping import StoppingCriteria
+from .streamer import BatchTextStreamer, GenerationResult, RowState, Sink
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PreparedRequest:
+    request: GenerationRequest
+    prompt_ids: List[int]
+    max_new_tokens: int
+
+
+class Engine:
+    def __init__(self, backend: Backend, tokenizer, default_max_new_tokens: int = 64):
+        self.backend = backend
+        self.tokenizer = tokenizer
+        self.default_max_new_tokens = default_max_new_tokens
+        self.pad_token_id = _pad_id(tokenizer)
+        self.eos_token_ids = frozenset(_eos_ids(tokenizer))
+        self.special_ids = frozenset(tokenizer.all_special_ids)
+
+    @classmethod
+    def from_config(cls, handler_cfg, model_dir: str) -> "Engine":
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(os.path.join(model_dir, handler_cfg.model_path))
+        backend = create_backend(handler_cfg, model_dir)
+        return cls(backend, tokenizer, handler_cfg.max_new_tokens)
+
+    @property
+    def max_length(self) -> int:
+        return self.backend.max_length
+
+    def prepare(self, request: GenerationRequest) -> PreparedRequest:
+        """Tokenize and check the request against the model's limits (RequestError if over)."""
+        prompt_ids = self.tokenizer(request.prompt)["input_ids"]
+        limit = self.max_length
+        if self.backend.max_prompt_length is not None:
+            limit = min(limit, self.backend.max_prompt_length + 1)
+        if len(prompt_ids) >= limit:
+            raise RequestError(
+                f"the prompt is {len(prompt_ids)} tokens; the limit is {limit - 1} tokens "
+                f"(handler.max_length {self.max_length} holds the prompt and the answer)", "inputs")
+        room = self.max_length - len(prompt_ids)
+        requested = request.params.max_new_tokens
+        if requested is None:
+            max_new = min(self.default_max_new_tokens, room)
+        elif requested > room:
+            raise RequestError(
+                f"max_new_tokens is {requested}, but the prompt ({len(prompt_ids)} tokens) leaves room "
+                f"for only {room} of handler.max_length {self.max_length}", "max_new_tokens")
+        else:
+            max_new = requested
+        return PreparedRequest(request, prompt_ids, max_new)
+
+    def _row_state(self, prepared: PreparedRequest) -> RowState:
+        return RowState(
+            detokenizer=IncrementalDetokenizer(self.tokenizer, prepared.prompt_ids),
+            stopping=StoppingCriteria(self.eos_token_ids, prepared.max_new_tokens),
+            prompt_tokens=len(prepared.prompt_ids),
+            special_ids=self.special_ids,
+        )
+
+    def _pad_batch(self, prompts: Sequence[List[int]], batch_size: int):
+        longest = max(len(p) for p in prompts)
+        input_ids = torch.full((batch_size, longest), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((batch_size, longest), dtype=torch.long)
+        for row in range(batch_size):
+            # Padding rows (for fixed-batch backends) repeat the first prompt; their output is ignored.
+            ids = prompts[row] if row < len(prompts) else prompts[0]
+            input_ids[row, longest - len(ids):] = torch.tensor(ids, dtype=torch.long)
+            attention_mask[row, longest - len(ids):] = 1
+        return input_ids, attention_mask
+
+    @torch.inference_mode()
+    def generate(self, batch: Sequence[PreparedRequest], sink: Optional[Sink] = None
+                 ) -> List[GenerationResult]:
+        if not batch:
+            return []
+        batch_size = self.backend.padded_batch_size(len(batch))
+        rows = [self._row_state(p) for p in batch] + [None] * (batch_size - len(batch))
+        selectors = [TokenSelector(p.request.params) for p in batch] + [None] * (batch_size - len(batch))
+        streamer = BatchTextStreamer(rows, sink)
+        input_ids, attention_mask = self._pad_batch([p.prompt_ids for p in batch], batch_size)
+        live = list(range(batch_size))  # streamer row of each backend row
+        try:
+            logits = self.backend.prefill(input_ids, attention_mask)
+            while True:
+                tokens = select_tokens(logits, [selectors[r] for r in live])
+                streamer.put_rows(live, tokens)
+                if streamer.finished:
+                    break
+                live, tokens = self._shrink(streamer, live, tokens)
+                logits = self.backend.decode(tokens)
+        finally:
+            self.backend.release()
+        return streamer.results()[: len(batch)]
+
+    def _shrink(self, streamer: BatchTextStreamer, live: List[int], tokens: torch.Tensor):
+        """Drop finished rows from the running batch, where the backend can."""
+        active = set(streamer.active_rows)
+        keep = [i for i, row in enumerate(live) if row in active]
+        if len(keep) == len(live) or not self.backend.retain(keep):
+            return live, tokens
+        return [live[i] for i in keep], tokens[keep]
+
+    def warmup(self, batch_size: int = 1, max_new_tokens: int = 2) -> None:
+        """Run one short generation so the first real request does not pay for lazy set-up."""
+        from .params import SamplingParams
+
+        request = GenerationRequest("Warm-up", SamplingParams(max_new_tokens=max_new_tokens))
+        prepared = self.prepare(request)
+        self.generate([prepared] * batch_size)
+
+
+def _pad_id(tokenizer) -> int:
+    for candidate in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0):
+        if candidate is not None:
+            return candidate
+    return 0
+
+
+def _eos_ids(tokenizer) -> List[int]:
+    eos = tokenizer.eos_token_id
+    return [] if eos is None else [eos]

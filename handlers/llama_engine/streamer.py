@@ -1,0 +1,120 @@
+"""A batched text streamer: every row of a batch streams its own tokens and stops on its own.
+
+It keeps the ``put(LongTensor[B, 1])`` / ``end()`` shape of HF streamers and of
+transformers-neuronx's ``sample(streamer=...)``, which puts only generated tokens (never the
+prompt). Unlike HF's ``TextIteratorStreamer`` it releases text as soon as it is complete,
+not at the next space, so CJK text and code stream too.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional, Sequence
+
+import torch
+
+from .detokenizer import IncrementalDetokenizer
+from .stopping import FINISH_LENGTH, StoppingCriteria
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: List[int]
+    finish_reason: str
+    prompt_tokens: int
+
+    @property
+    def generated_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class TokenEvent:
+    row: int
+    token_id: Optional[int]  # None for a closing event that carries no new token
+    text: str
+    special: bool
+    result: Optional[GenerationResult] = None
+
+    @property
+    def finished(self) -> bool:
+        return self.result is not None
+
+
+@dataclass
+class RowState:
+    """What the streamer tracks for one live row."""
+
+    detokenizer: IncrementalDetokenizer
+    stopping: StoppingCriteria
+    prompt_tokens: int
+    special_ids: frozenset
+    token_ids: List[int] = field(default_factory=list)
+    pieces: List[str] = field(default_factory=list)
+    result: Optional[GenerationResult] = None
+
+    def add(self, token_id: int) -> TokenEvent:
+        self.token_ids.append(token_id)
+        text = self.detokenizer.add(token_id)
+        stopped, reason = self.stopping(token_id, len(self.token_ids))
+        if stopped:
+            text += self.detokenizer.flush()
+        self.pieces.append(text)
+        if stopped:
+            self._finish(reason)
+        return TokenEvent(-1, token_id, text, token_id in self.special_ids, self.result)
+
+    def _finish(self, reason: str) -> None:
+        self.result = GenerationResult("".join(self.pieces), list(self.token_ids), reason,
+                                       self.prompt_tokens)
+
+
+Sink = Callable[[List[TokenEvent]], None]
+
+
+class BatchTextStreamer:
+    def __init__(self, rows: Sequence[Optional[RowState]], sink: Optional[Sink] = None):
+        self.rows = list(rows)
+        self.sink = sink
+
+    def put(self, value: torch.Tensor) -> None:
+        """Take ``LongTensor[B, 1]`` (or ``[B]``): one new token for every row."""
+        if value.numel() != len(self.rows):
+            raise ValueError(f"BatchTextStreamer has {len(self.rows)} rows, got shape {tuple(value.shape)}")
+        self.put_rows(range(len(self.rows)), value.reshape(-1))
+
+    def put_rows(self, rows: Sequence[int], tokens: torch.Tensor) -> None:
+        """Take one new token for each of ``rows`` (the rows still in a shrunken batch)."""
+        events = []
+        for row, token_id in zip(rows, tokens.reshape(-1).tolist()):
+            state = self.rows[row]
+            if state is None or state.result is not None:
+                continue
+            event = state.add(token_id)
+            event.row = row
+            events.append(event)
+        if events and self.sink is not None:
+            self.sink(events)
+
+    def end(self) -> None:
+        """Close rows that the generator stopped without a stopping decision of ours."""
+        events = []
+        for row, state in enumerate(self.rows):
+            if state is not None and state.result is None:
+                text = state.detokenizer.flush()
+                state.pieces.append(text)
+                state._finish(FINISH_LENGTH)
+                events.append(TokenEvent(row, None, text, False, state.result))
+        if events and self.sink is not None:
+            self.sink(events)
+
+    @property
+    def finished(self) -> bool:
+        return all(state is None or state.result is not None for state in self.rows)
+
+    @property
+    def active_rows(self) -> List[int]:
+        return [i for i, s in enumerate(self.rows) if s is not None and s.result is None]
+
+    def results(self) -> List[Optional[GenerationResult]]:
+        return [None if state is None else state.result for state in self.rows]
