@@ -175,14 +175,14 @@ class LlamaHandler:
         self.responder.send(bodies)
 
     def _fail(self, slot: Slot, error: RequestError) -> None:
-        """Record the error and, for a stream already under way, end it with an error line now."""
+        """Record the error; a stream already under way ends with an error line at once.
+
+        An error before the first chunk goes out with the final response, as a plain 4xx/5xx:
+        the frontend closes the connection after a non-2xx chunk, so it cannot be streamed.
+        """
         slot.error = error
         if slot.sent:
             self.responder.send({slot.index: error_line(error)})
-        else:
-            self.responder.set_status(slot.index, error.status, JSON)
-            self.responder.send({slot.index: error.to_json()})
-            slot.sent = True
 
     def _final_body(self, slot: Slot) -> str:
         if slot.sent:

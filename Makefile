@@ -1,0 +1,71 @@
+# Serve Llama-family models with TorchServe: build -> archive -> serve -> stream.
+#   make demo     set up, build the embedded default, serve it, stream one prompt (server left running)
+#   make test     set up and run the whole test suite
+#   make stop     stop the server that `make serve`/`make demo` started
+
+PY ?= python3
+MODEL ?= tiny-llama
+ARCHIVE_FORMAT ?= no-archive
+PROMPT ?= The function returns
+VENV := .venv
+BIN := $(VENV)/bin
+BUILD := build
+STORE := model_store
+SERVE_DIR := $(BUILD)/serve
+ENGINE_SRC := $(shell find handlers -name '*.py' -not -path '*/__pycache__/*')
+PYTEST_ARGS ?=
+
+ifeq ($(ARCHIVE_FORMAT),tgz)
+ARCHIVE := $(STORE)/$(MODEL).tar.gz
+else
+ARCHIVE := $(STORE)/$(MODEL)/MAR-INF/MANIFEST.json
+endif
+
+.PHONY: demo test build serve stop stream check-prereqs venv clean
+
+demo: serve
+	@echo "--- streaming with curl -N (tokens appear as they are generated):"
+	curl -sS -N http://127.0.0.1:8080/predictions/$(MODEL) \
+	  -H "Authorization: Bearer $$($(BIN)/python scripts/tsctl.py key)" \
+	  -H 'Content-Type: application/json' \
+	  -d '{"inputs": "$(PROMPT)", "parameters": {"max_new_tokens": 40}}'
+	@echo "--- the same prompt, printed as text by scripts/stream.py:"
+	$(BIN)/python scripts/stream.py "$(PROMPT)" --max-new-tokens 40 --details
+	@echo "--- the server is still running; stop it with: make stop"
+
+check-prereqs:
+	@bash scripts/check_prereqs.sh $(PY)
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: requirements.txt requirements-dev.txt | check-prereqs
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -r requirements-dev.txt
+	touch $@
+
+# The embedded default model: built offline and deterministically.
+$(BUILD)/tiny-llama/model.safetensors: scripts/build_tiny_llama.py | $(VENV)/.installed
+	$(BIN)/python scripts/build_tiny_llama.py --out $(BUILD)/tiny-llama
+
+build: $(ARCHIVE)
+
+$(ARCHIVE): $(BUILD)/$(MODEL)/model.safetensors model-config/$(MODEL).yaml $(ENGINE_SRC) scripts/build_archive.py handlers/requirements-model.txt | $(VENV)/.installed
+	PATH=$(abspath $(BIN)):$$PATH $(BIN)/python scripts/build_archive.py --name $(MODEL) \
+	  --config model-config/$(MODEL).yaml --model-dir $(BUILD)/$(MODEL) \
+	  --export-path $(STORE) --archive-format $(ARCHIVE_FORMAT)
+
+serve: build
+	PATH=$(abspath $(BIN)):$$PATH $(BIN)/python scripts/tsctl.py start --workdir $(SERVE_DIR) --model-store $(STORE)
+
+stop:
+	@if [ -x $(BIN)/python ]; then $(BIN)/python scripts/tsctl.py stop --workdir $(SERVE_DIR); else echo "nothing to stop"; fi
+
+stream: | $(VENV)/.installed
+	$(BIN)/python scripts/stream.py "$(PROMPT)" --details
+
+test: $(BUILD)/tiny-llama/model.safetensors | $(VENV)/.installed
+	PATH=$(abspath $(BIN)):$$PATH $(BIN)/python -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(BUILD) $(STORE)

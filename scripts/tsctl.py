@@ -1,0 +1,202 @@
+#!/usr/bin/env python3
+"""Start and stop a TorchServe of this project's, and find its inference key.
+
+Used by ``make serve``/``make stop`` and by the end-to-end tests. Each server has its own
+work directory: the config.properties derived from the repository's, the key_file.json that
+token authorization writes into the start directory, the logs, and a private TMPDIR (also
+passed to the JVM as java.io.tmpdir) so that model copies, sockets and pid files stay out of
+the shared /tmp. The server is stopped by the PID of its process group.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Dict, Optional
+
+import requests
+
+ROOT = Path(__file__).resolve().parent.parent
+ADDRESS_KEYS = {"inference": "inference_address", "management": "management_address",
+                "metrics": "metrics_address"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def read_properties(path: Path) -> Dict[str, str]:
+    props = {}
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#") and "=" in line:
+            key, value = line.split("=", 1)
+            props[key.strip()] = value.strip()
+    return props
+
+
+def read_key(workdir: Path, kind: str = "inference") -> str:
+    with open(workdir / "key_file.json", encoding="utf-8") as f:
+        return json.load(f)[kind]["key"]
+
+
+class TorchServe:
+    def __init__(self, workdir: Path, model_store: Path, models: Optional[str] = None,
+                 ports: Optional[Dict[str, int]] = None, base_config: Path = ROOT / "config.properties",
+                 extra: Optional[Dict[str, str]] = None):
+        self.workdir = Path(workdir).resolve()
+        self.model_store = Path(model_store).resolve()
+        self.props = read_properties(base_config)
+        self.props["model_store"] = str(self.model_store)
+        if models is not None:
+            self.props["load_models"] = models
+        for name, port in (ports or {}).items():
+            self.props[ADDRESS_KEYS[name]] = f"http://127.0.0.1:{port}"
+        self.props.update(extra or {})
+        self.tmpdir = self.workdir / "tmp"
+        self.props["vmargs"] = f"-Djava.io.tmpdir={self.tmpdir}"
+        self.process: Optional[subprocess.Popen] = None
+
+    def url(self, api: str = "inference") -> str:
+        return self.props[ADDRESS_KEYS[api]]
+
+    @property
+    def key(self) -> str:
+        return read_key(self.workdir)
+
+    def env(self) -> Dict[str, str]:
+        env = dict(os.environ)
+        env.update(TMPDIR=str(self.tmpdir), LOG_LOCATION=str(self.workdir / "logs"),
+                   METRICS_LOCATION=str(self.workdir / "logs"))
+        return env
+
+    def start(self, log_name: str = "torchserve.out") -> subprocess.Popen:
+        self.tmpdir.mkdir(parents=True, exist_ok=True)
+        config = self.workdir / "config.properties"
+        config.write_text("".join(f"{k}={v}\n" for k, v in self.props.items()))
+        log = open(self.workdir / log_name, "wb")
+        cmd = ["torchserve", "--start", "--foreground", "--ncs", "--ts-config", str(config),
+               "--model-store", str(self.model_store)]
+        self.process = subprocess.Popen(cmd, cwd=self.workdir, env=self.env(), stdout=log,
+                                        stderr=subprocess.STDOUT, start_new_session=True)
+        return self.process
+
+    def log_tail(self, n: int = 60) -> str:
+        lines = []
+        for name in ("torchserve.out", "logs/model_log.log", "logs/ts_log.log"):
+            path = self.workdir / name
+            if path.exists():
+                lines += [f"--- {name}"] + path.read_text(errors="replace").splitlines()[-n:]
+        return "\n".join(lines)
+
+    def wait_ready(self, timeout: float = 300.0) -> float:
+        """Poll /ping until the model's workers are up; fail fast if the process died."""
+        started = time.monotonic()
+        while time.monotonic() - started < timeout:
+            if self.process is not None and self.process.poll() is not None:
+                raise RuntimeError(f"torchserve exited with {self.process.returncode}\n{self.log_tail()}")
+            try:
+                headers = {"Authorization": f"Bearer {self.key}"}
+                r = requests.get(self.url() + "/ping", headers=headers, timeout=2)
+                if r.status_code == 200 and r.json().get("status") == "Healthy" and self._models_ready(headers):
+                    return time.monotonic() - started
+            except (OSError, ValueError, KeyError, requests.RequestException):
+                pass
+            time.sleep(0.25)
+        raise TimeoutError(f"torchserve not ready after {timeout:.0f} s\n{self.log_tail()}")
+
+    def _models_ready(self, headers) -> bool:
+        """Ping says Healthy before any model is loaded; ask the management API for workers."""
+        mgmt = {"Authorization": f"Bearer {read_key(self.workdir, 'management')}"}
+        models = [m.split("=")[0] for m in self.props.get("load_models", "").split(",") if m]
+        for model in models:
+            r = requests.get(f"{self.url('management')}/models/{model}", headers=mgmt, timeout=2)
+            if r.status_code != 200:
+                return False
+            workers = r.json()[0].get("workers", [])
+            if not workers or any(w.get("status") != "READY" for w in workers):
+                return False
+        return True
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        stop_group(self.process.pid, timeout)
+        self.process.wait(timeout=5)
+
+
+def stop_group(pid: int, timeout: float = 30.0) -> None:
+    """SIGTERM the process group led by ``pid``, then SIGKILL what is left."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(pid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.2)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="start/stop the local TorchServe")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    start = sub.add_parser("start")
+    start.add_argument("--workdir", type=Path, default=ROOT / "build" / "serve")
+    start.add_argument("--model-store", type=Path, default=ROOT / "model_store")
+    start.add_argument("--timeout", type=float, default=600)
+    stop = sub.add_parser("stop")
+    stop.add_argument("--workdir", type=Path, default=ROOT / "build" / "serve")
+    key = sub.add_parser("key", help="print the inference key")
+    key.add_argument("--workdir", type=Path, default=ROOT / "build" / "serve")
+    args = parser.parse_args(argv)
+
+    pid_file = args.workdir / "torchserve.pid"
+    if args.cmd == "key":
+        print(read_key(args.workdir))
+        return 0
+    if args.cmd == "stop":
+        if not pid_file.exists():
+            print("no server running (no pid file)")
+            return 0
+        stop_group(int(pid_file.read_text()))
+        pid_file.unlink()
+        print("torchserve stopped")
+        return 0
+    if pid_file.exists():
+        try:
+            os.killpg(int(pid_file.read_text()), 0)
+            print(f"torchserve already running (pid {pid_file.read_text().strip()}); run `make stop` first")
+            return 1
+        except ProcessLookupError:
+            pid_file.unlink()
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    (args.workdir / "key_file.json").unlink(missing_ok=True)
+    server = TorchServe(args.workdir, args.model_store)
+    process = server.start()
+    pid_file.write_text(str(process.pid))
+    try:
+        seconds = server.wait_ready(args.timeout)
+    except (RuntimeError, TimeoutError) as exc:
+        print(exc, file=sys.stderr)
+        stop_group(process.pid)
+        pid_file.unlink(missing_ok=True)
+        return 1
+    print(f"torchserve ready in {seconds:.1f} s at {server.url()} (pid {process.pid}); "
+          f"logs in {args.workdir}/logs, inference key in {args.workdir}/key_file.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

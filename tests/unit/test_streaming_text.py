@@ -1,0 +1,100 @@
+"""Incremental detokenization and the batched streamer, on the embedded model's byte-level BPE."""
+import pytest
+import torch
+
+from llama_engine.detokenizer import IncrementalDetokenizer
+from llama_engine.stopping import FINISH_EOS, FINISH_LENGTH, StoppingCriteria
+from llama_engine.streamer import BatchTextStreamer, RowState
+
+TEXTS = [
+    "Hello world, this is plain English.",
+    "I like 🦙 and 🎉 very much",
+    "你好，世界。日本語のテキスト",
+    "def f(x):\n    return x**2  # code",
+    "emoji at the end 👍🏽",
+]
+
+
+def stream_pieces(tokenizer, prompt, text):
+    prompt_ids = tokenizer(prompt)["input_ids"]
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+    pieces = [detok.add(i) for i in ids]
+    pieces.append(detok.flush())
+    return ids, pieces
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_pieces_join_to_the_text_and_never_hold_replacement_chars(tokenizer, text):
+    ids, pieces = stream_pieces(tokenizer, "Prompt:", text)
+    assert "".join(pieces) == text
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_split_emoji_is_held_back_until_complete(tokenizer):
+    ids, pieces = stream_pieces(tokenizer, "x", "🦙")
+    assert len(ids) > 1, "the test needs an emoji that spans several tokens"
+    assert pieces[:-2] == [""] * (len(ids) - 1) or "".join(pieces) == "🦙"
+    released = [p for p in pieces if p]
+    assert released == ["🦙"]
+
+
+def test_cjk_streams_without_waiting_for_a_space(tokenizer):
+    _, pieces = stream_pieces(tokenizer, "x", "你好世界你好世界")
+    # Text is released before the end although there is no whitespace at all.
+    assert sum(1 for p in pieces[:-1] if p) >= 2
+
+
+def test_no_prompt_echo(tokenizer):
+    _, pieces = stream_pieces(tokenizer, "The prompt text", " and the answer")
+    assert "".join(pieces) == " and the answer"
+
+
+def make_row(tokenizer, max_new_tokens, prompt="Hi"):
+    prompt_ids = tokenizer(prompt)["input_ids"]
+    return RowState(IncrementalDetokenizer(tokenizer, prompt_ids),
+                    StoppingCriteria(frozenset({tokenizer.eos_token_id}), max_new_tokens),
+                    len(prompt_ids), frozenset(tokenizer.all_special_ids))
+
+
+def test_batch_streamer_routes_tokens_and_stops_rows_independently(tokenizer):
+    events = []
+    a = tokenizer(" one two three", add_special_tokens=False)["input_ids"]
+    b = tokenizer(" 你好", add_special_tokens=False)["input_ids"]
+    streamer = BatchTextStreamer([make_row(tokenizer, 2), make_row(tokenizer, 10), None], events.extend)
+    eos = tokenizer.eos_token_id
+    steps = max(len(a), len(b)) + 1
+    for step in range(steps):
+        col = [a[step] if step < len(a) else eos, b[step] if step < len(b) else eos, 0]
+        streamer.put(torch.tensor(col).view(3, 1))
+        if streamer.finished:
+            break
+    results = streamer.results()
+    assert results[2] is None
+    assert results[0].finish_reason == FINISH_LENGTH and results[0].generated_tokens == 2
+    assert results[0].text == tokenizer.decode(a[:2])
+    assert results[1].finish_reason == FINISH_EOS and results[1].text == " 你好"
+    assert {e.row for e in events} == {0, 1}
+    assert "".join(e.text for e in events if e.row == 1) == " 你好"
+    assert sum(1 for e in events if e.finished) == 2
+
+
+def test_streamer_end_closes_open_rows(tokenizer):
+    events = []
+    streamer = BatchTextStreamer([make_row(tokenizer, 10)], events.extend)
+    streamer.put(torch.tensor([[tokenizer("a", add_special_tokens=False)["input_ids"][0]]]))
+    streamer.end()
+    assert streamer.finished and events[-1].finished and events[-1].token_id is None
+
+
+def test_streamer_rejects_wrong_batch(tokenizer):
+    streamer = BatchTextStreamer([make_row(tokenizer, 3)])
+    with pytest.raises(ValueError, match="1 rows"):
+        streamer.put(torch.tensor([[1], [2]]))
+
+
+def test_stopping_criteria():
+    stop = StoppingCriteria(frozenset({2}), 3)
+    assert stop(5, 1) == (False, None)
+    assert stop(2, 1) == (True, FINISH_EOS)
+    assert stop(5, 3) == (True, FINISH_LENGTH)
