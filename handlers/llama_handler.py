@@ -113,6 +113,8 @@ class LlamaHandler:
         self.context = context
         self.responder = Responder(context)
         slots = [Slot(index=i, raw=item) for i, item in enumerate(data)]
+        logger.info("batch of %d requests, micro_batch_size %d", len(slots),
+                    self.micro_batching.micro_batch_size)
         done = self.micro_batching.handle(slots)
         finals = {slot.index: self._final_body(slot) for slot in done}
         context.metrics.add_time("HandlerTime", round((time.perf_counter() - started) * 1000, 2), None, "ms")

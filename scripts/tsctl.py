@@ -129,12 +129,16 @@ class TorchServe:
     def stop(self, timeout: float = 30.0) -> None:
         if self.process is None or self.process.poll() is not None:
             return
-        stop_group(self.process.pid, timeout)
+        stop_group(self.process.pid, timeout, reap=self.process.poll)
         self.process.wait(timeout=5)
 
 
-def stop_group(pid: int, timeout: float = 30.0) -> None:
-    """SIGTERM the process group led by ``pid``, then SIGKILL what is left."""
+def stop_group(pid: int, timeout: float = 30.0, reap=None) -> None:
+    """SIGTERM the process group led by ``pid``, then SIGKILL what is left.
+
+    ``reap`` collects the leader when it is our child; an unreaped zombie would keep the
+    group alive in the eyes of ``killpg(pid, 0)``.
+    """
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.killpg(pid, sig)
@@ -142,6 +146,8 @@ def stop_group(pid: int, timeout: float = 30.0) -> None:
             return
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
+            if reap is not None:
+                reap()
             try:
                 os.killpg(pid, 0)
             except ProcessLookupError:
