@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import requests
+import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -37,10 +38,23 @@ class Client:
         return requests.post(self.url, data=data, headers=headers, stream=stream, timeout=300, **kwargs)
 
 
+# The batching scenario: a frontend batch of 8 split into two micro-batches of 4.
+TEST_CONFIG = {"batchSize": 8, "maxBatchDelay": 200, "micro_batching": {"micro_batch_size": 4}}
+
+
+def write_test_config(path: Path) -> Path:
+    data = yaml.safe_load((ROOT / "model-config" / f"{MODEL}.yaml").read_text())
+    data.update({k: v for k, v in TEST_CONFIG.items() if k != "micro_batching"})
+    data["micro_batching"].update(TEST_CONFIG["micro_batching"])
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
 @pytest.fixture(scope="session")
 def model_store(tiny_model_dir, tmp_path_factory) -> Path:
     work = tmp_path_factory.mktemp("archive")
-    build_archive.main(["--name", MODEL, "--config", str(ROOT / "model-config" / f"{MODEL}.yaml"),
+    config = write_test_config(work / f"{MODEL}.yaml")
+    build_archive.main(["--name", MODEL, "--config", str(config),
                         "--model-dir", str(tiny_model_dir), "--export-path", str(work / "store"),
                         "--stage-dir", str(work / "stage")])
     return work / "store"
