@@ -138,6 +138,7 @@ class LlamaHandler:
         for slot in runnable:
             if slot.stream:
                 self.responder.set_status(slot.index, 200, NDJSON)
+        started = time.perf_counter()
         try:
             results = self.engine.generate([s.prepared for s in runnable],
                                            sink=functools.partial(self._send_events, runnable))
@@ -148,6 +149,11 @@ class LlamaHandler:
             return slots
         for slot, result in zip(runnable, results):
             slot.result = result
+        if results:
+            elapsed = time.perf_counter() - started
+            steps = max(r.generated_tokens for r in results)
+            logger.info("micro-batch of %d: %d tokens in %.0f ms (%.2f ms/step)", len(results),
+                        sum(r.generated_tokens for r in results), elapsed * 1000, elapsed * 1000 / max(steps, 1))
         return slots
 
     @_stage
