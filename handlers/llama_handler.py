@@ -130,6 +130,9 @@ class LlamaHandler:
                 slot.prepared = self.engine.prepare(request)
             except RequestError as exc:
                 self._fail(slot, exc)
+            except Exception as exc:  # noqa: BLE001 - a bug on one input fails that request only
+                logger.exception("preprocess failed for request %d", slot.index)
+                self._fail(slot, RequestError(f"internal error in preprocess: {exc}", status=500))
         return slots
 
     @_stage
