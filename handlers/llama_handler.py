@@ -98,8 +98,8 @@ class LlamaHandler:
         threads = self.config.handler.torch_threads or os.cpu_count() or 1
         torch.set_num_threads(threads)
         model_dir = context.system_properties.get("model_dir")
-        self.engine = Engine.from_config(self.config.handler, model_dir)
         micro = self.config.micro_batching
+        self.engine = Engine.from_config(self.config.handler, model_dir, batch_size=micro.micro_batch_size)
         if self.config.handler.warmup:
             self.engine.warmup(batch_size=micro.micro_batch_size)
         self.micro_batching = MicroBatching(self, micro_batch_size=micro.micro_batch_size,

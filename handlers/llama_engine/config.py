@@ -105,24 +105,48 @@ PASSTHROUGH_FRONTEND_KEYS = frozenset({
 })
 
 
+AMPS = ("f32", "f16", "bf16")
+GQA_MODES = ("shard-over-heads", "shard-over-batch", "replicated-heads", "all-gather-heads")
+NEURON_KEYS = frozenset({"tp_degree", "amp", "n_positions", "context_length_estimate", "neuron_cc_flags",
+                         "gqa", "visible_cores"})
+TORCH_KEYS = frozenset({"dtype", "device", "compile"})
+
+
 @dataclass
 class HandlerConfig:
     """The ``handler:`` section: what this project's handler needs to load and run a model."""
 
     backend: str = "torch"
     model_path: str = "model"
-    dtype: str = "float32"
-    device: str = "auto"
     max_length: int = 512
     max_new_tokens: int = 64
     max_input_bytes: int = 65536
     torch_threads: Optional[int] = None
     warmup: bool = True
+    # The compile cache shipped in the model directory, and whether a mismatch may recompile.
+    compile_cache: str = "compile_cache"
+    allow_recompile: bool = False
+    # torch backend
+    dtype: str = "float32"
+    device: str = "auto"
+    compile: bool = False
+    # neuron backend (transformers-neuronx); the compiled batch size is micro_batch_size
+    tp_degree: Optional[int] = None
+    amp: str = "bf16"
+    n_positions: Any = None
+    context_length_estimate: Any = None
+    neuron_cc_flags: str = "--model-type=transformer"
+    gqa: str = "shard-over-heads"
+    visible_cores: Optional[str] = None
 
     _TYPES = {
         "backend": (str, False), "model_path": (str, False), "dtype": (str, False),
         "device": (str, False), "max_length": (int, False), "max_new_tokens": (int, False),
         "max_input_bytes": (int, False), "torch_threads": (int, True), "warmup": (bool, False),
+        "compile_cache": (str, False), "allow_recompile": (bool, False), "compile": (bool, False),
+        "tp_degree": (int, True), "amp": (str, False), "n_positions": ((int, list), True),
+        "context_length_estimate": ((int, list), True), "neuron_cc_flags": (str, False),
+        "gqa": (str, False), "visible_cores": (str, True),
     }
 
     def __post_init__(self):
@@ -130,17 +154,63 @@ class HandlerConfig:
         _check_choice("handler.backend", self.backend, BACKENDS)
         _check_choice("handler.dtype", self.dtype, DTYPES)
         _check_choice("handler.device", self.device, DEVICES)
-        for key in ("max_length", "max_new_tokens", "max_input_bytes", "torch_threads"):
+        for key in ("max_length", "max_new_tokens", "max_input_bytes", "torch_threads", "tp_degree"):
             _check_positive("handler.", key, getattr(self, key))
-        if os.path.isabs(self.model_path) or ".." in self.model_path.split("/"):
-            raise ConfigError(
-                f"handler.model_path: must be a path inside the model directory, got {self.model_path!r}"
-            )
+        for key in ("model_path", "compile_cache"):
+            _check_relative(key, getattr(self, key))
         if self.max_new_tokens >= self.max_length:
             raise ConfigError(
                 f"handler.max_new_tokens ({self.max_new_tokens}) must be smaller than handler.max_length "
                 f"({self.max_length}), which also has to hold the prompt; lower max_new_tokens"
             )
+        if self.backend == "neuron":
+            self._check_neuron()
+
+    def _check_neuron(self) -> None:
+        if self.tp_degree is None:
+            raise ConfigError("handler.tp_degree: required for backend neuron (NeuronCores per model, e.g. 2 on inf2.xlarge)")
+        _check_choice("handler.amp", self.amp, AMPS)
+        _check_choice("handler.gqa", self.gqa, GQA_MODES)
+        if self.n_positions is None:
+            self.n_positions = [self.max_length]
+        self.n_positions = _buckets("n_positions", self.n_positions)
+        if self.context_length_estimate is None:
+            raise ConfigError("handler.context_length_estimate: required for backend neuron; list the prompt-length "
+                              "buckets to compile, e.g. [128, 256, 512]")
+        self.context_length_estimate = _buckets("context_length_estimate", self.context_length_estimate)
+        largest = self.n_positions[-1]
+        if self.max_length > largest:
+            raise ConfigError(f"handler.max_length ({self.max_length}) exceeds the largest n_positions bucket "
+                              f"({largest}); raise n_positions or lower max_length")
+        if self.context_length_estimate[-1] >= largest:
+            raise ConfigError(f"handler.context_length_estimate: the largest bucket ({self.context_length_estimate[-1]}) "
+                              f"must be smaller than the largest n_positions ({largest}) to leave room for tokens")
+        if self.visible_cores is not None and not _core_range(self.visible_cores):
+            raise ConfigError(f"handler.visible_cores: expected a core or a range like '0-11', got {self.visible_cores!r}")
+
+    @property
+    def max_prompt_length(self) -> Optional[int]:
+        return self.context_length_estimate[-1] if self.backend == "neuron" else None
+
+
+def _check_relative(key: str, value: str) -> None:
+    if os.path.isabs(value) or ".." in value.split("/"):
+        raise ConfigError(f"handler.{key}: must be a path inside the model directory, got {value!r}")
+
+
+def _buckets(key: str, value) -> list:
+    values = value if isinstance(value, list) else [value]
+    if not values or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values):
+        raise ConfigError(f"handler.{key}: expected a positive integer or a list of them, got {value!r}")
+    return sorted(set(values))
+
+
+def _core_range(text: str) -> Optional[range]:
+    parts = text.split("-")
+    if not all(p.isdigit() for p in parts) or len(parts) > 2:
+        return None
+    first, last = int(parts[0]), int(parts[-1])
+    return range(first, last + 1) if last >= first else None
 
 
 def _check_choice(key: str, value: str, choices) -> None:
@@ -193,7 +263,19 @@ def _section(cls, data: Any, name: str):
         raise ConfigError(f"{name}: expected a mapping, got {type(data).__name__}")
     known = [f.name for f in dataclasses.fields(cls)]
     _reject_unknown(f"{name}.", data, known)
+    if cls is HandlerConfig:
+        _reject_other_backend_keys(data)
     return cls(**data)
+
+
+def _reject_other_backend_keys(data: Mapping) -> None:
+    backend = data.get("backend", "torch")
+    foreign = NEURON_KEYS if backend == "torch" else TORCH_KEYS if backend == "neuron" else frozenset()
+    for key in data:
+        if key in foreign:
+            owner = "neuron" if key in NEURON_KEYS else "torch"
+            raise ConfigError(f"handler.{key}: applies only to backend {owner}, but backend is {backend}; "
+                              f"remove it or set handler.backend: {owner}")
 
 
 def load_model_config(data: Optional[Mapping]) -> ModelConfig:

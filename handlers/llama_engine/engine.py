@@ -41,11 +41,12 @@ class Engine:
         self.special_ids = frozenset(tokenizer.all_special_ids)
 
     @classmethod
-    def from_config(cls, handler_cfg, model_dir: str) -> "Engine":
+    def from_config(cls, handler_cfg, model_dir: str, batch_size: int = 1,
+                    build_cache_dir: Optional[str] = None) -> "Engine":
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(os.path.join(model_dir, handler_cfg.model_path))
-        backend = create_backend(handler_cfg, model_dir)
+        backend = create_backend(handler_cfg, model_dir, batch_size, build_cache_dir)
         return cls(backend, tokenizer, handler_cfg.max_new_tokens)
 
     @property
@@ -55,12 +56,14 @@ class Engine:
     def prepare(self, request: GenerationRequest) -> PreparedRequest:
         """Tokenize and check the request against the model's limits (RequestError if over)."""
         prompt_ids = self.tokenizer(request.prompt)["input_ids"]
-        limit = self.max_length
-        if self.backend.max_prompt_length is not None:
-            limit = min(limit, self.backend.max_prompt_length + 1)
-        if len(prompt_ids) >= limit:
+        bucket = self.backend.max_prompt_length
+        if bucket is not None and len(prompt_ids) > bucket:
             raise RequestError(
-                f"the prompt is {len(prompt_ids)} tokens; the limit is {limit - 1} tokens "
+                f"the prompt is {len(prompt_ids)} tokens; the limit is {bucket} tokens "
+                "(the largest compiled context bucket, handler.context_length_estimate)", "inputs")
+        if len(prompt_ids) >= self.max_length:
+            raise RequestError(
+                f"the prompt is {len(prompt_ids)} tokens; the limit is {self.max_length - 1} tokens "
                 f"(handler.max_length {self.max_length} holds the prompt and the answer)", "inputs")
         room = self.max_length - len(prompt_ids)
         requested = request.params.max_new_tokens
@@ -93,11 +96,34 @@ class Engine:
             attention_mask[row, longest - len(ids):] = 1
         return input_ids, attention_mask
 
-    @torch.inference_mode()
     def generate(self, batch: Sequence[PreparedRequest], sink: Optional[Sink] = None
                  ) -> List[GenerationResult]:
-        if not batch:
-            return []
+        """Generate for every request; rows report through ``sink`` under their index in ``batch``."""
+        results: List[GenerationResult] = []
+        for start, group in self._plan(batch):
+            group_sink = sink if start == 0 or sink is None else _offset_sink(sink, start)
+            results.extend(self._generate_group(group, group_sink))
+        return results
+
+    def _plan(self, batch: Sequence[PreparedRequest]):
+        """Split ``batch`` where rows sharing cache positions would overrun ``max_length``."""
+        if not self.backend.shared_positions:
+            return [(0, list(batch))] if batch else []
+        groups, start, longest_prompt, longest_answer = [], 0, 0, 0
+        for i, p in enumerate(batch):
+            prompt = max(longest_prompt, len(p.prompt_ids))
+            answer = max(longest_answer, p.max_new_tokens)
+            if i > start and prompt + answer > self.max_length:
+                groups.append((start, list(batch[start:i])))
+                start, prompt, answer = i, len(p.prompt_ids), p.max_new_tokens
+            longest_prompt, longest_answer = prompt, answer
+        if len(batch) > start:
+            groups.append((start, list(batch[start:])))
+        return groups
+
+    @torch.inference_mode()
+    def _generate_group(self, batch: Sequence[PreparedRequest], sink: Optional[Sink] = None
+                        ) -> List[GenerationResult]:
         batch_size = self.backend.padded_batch_size(len(batch))
         rows = [self._row_state(p) for p in batch] + [None] * (batch_size - len(batch))
         selectors = [TokenSelector(p.request.params) for p in batch] + [None] * (batch_size - len(batch))
@@ -125,13 +151,31 @@ class Engine:
             return live, tokens
         return [live[i] for i in keep], tokens[keep]
 
-    def warmup(self, batch_size: int = 1, max_new_tokens: int = 2) -> None:
-        """Run one short generation so the first real request does not pay for lazy set-up."""
+    def warmup(self, batch_size: int = 1, max_new_tokens: int = 2, prompt_lengths: Sequence[int] = ()) -> None:
+        """Run short generations so the first real request does not pay for lazy set-up.
+
+        ``prompt_lengths`` adds one generation per length, so that a compiling backend builds
+        the graph of every context bucket (and the token graph) now rather than on a request.
+        """
         from .params import SamplingParams
 
         request = GenerationRequest("Warm-up", SamplingParams(max_new_tokens=max_new_tokens))
-        prepared = self.prepare(request)
-        self.generate([prepared] * batch_size)
+        prepared = [self.prepare(request)]
+        filler = self.tokenizer(" the", add_special_tokens=False)["input_ids"][-1]
+        for length in prompt_lengths:
+            ids = (self.tokenizer("")["input_ids"] + [filler] * length)[:length]
+            prepared.append(PreparedRequest(request, ids, min(max_new_tokens, self.max_length - length)))
+        for item in prepared:
+            self.generate([item] * batch_size)
+
+
+def _offset_sink(sink: Sink, offset: int) -> Sink:
+    def shifted(events):
+        for event in events:
+            event.row += offset
+        sink(events)
+
+    return shifted
 
 
 def _pad_id(tokenizer) -> int:

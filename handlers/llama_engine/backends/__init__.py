@@ -1,19 +1,61 @@
-"""Hardware backends, one module per stack, imported only when chosen."""
+"""Hardware backends, one module per stack, imported only when chosen.
+
+A backend whose stack compiles (Neuron always, torch with ``compile: true``) loads through
+the compile cache shipped in the model directory (``compile_cache.activate``); the build
+step instead passes ``build_cache_dir`` to compile into a fresh cache.
+"""
 from __future__ import annotations
 
 import os
+from pathlib import Path
+from typing import Optional, Tuple
 
+from .. import compile_cache
 from .base import Backend
 
 
-def create_backend(handler_cfg, model_dir: str) -> Backend:
-    model_path = os.path.join(model_dir, handler_cfg.model_path)
-    if handler_cfg.backend == "torch":
-        from .torch_backend import TorchBackend
+def cache_kind_and_settings(cfg, batch_size: int) -> Optional[Tuple[compile_cache.CacheKind, dict]]:
+    """What the compiled artifacts depend on, for the manifest; None if nothing is compiled."""
+    if cfg.backend == "neuron":
+        return compile_cache.NEURON, {
+            "tp_degree": cfg.tp_degree, "amp": cfg.amp, "batch_size": batch_size,
+            "n_positions": list(cfg.n_positions), "context_length_estimate": list(cfg.context_length_estimate),
+            "neuron_cc_flags": cfg.neuron_cc_flags, "gqa": cfg.gqa,
+        }
+    if cfg.backend == "torch" and cfg.compile:
+        return compile_cache.INDUCTOR, {
+            "dtype": cfg.dtype, "batch_size": batch_size, "max_length": cfg.max_length, "device": cfg.device,
+        }
+    return None
 
-        return TorchBackend(model_path, dtype=handler_cfg.dtype, device=handler_cfg.device,
-                            max_length=handler_cfg.max_length)
-    raise ValueError(f"handler.backend {handler_cfg.backend!r} is not available in this build")
+
+def prepare_cache(cfg, model_dir: str, batch_size: int, build_cache_dir: Optional[str] = None) -> Optional[Path]:
+    compiled = cache_kind_and_settings(cfg, batch_size)
+    if compiled is None:
+        return None
+    kind, settings = compiled
+    if build_cache_dir is not None:
+        Path(build_cache_dir).mkdir(parents=True, exist_ok=True)
+        os.environ[kind.env_var] = str(Path(build_cache_dir).resolve())
+        return Path(build_cache_dir)
+    return compile_cache.activate(model_dir, cfg.compile_cache, kind, settings, cfg.allow_recompile)
 
 
-__all__ = ["Backend", "create_backend"]
+def create_backend(cfg, model_dir: str, batch_size: int = 1, build_cache_dir: Optional[str] = None) -> Backend:
+    prepare_cache(cfg, model_dir, batch_size, build_cache_dir)
+    model_path = os.path.join(model_dir, cfg.model_path)
+    if cfg.backend == "neuron":
+        from .neuron_backend import NeuronBackend
+
+        return NeuronBackend(model_path, cfg, batch_size)
+    if cfg.compile:
+        from .torch_backend import CompiledTorchBackend
+
+        return CompiledTorchBackend(model_path, batch_size, dtype=cfg.dtype, device=cfg.device,
+                                    max_length=cfg.max_length)
+    from .torch_backend import TorchBackend
+
+    return TorchBackend(model_path, dtype=cfg.dtype, device=cfg.device, max_length=cfg.max_length)
+
+
+__all__ = ["Backend", "cache_kind_and_settings", "create_backend", "prepare_cache"]

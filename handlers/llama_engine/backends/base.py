@@ -20,6 +20,9 @@ class Backend(ABC):
     max_length: int
     #: The longest prompt that one prefill can encode at full speed.
     max_prompt_length: Optional[int] = None
+    #: True when all rows of a batch share cache positions (left padding into one position
+    #: counter), so the longest prompt plus the longest answer must fit ``max_length``.
+    shared_positions: bool = False
 
     @abstractmethod
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

@@ -74,3 +74,61 @@ class TorchBackend(Backend):
 
     def release(self) -> None:
         self._cache = self._mask = self._next_position = None
+
+
+class CompiledTorchBackend(TorchBackend):
+    """``torch.compile``'d decode step over a static KV cache (``handler.compile: true``).
+
+    The batch size and the cache length are fixed, so decoding is one compiled graph: the
+    engine pads every batch to ``batch_size`` as it does for Neuron. Prefill runs eagerly
+    (its length varies) and writes into the same static cache.
+    """
+
+    def __init__(self, model_path: str, batch_size: int, dtype: str = "float32", device: str = "auto",
+                 max_length: int = 512):
+        from transformers import StaticCache
+
+        super().__init__(model_path, dtype=dtype, device=device, max_length=max_length)
+        self.batch_sizes = (batch_size,)
+        self._static = StaticCache(config=self.model.config, max_batch_size=batch_size, max_cache_len=max_length,
+                                   device=self.device, dtype=DTYPES[dtype])
+        self._full_mask = torch.zeros((batch_size, max_length), dtype=torch.long, device=self.device)
+        self._position = 0
+        self._decode_step = torch.compile(self._step, dynamic=False, fullgraph=True)
+
+    def _step(self, input_ids, position_ids, cache_position, attention_mask):
+        out = self.model(input_ids=input_ids, position_ids=position_ids, cache_position=cache_position,
+                         attention_mask=attention_mask, past_key_values=self._static, use_cache=True)
+        return out.logits[:, -1, :]
+
+    @torch.inference_mode()
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        length = input_ids.shape[1]
+        self._static.reset()
+        self._full_mask.zero_()
+        self._full_mask[:, :length] = attention_mask.to(self.device)
+        positions = (attention_mask.cumsum(-1) - 1).clamp(min=0).to(self.device)
+        out = self.model(input_ids=input_ids.to(self.device), attention_mask=self._full_mask,
+                         position_ids=positions, cache_position=torch.arange(length, device=self.device),
+                         past_key_values=self._static, use_cache=True, num_logits_to_keep=1)
+        self._position = length
+        self._next_position = positions[:, -1:] + 1
+        return out.logits[:, -1, :].float()
+
+    @torch.inference_mode()
+    def decode(self, next_tokens: torch.Tensor) -> torch.Tensor:
+        if self._position >= self.max_length:
+            raise ValueError(f"the batch reached handler.max_length ({self.max_length}) positions")
+        self._full_mask[:, self._position] = 1
+        cache_position = torch.tensor([self._position], device=self.device)
+        logits = self._decode_step(next_tokens.to(self.device).view(-1, 1), self._next_position,
+                                   cache_position, self._full_mask)
+        self._position += 1
+        self._next_position = self._next_position + 1
+        return logits.float().clone()
+
+    def retain(self, rows: Sequence[int]) -> bool:
+        return False
+
+    def release(self) -> None:
+        self._position = 0
