@@ -14,6 +14,8 @@ STORE := model_store
 SERVE_DIR := $(BUILD)/serve
 ENGINE_SRC := $(shell find handlers -name '*.py' -not -path '*/__pycache__/*')
 PYTEST_ARGS ?=
+CHECKPOINT ?= $(BUILD)/tiny-llama
+BUILD_SCRIPTS := scripts/build_model.py scripts/build_archive.py scripts/prepare_checkpoint.py
 
 ifeq ($(ARCHIVE_FORMAT),tgz)
 ARCHIVE := $(STORE)/$(MODEL).tar.gz
@@ -45,15 +47,20 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt | check-prereqs
 	touch $@
 
 # The embedded default model: built offline and deterministically.
-$(BUILD)/tiny-llama/model.safetensors: scripts/build_tiny_llama.py | $(VENV)/.installed
+$(BUILD)/tiny-llama/config.json: scripts/build_tiny_llama.py | $(VENV)/.installed
 	$(BIN)/python scripts/build_tiny_llama.py --out $(BUILD)/tiny-llama
+
+ifneq ($(CHECKPOINT),$(BUILD)/tiny-llama)
+$(CHECKPOINT)/config.json:
+	@echo "no checkpoint at $(CHECKPOINT): run make build MODEL=$(MODEL) CHECKPOINT=/path/to/hf-checkpoint" >&2; exit 1
+endif
 
 build: $(ARCHIVE)
 
-$(ARCHIVE): $(BUILD)/$(MODEL)/model.safetensors model-config/$(MODEL).yaml $(ENGINE_SRC) scripts/build_archive.py handlers/requirements-model.txt | $(VENV)/.installed
-	PATH=$(abspath $(BIN)):$$PATH $(BIN)/python scripts/build_archive.py --name $(MODEL) \
-	  --config model-config/$(MODEL).yaml --model-dir $(BUILD)/$(MODEL) \
-	  --export-path $(STORE) --archive-format $(ARCHIVE_FORMAT)
+# Prepare the checkpoint, compile into a shipped cache when the config compiles, package.
+$(ARCHIVE): $(CHECKPOINT)/config.json model-config/$(MODEL).yaml $(ENGINE_SRC) $(BUILD_SCRIPTS) handlers/requirements-model.txt | $(VENV)/.installed
+	PATH=$(abspath $(BIN)):$$PATH $(BIN)/python scripts/build_model.py --config model-config/$(MODEL).yaml \
+	  --checkpoint $(CHECKPOINT) --export-path $(STORE) --archive-format $(ARCHIVE_FORMAT)
 
 serve: build
 	PATH=$(abspath $(BIN)):$$PATH $(BIN)/python scripts/tsctl.py start --workdir $(SERVE_DIR) --model-store $(STORE)
@@ -64,7 +71,7 @@ stop:
 stream: | $(VENV)/.installed
 	$(BIN)/python scripts/stream.py "$(PROMPT)" --details
 
-test: $(BUILD)/tiny-llama/model.safetensors | $(VENV)/.installed
+test: $(BUILD)/tiny-llama/config.json | $(VENV)/.installed
 	PATH=$(abspath $(BIN)):$$PATH $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 clean:

@@ -102,6 +102,8 @@ class LlamaHandler:
         self.engine = Engine.from_config(self.config.handler, model_dir, batch_size=micro.micro_batch_size)
         if self.config.handler.warmup:
             self.engine.warmup(batch_size=micro.micro_batch_size)
+        if self.engine.backend.compile_session is not None:
+            self.engine.backend.compile_session.report()
         self.micro_batching = MicroBatching(self, micro_batch_size=micro.micro_batch_size,
                                             parallelism=micro.parallelism)
         self.initialized = True

@@ -161,7 +161,53 @@ def _symlink(src: str, dst: str) -> None:
     os.symlink(os.path.abspath(src), dst)
 
 
-def activate(model_dir: str, cache_name: str, kind: CacheKind, settings: dict, allow_recompile: bool) -> Path:
+@dataclass
+class CacheSession:
+    """The cache a process compiles against, and what it held when the process started."""
+
+    kind: CacheKind
+    path: Path
+    shipped: int
+    before: frozenset
+
+    @classmethod
+    def start(cls, kind: CacheKind, path: Path) -> "CacheSession":
+        os.environ[kind.env_var] = str(path)
+        entries = frozenset(_entries(path))
+        return cls(kind, path, len(entries), entries)
+
+    def new_entries(self) -> list:
+        return sorted(set(_entries(self.path)) - self.before)
+
+    def report(self) -> dict:
+        """Log whether loading compiled anything; 0 new entries means every graph hit the cache."""
+        new = self.new_entries()
+        stats = {"kind": self.kind.name, "shipped_entries": self.shipped, "new_entries": len(new)}
+        if self.kind is INDUCTOR:
+            from torch._dynamo.utils import counters
+
+            stats.update(fxgraph_cache_hit=counters["inductor"]["fxgraph_cache_hit"],
+                         fxgraph_cache_miss=counters["inductor"]["fxgraph_cache_miss"])
+        logger.info("compile cache: %s", json.dumps(stats, sort_keys=True))
+        for entry in new[:20]:
+            logger.info("compile cache miss: compiled %s at load", entry)
+        return stats
+
+
+def _entries(path: Path) -> list:
+    """Cache entries: Neuron MODULE_* directories, or the files of any other cache."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    modules = [str(p.relative_to(path)) for p in path.glob("neuronxcc-*/MODULE_*")]
+    if modules:
+        return modules
+    return [str(p.relative_to(path)) for p in path.rglob("*") if p.is_file() and not p.name.endswith(".lock")
+            and p.name != MANIFEST]
+
+
+def activate(model_dir: str, cache_name: str, kind: CacheKind, settings: dict,
+             allow_recompile: bool) -> CacheSession:
     """Verify the shipped cache, copy it somewhere writable, and point the compiler at it."""
     shipped = Path(model_dir) / cache_name
     try:
@@ -183,9 +229,8 @@ def activate(model_dir: str, cache_name: str, kind: CacheKind, settings: dict, a
         logger.warning("compile cache: %s; compiling at load because handler.allow_recompile is true",
                        "; ".join(problems))
         target = Path(tempfile.mkdtemp(prefix=f"llama-compile-{kind.name}-"))
-    os.environ[kind.env_var] = str(target)
     logger.info("compile cache (%s): %s -> %s", kind.name, shipped, target)
-    return target
+    return CacheSession.start(kind, target)
 
 
 def _warn_python_path(manifest: dict) -> None:

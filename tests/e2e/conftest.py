@@ -17,7 +17,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 
-import build_archive  # noqa: E402
+import build_model  # noqa: E402
 from tsctl import TorchServe, free_port  # noqa: E402
 
 MODEL = "tiny-llama"
@@ -54,9 +54,8 @@ def write_test_config(path: Path) -> Path:
 def model_store(tiny_model_dir, tmp_path_factory) -> Path:
     work = tmp_path_factory.mktemp("archive")
     config = write_test_config(work / f"{MODEL}.yaml")
-    build_archive.main(["--name", MODEL, "--config", str(config),
-                        "--model-dir", str(tiny_model_dir), "--export-path", str(work / "store"),
-                        "--stage-dir", str(work / "stage")])
+    build_model.main(["--config", str(config), "--checkpoint", str(tiny_model_dir), "--name", MODEL,
+                      "--build-dir", str(work / "build"), "--export-path", str(work / "store")])
     return work / "store"
 
 

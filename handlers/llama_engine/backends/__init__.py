@@ -29,20 +29,26 @@ def cache_kind_and_settings(cfg, batch_size: int) -> Optional[Tuple[compile_cach
     return None
 
 
-def prepare_cache(cfg, model_dir: str, batch_size: int, build_cache_dir: Optional[str] = None) -> Optional[Path]:
+def prepare_cache(cfg, model_dir: str, batch_size: int,
+                  build_cache_dir: Optional[str] = None) -> Optional[compile_cache.CacheSession]:
     compiled = cache_kind_and_settings(cfg, batch_size)
     if compiled is None:
         return None
     kind, settings = compiled
     if build_cache_dir is not None:
         Path(build_cache_dir).mkdir(parents=True, exist_ok=True)
-        os.environ[kind.env_var] = str(Path(build_cache_dir).resolve())
-        return Path(build_cache_dir)
+        return compile_cache.CacheSession.start(kind, Path(build_cache_dir).resolve())
     return compile_cache.activate(model_dir, cfg.compile_cache, kind, settings, cfg.allow_recompile)
 
 
 def create_backend(cfg, model_dir: str, batch_size: int = 1, build_cache_dir: Optional[str] = None) -> Backend:
-    prepare_cache(cfg, model_dir, batch_size, build_cache_dir)
+    session = prepare_cache(cfg, model_dir, batch_size, build_cache_dir)
+    backend = _load(cfg, model_dir, batch_size)
+    backend.compile_session = session
+    return backend
+
+
+def _load(cfg, model_dir: str, batch_size: int) -> Backend:
     model_path = os.path.join(model_dir, cfg.model_path)
     if cfg.backend == "neuron":
         from .neuron_backend import NeuronBackend

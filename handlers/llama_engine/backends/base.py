@@ -23,6 +23,8 @@ class Backend(ABC):
     #: True when all rows of a batch share cache positions (left padding into one position
     #: counter), so the longest prompt plus the longest answer must fit ``max_length``.
     shared_positions: bool = False
+    #: The compile cache this backend loaded through (None when nothing is compiled).
+    compile_session = None
 
     @abstractmethod
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,99 @@
+#!/usr/bin/env python3
+"""Build a servable model artifact from a checkpoint and a model-config, in four steps:
+
+1. prepare the checkpoint (safetensors + tokenizer) into ``<build>/model``;
+2. if the config compiles (backend neuron, or torch with ``compile: true``), load the model
+   with the compiler's cache pointed at ``<build>/compile_cache``;
+3. warm up every graph: one generation per context bucket at the compiled batch size, which
+   also compiles the token graph;
+4. write the manifest next to the cache and package everything with torch-model-archiver.
+
+    python scripts/build_model.py --config model-config/tiny-llama.yaml --checkpoint build/tiny-llama
+
+TorchServe then loads the artifact without compiling: the handler verifies the manifest and
+points the compiler at the shipped cache.
+"""
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "handlers"))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import build_archive  # noqa: E402
+import prepare_checkpoint  # noqa: E402
+
+
+def step(n: int, total: int, text: str) -> float:
+    print(f"[{n}/{total}] {text}", flush=True)
+    return time.perf_counter()
+
+
+def compile_and_manifest(cfg, model_root: Path) -> Path:
+    """Compile into a fresh cache next to the model, warm every graph, write the manifest."""
+    from tqdm import tqdm
+
+    from llama_engine import Engine
+    from llama_engine.backends import cache_kind_and_settings
+    from llama_engine.compile_cache import write_manifest
+
+    batch_size = cfg.micro_batching.micro_batch_size
+    kind, settings = cache_kind_and_settings(cfg.handler, batch_size)
+    cache = model_root / "compile_cache"
+    partial = model_root / "compile_cache.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    engine = Engine.from_config(cfg.handler, str(model_root), batch_size=batch_size, build_cache_dir=str(partial))
+    buckets = list(cfg.handler.context_length_estimate or []) if cfg.handler.backend == "neuron" else []
+    for length in tqdm([None] + buckets, desc="warm-up graphs", unit="graph"):
+        engine.warmup(batch_size=batch_size, prompt_lengths=() if length is None else (length,))
+    manifest = write_manifest(partial, kind, settings)
+    shutil.rmtree(cache, ignore_errors=True)
+    partial.rename(cache)
+    print(f"    {len(manifest['files'])} cache files, settings {settings}")
+    return cache
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, type=Path, help="model-config YAML")
+    parser.add_argument("--checkpoint", required=True, type=Path, help="HF checkpoint directory (safetensors)")
+    parser.add_argument("--name", help="model name (default: the config's file name)")
+    parser.add_argument("--build-dir", type=Path, help="default build/models/<name>")
+    parser.add_argument("--export-path", type=Path, default=ROOT / "model_store")
+    parser.add_argument("--archive-format", default="no-archive", choices=sorted(build_archive.FORMATS))
+    parser.add_argument("--legacy-split", action="store_true", help="Neuron SDK < 2.18 checkpoint layout")
+    args = parser.parse_args(argv)
+
+    from llama_engine import load_model_config_file
+    from llama_engine.backends import cache_kind_and_settings
+
+    cfg = load_model_config_file(str(args.config))
+    name = args.name or args.config.stem
+    model_root = args.build_dir or ROOT / "build" / "models" / name
+    compiles = cache_kind_and_settings(cfg.handler, cfg.micro_batching.micro_batch_size) is not None
+    total = 4 if compiles else 2
+
+    started = step(1, total, f"prepare checkpoint {args.checkpoint} -> {model_root / cfg.handler.model_path}")
+    model_root.mkdir(parents=True, exist_ok=True)
+    prepare = prepare_checkpoint.legacy_split if args.legacy_split else prepare_checkpoint.prepare
+    prepare(args.checkpoint.resolve(), model_root / cfg.handler.model_path)
+    cache = None
+    if compiles:
+        step(2, total, "compile into the build's compile cache (Neuron: minutes to an hour)")
+        step(3, total, "warm up every context bucket and the token graph")
+        cache = compile_and_manifest(cfg, model_root)
+    step(total, total, f"package with torch-model-archiver ({args.archive_format})")
+    stage_dir = build_archive.stage(model_root / cfg.handler.model_path, model_root.with_name(name + ".stage"),
+                                    compile_cache=cache)
+    target = build_archive.archive(name, args.config, stage_dir, args.export_path, args.archive_format, "1.0")
+    print(f"wrote {target} in {time.perf_counter() - started:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

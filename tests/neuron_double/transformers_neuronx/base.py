@@ -1,0 +1,254 @@
+"""Test double of ``transformers_neuronx/base.py`` (aws-neuron/transformers-neuronx, 0.13.x):
+``NeuronModelBase``, the top-level model API.
+
+* ``to_neuron()``: read the weights (into an HF model, float32 whatever ``amp``), then
+  either read the artifacts of ``load(dir)`` (``FileNotFoundError`` on a hash miss, as in
+  the real ``set_neff_bytes``) or ``compile()`` every graph through the simulated
+  persistent cache (``compiler.py``), then ``setup()``.
+* Graphs: one context-encoding graph per (context bucket x context batch size) and one
+  token-generation graph per (n_positions bucket x batch size).
+* ``save(dir)`` writes one ``<hlo hash>.neff`` per graph; ``load(dir)`` only records ``dir``.
+* ``forward`` checks what the real runtime would trip on (uncompiled batch size, a cache
+  position past ``max(n_positions)``) and delegates numerics to ``decoder.HFDecoder``.
+"""
+import math
+import os
+import time
+
+import torch
+
+from transformers_neuronx import compiler, module, sampling
+from transformers_neuronx.decoder import HFDecoder
+
+#: NeuronConfig fields that do not change the compiled graphs.
+_NON_HLO_FIELDS = {"compilation_worker_count", "dist", "rank_id", "local_tp", "layer_partition", "num_layers"}
+
+
+def _visible_core_count(spec):
+    """Number of cores in a ``NEURON_RT_VISIBLE_CORES`` value such as ``0-3`` or ``0,2``."""
+    count = 0
+    for part in spec.split(','):
+        lo, _, hi = part.strip().partition('-')
+        count += int(hi) - int(lo) + 1 if hi else 1
+    return count
+
+
+class NeuronModelBase(module.PretrainedModel):
+    """Shared top-level API; subclasses set the buckets, configs and ``_hf_model_class``."""
+
+    def _init_runtime_state(self):
+        self.compile_log = []
+        self.slow_context_encodings = 0
+        self._neffs = {}
+        self._graph_hashes = []
+        self._decoder = None
+        self._generation_config = self.neuron_config.on_device_generation
+
+    # ---- top-level API -------------------------------------------------------------
+
+    def to_neuron(self):
+        self._neffs, self._graph_hashes, self.compile_log = {}, [], []
+        self._check_cores()
+        self._load_weights()
+        if hasattr(self, "_compiled_artifacts_directory"):
+            self._load_compiled_artifacts(self._compiled_artifacts_directory)
+        else:
+            self.compile(parallel_degree=self.neuron_config.compilation_worker_count)
+        self.setup()
+
+    def compile(self, parallel_degree=None):
+        """Compile every graph through the persistent cache.
+
+        Misses cost ``FAKE_NEURON_COMPILE_SECONDS`` each, ``parallel_degree`` at a time
+        (default: all graphs at once, like the real ``ProcessPoolExecutor``).
+        """
+        graphs = self._graphs()
+        misses = 0
+        for kind, bucket, batch_size in graphs:
+            hlo_hash, neff, module_dir, hit = compiler.compile_description(self._hlo_description(kind, bucket, batch_size))
+            self._record(kind, bucket, batch_size, hlo_hash, neff, module_dir, hit)
+            misses += not hit
+        seconds = float(os.environ.get("FAKE_NEURON_COMPILE_SECONDS", "0") or 0)
+        if misses and seconds > 0:
+            time.sleep(seconds * math.ceil(misses / (parallel_degree or len(graphs))))
+
+    def setup(self):
+        self._decoder = HFDecoder(self._hf, max(self.token_buckets))
+
+    def save(self, directory, sharded_weights=False):
+        if sharded_weights:
+            raise ValueError("the Neuron test double does not emulate presharded weights (sharded_weights=True)")
+        if os.path.isfile(directory):
+            raise FileExistsError(f'Artifacts should be saved to a directory. Found existing file: {directory}')
+        assert self.is_compiled(), "cannot save a model which has not been successfully compiled"
+        os.makedirs(directory, exist_ok=True)
+        for hlo_hash in self._graph_hashes:
+            with open(os.path.join(directory, f"{hlo_hash}.neff"), 'wb') as f:
+                f.write(self._neffs[hlo_hash])
+
+    def load(self, directory):
+        self._compiled_artifacts_directory = directory
+
+    def is_compiled(self):
+        return bool(self._graph_hashes) and all(h in self._neffs for h in self._graph_hashes)
+
+    def reset(self):
+        if self._decoder is not None:
+            self._decoder.reset()
+
+    def update_generation_config(self, generation_config):
+        self._generation_config = generation_config
+
+    # ---- compilation internals -----------------------------------------------------
+
+    def _graphs(self):
+        """``(kind, bucket, batch_size)`` of every graph the real model would compile."""
+        context = [("context", b, n) for b in self.context_buckets for n in self.context_batch_sizes]
+        token = [("token", b, n) for b in self.token_buckets for n in self.batch_sizes]
+        return context + token
+
+    def _hlo_description(self, kind, bucket, batch_size):
+        """Everything that shapes the real HLO of one graph."""
+        cfg = self.config
+        neuron = {k: v for k, v in self.neuron_config.to_json().items() if k not in _NON_HLO_FIELDS}
+        return {
+            "graph": kind, "bucket": bucket, "batch_size": batch_size,
+            "n_positions": max(self.token_buckets), "tp_degree": cfg.tp_degree, "amp": cfg.amp,
+            "unroll": self.context_unroll if kind == "context" else self.unroll,
+            "model": {k: getattr(cfg, k) for k in (
+                "model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "vocab_size", "hidden_act", "rms_norm_eps", "rope_theta", "rope_scaling")},
+            "neuron_config": neuron,
+        }
+
+    def _record(self, kind, bucket, batch_size, hlo_hash, neff, module_dir, hit):
+        self._neffs[hlo_hash] = neff
+        self._graph_hashes.append(hlo_hash)
+        self.compile_log.append({"graph": kind, "bucket": bucket, "batch_size": batch_size,
+                                 "module_dir": module_dir, "hit": hit, "hlo_hash": hlo_hash})
+
+    def _load_compiled_artifacts(self, directory):
+        if not os.path.isdir(directory):
+            raise FileNotFoundError(f'Did not find directory: {directory}.')
+        for kind, bucket, batch_size in self._graphs():
+            hlo_hash = compiler.hash_description(self._hlo_description(kind, bucket, batch_size))
+            path = os.path.join(directory, f"{hlo_hash}.neff")
+            try:
+                with open(path, 'rb') as f:
+                    neff = f.read()
+            except FileNotFoundError:
+                raise FileNotFoundError(
+                    'Could not find a matching NEFF for your HLO in this directory. Ensure that the model you '
+                    'are trying to load is the same type and has the same parameters as the one you saved or '
+                    f'call "save" on this model to reserialize it. (missing: {path})') from None
+            compiler.compiler_stats["loaded"] += 1
+            self._record(kind, bucket, batch_size, hlo_hash, neff, path, True)
+
+    def _check_cores(self):
+        """The runtime gives a process the cores in NEURON_RT_NUM_CORES / NEURON_RT_VISIBLE_CORES;
+        a model sharded over more (tp_degree) cannot load."""
+        tp = self.config.tp_degree
+        for var, count in (("NEURON_RT_NUM_CORES", int), ("NEURON_RT_VISIBLE_CORES", _visible_core_count)):
+            value = os.environ.get(var)
+            if value and count(value) < tp:
+                raise RuntimeError(f"{var}={value} gives this process {count(value)} NeuronCore(s), "
+                                   f"but the model needs tp_degree={tp}")
+
+    def _load_weights(self):
+        if not hasattr(self, "_checkpoint"):
+            raise RuntimeError("no checkpoint: build the model with from_pretrained() before to_neuron()")
+        state_dict = module.read_state_dict(*self._checkpoint)
+        self._hf = self._hf_model_class.from_pretrained(
+            None, config=self._hf_config, state_dict=state_dict, torch_dtype=torch.float32).eval()
+
+    # ---- execution internals -------------------------------------------------------
+
+    def _require_ready(self):
+        if self._decoder is None:
+            raise RuntimeError(f"{type(self).__name__}: call to_neuron() before forward()/sample()")
+
+    def _note_context(self, length):
+        """A prompt longer than the largest context bucket is encoded partly token by token."""
+        if not self.context_buckets or length > max(self.context_buckets):
+            self.slow_context_encodings += 1
+
+    def _embeddings(self, input_embeddings):
+        """Caller-made embeddings in the configured attention layout, as ``[B, T, H]``."""
+        if input_embeddings is None:
+            return None
+        if self.neuron_config.attention_layout == "HSB":
+            return input_embeddings.transpose(0, -1)
+        return input_embeddings
+
+    def _forward_impl(self, input_ids, cache_ids, start_ids, last_token_id, input_embeddings):
+        self._require_ready()
+        # Without last_token_id the real forward embeds input_ids itself (input_embeddings unused).
+        embeds = self._embeddings(input_embeddings) if last_token_id is not None else None
+        if self.neuron_config.continuous_batching and start_ids is not None:
+            logits = self._forward_continuous(input_ids, embeds, cache_ids, start_ids)
+        else:
+            logits = self._forward_static(input_ids, embeds, cache_ids, start_ids, last_token_id)
+        logits = logits.to(getattr(torch, self.neuron_config.cast_logits_dtype))
+        if self.neuron_config.on_device_generation:
+            return self._select_on_device(logits)
+        return logits
+
+    def _forward_static(self, input_ids, embeds, cache_ids, start_ids, last_token_id):
+        rows, length = input_ids.shape
+        if rows not in self.batch_sizes:
+            raise ValueError(f"Model not compiled for batch_size : {rows}. "
+                             f"Acceptable batch_size is one of the following {self.batch_sizes}")
+        start_ids = torch.zeros(rows, dtype=torch.long) if start_ids is None else start_ids.flatten().long()
+        positions = torch.arange(length) if cache_ids is None else self._static_positions(cache_ids)
+        if length > 1 and int(positions[0]) > 0:
+            raise ValueError("multi-token forward() at cache position > 0 is speculative decoding; "
+                             "no speculation graphs were compiled (enable_speculative_decoder)")
+        if self.prefixed_length:
+            positions = positions + self.prefixed_length
+        if length > 1 and last_token_id is not None:
+            keep = int(last_token_id.flatten()[0]) + 1  # the rest is bucket padding
+            input_ids, positions = input_ids[:, :keep], positions[:keep]
+            embeds = None if embeds is None else embeds[:, :keep]
+        if length > 1:
+            self._note_context(input_ids.shape[1])
+        return self._decoder.run_static(input_ids, embeds, positions, start_ids)
+
+    @staticmethod
+    def _static_positions(cache_ids):
+        cache_ids = torch.as_tensor(cache_ids).long()
+        if cache_ids.dim() == 2:
+            if not bool((cache_ids == cache_ids[:1]).all()):
+                raise ValueError("per-row cache_ids need NeuronConfig(continuous_batching=...) in the double")
+            cache_ids = cache_ids[0]
+        return cache_ids.flatten()
+
+    def _forward_continuous(self, input_ids, embeds, cache_ids, seq_ids):
+        slots = self.neuron_config.continuous_batching.batch_size_for_shared_caches
+        seq_ids = seq_ids.flatten().long()
+        rows, length = input_ids.shape
+        if rows > slots or bool(((seq_ids < 0) | (seq_ids >= slots)).any()):
+            raise ValueError(f"continuous batching: {rows} rows with sequence ids {seq_ids.tolist()} "
+                             f"do not fit the {slots} compiled KV-cache slots")
+        if cache_ids is None:
+            cache_ids = torch.arange(length).expand(rows, length)
+        cache_ids = torch.as_tensor(cache_ids).long()
+        if cache_ids.dim() == 1:
+            cache_ids = cache_ids.unsqueeze(0).expand(rows, -1)
+        if length > 1:
+            for row in cache_ids:
+                self._note_context(int(row.max()) + 1)
+        return self._decoder.run_continuous(input_ids, embeds, cache_ids, seq_ids)
+
+    def _select_on_device(self, logits):
+        """On-device generation: the graph returns the chosen tokens ``[B, 1]``."""
+        cfg = self._generation_config
+        if not cfg.do_sample:
+            return torch.argmax(logits, dim=-1, keepdim=True)
+
+        def pick(value, row):
+            return value[row] if isinstance(value, list) else value
+
+        rows = [sampling.select_tokens(logits[r:r + 1] / pick(cfg.temperature, r),
+                                       top_k=pick(cfg.top_k, r), top_p=pick(cfg.top_p, r))
+                for r in range(logits.shape[0])]
+        return torch.cat(rows, dim=0)

@@ -1,0 +1,94 @@
+"""Test double of ``transformers_neuronx/decoder.py`` (aws-neuron/transformers-neuronx): the part
+that owns the KV caches and runs the compiled decoder graphs.
+
+Here the numerics are delegated to a Hugging Face ``LlamaForCausalLM`` (float32) and a
+``transformers.DynamicCache``.  The real KV cache is a fixed array of ``max(n_positions)``
+slots addressed by ``cache_ids``; the double keeps the filled prefix of it:
+
+* a write at position 0 starts a fresh cache (context encoding, or a 1-token prompt);
+* a write at ``p < filled`` discards positions ``>= p`` first (the real graph masks them out);
+* a write at ``p > filled`` would read never-written slots, so it is a ``ValueError``;
+* any position ``>= max(n_positions)`` is a ``ValueError`` (the real cache has no such slot).
+
+Left padding (static batching): ``start_ids[b]`` is row b's first real token.  The
+attention mask hides positions ``< start_ids[b]`` and ``position_ids = cache_ids - start_ids``
+(clamped at 0), which is what HF ``generate`` does for a left-padded batch.
+Continuous batching keeps one cache per sequence slot.
+"""
+import torch
+from transformers import DynamicCache
+
+
+class HFDecoder:
+    """KV-cache state plus the HF model that computes the logits."""
+
+    def __init__(self, hf_model, n_positions: int):
+        self.hf = hf_model
+        self.n_positions = n_positions
+        self.reset()
+
+    def reset(self):
+        """Forget every cached position (static batch and continuous-batching slots)."""
+        self._cache, self._filled, self._rows = None, 0, None
+        self._slots = {}
+
+    def _check(self, positions, filled):
+        """Validate a contiguous run of cache positions against the cache state."""
+        first, last = int(positions[0]), int(positions[-1])
+        if last >= self.n_positions:
+            raise ValueError(
+                f"cache position {last} exceeds the KV cache: the model was compiled with "
+                f"max(n_positions)={self.n_positions} positions (prompt + new tokens must fit)")
+        if not torch.equal(positions, torch.arange(first, last + 1, dtype=positions.dtype)):
+            raise ValueError(f"cache_ids must be consecutive positions, got {positions.tolist()}")
+        if first > filled:
+            raise ValueError(
+                f"cache_ids start at position {first} but only positions < {filled} hold keys/values; "
+                "the model would attend to never-written KV-cache slots")
+        return first
+
+    @staticmethod
+    def _aligned(cache, first):
+        if first == 0 or cache is None:
+            return DynamicCache()
+        if cache.get_seq_length() > first:
+            cache.crop(first)
+        return cache
+
+    @torch.no_grad()
+    def _step(self, cache, input_ids, embeds, positions, start_ids):
+        total = int(positions[-1]) + 1
+        mask = (torch.arange(total)[None, :] >= start_ids[:, None]).long()
+        position_ids = (positions[None, :] - start_ids[:, None]).clamp(min=0)
+        out = self.hf(input_ids=None if embeds is not None else input_ids, inputs_embeds=embeds,
+                      attention_mask=mask, position_ids=position_ids, past_key_values=cache,
+                      use_cache=True, num_logits_to_keep=1)
+        return out.logits[:, -1, :].float()
+
+    def run_static(self, input_ids, embeds, positions, start_ids):
+        """One call on the shared static-batch cache; returns logits ``[B, vocab]``."""
+        rows = input_ids.shape[0]
+        first = self._check(positions, self._filled if self._cache is not None else 0)
+        if first > 0 and rows != self._rows:
+            raise ValueError(f"the KV cache holds a batch of {self._rows} rows, got {rows}")
+        cache = self._aligned(self._cache, first)
+        logits = self._step(cache, input_ids, embeds, positions, start_ids)
+        self._cache, self._filled, self._rows = cache, int(positions[-1]) + 1, rows
+        return logits
+
+    def run_continuous(self, input_ids, embeds, cache_ids, seq_ids):
+        """One call with 2-D ``cache_ids``; row i uses the cache slot ``seq_ids[i]``.
+
+        A multi-token row is read up to its largest cache id (right padding after it).
+        """
+        out = []
+        for i, seq in enumerate(seq_ids.tolist()):
+            n = int(cache_ids[i].argmax()) + 1 if cache_ids.shape[1] > 1 else 1
+            positions = cache_ids[i, :n].long()
+            cache, filled = self._slots.get(seq, (None, 0))
+            first = self._check(positions, filled if cache is not None else 0)
+            cache = self._aligned(cache, first)
+            row_embeds = None if embeds is None else embeds[i:i + 1, :n]
+            out.append(self._step(cache, input_ids[i:i + 1, :n], row_embeds, positions, torch.zeros(1, dtype=torch.long)))
+            self._slots[seq] = (cache, int(positions[-1]) + 1)
+        return torch.cat(out, dim=0)

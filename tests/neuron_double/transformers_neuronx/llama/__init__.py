@@ -1,0 +1,1 @@
+"""Test double of the ``transformers_neuronx/llama`` package (aws-neuron/transformers-neuronx)."""
