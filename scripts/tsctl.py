@@ -51,7 +51,7 @@ def read_key(workdir: Path, kind: str = "inference") -> str:
 class TorchServe:
     def __init__(self, workdir: Path, model_store: Path, models: Optional[str] = None,
                  ports: Optional[Dict[str, int]] = None, base_config: Path = ROOT / "config.properties",
-                 extra: Optional[Dict[str, str]] = None):
+                 extra: Optional[Dict[str, str]] = None, env: Optional[Dict[str, str]] = None):
         self.workdir = Path(workdir).resolve()
         self.model_store = Path(model_store).resolve()
         self.props = read_properties(base_config)
@@ -63,6 +63,7 @@ class TorchServe:
         self.props.update(extra or {})
         self.tmpdir = self.workdir / "tmp"
         self.props["vmargs"] = f"-Djava.io.tmpdir={self.tmpdir}"
+        self.extra_env = dict(env or {})
         self.process: Optional[subprocess.Popen] = None
 
     def url(self, api: str = "inference") -> str:
@@ -76,7 +77,12 @@ class TorchServe:
         env = dict(os.environ)
         env.update(TMPDIR=str(self.tmpdir), LOG_LOCATION=str(self.workdir / "logs"),
                    METRICS_LOCATION=str(self.workdir / "logs"))
+        env.update(self.extra_env)
         return env
+
+    def model_log(self) -> str:
+        path = self.workdir / "logs" / "model_log.log"
+        return path.read_text(errors="replace") if path.exists() else ""
 
     def start(self, log_name: str = "torchserve.out") -> subprocess.Popen:
         self.tmpdir.mkdir(parents=True, exist_ok=True)

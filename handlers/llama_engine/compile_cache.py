@@ -235,7 +235,7 @@ def activate(model_dir: str, cache_name: str, kind: CacheKind, settings: dict,
 
 def _warn_python_path(manifest: dict) -> None:
     built = manifest.get("python", {}).get("executable")
-    if built and built != sys.executable:
+    if built and os.path.realpath(built) != os.path.realpath(sys.executable):
         logger.warning("compile cache was built with Python %s, running %s; some Neuron SDK versions "
                        "hash the Python path into graphs, so expect cache misses if they appear", built,
                        sys.executable)

@@ -1,0 +1,74 @@
+"""torch.compile artifacts shipped in the archive: TorchServe loads them without compiling,
+from a read-only model store, and streams the same tokens as the eager backend."""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+
+import pytest
+import requests
+
+from conftest import ROOT, build_model
+from readonly import read_only_view, snapshot
+from tsctl import TorchServe, free_port
+
+MODEL = "tiny-llama-compiled"
+
+
+@pytest.fixture(scope="module")
+def compiled_store(tiny_model_dir, tmp_path_factory):
+    work = tmp_path_factory.mktemp("compiled")
+    build_model.main(["--config", str(ROOT / "model-config" / f"{MODEL}.yaml"), "--checkpoint", str(tiny_model_dir),
+                      "--build-dir", str(work / "build"), "--export-path", str(work / "store")])
+    return work / "store"
+
+
+@pytest.fixture(scope="module")
+def compiled_server(compiled_store, tmp_path_factory):
+    before = snapshot(compiled_store)
+    with read_only_view(compiled_store, tmp_path_factory.mktemp("ro") / "store") as (store, mounted):
+        ports = {"inference": free_port(), "management": free_port(), "metrics": free_port()}
+        ts = TorchServe(tmp_path_factory.mktemp("ts-compiled"), store, models=MODEL, ports=ports)
+        ts.start()
+        try:
+            ts.wait_ready(timeout=600)
+            ts.read_only_mount = mounted
+            yield ts
+        finally:
+            ts.stop()
+    assert snapshot(compiled_store) == before, "something wrote into the model directory"
+
+
+def compile_report(log: str) -> dict:
+    reports = re.findall(r"compile cache: (\{.*\})", log)
+    assert reports, "the handler did not report on the compile cache"
+    return json.loads(reports[-1])
+
+
+def test_archive_ships_cache_and_manifest(compiled_store):
+    cache = compiled_store / MODEL / "compile_cache"
+    manifest = json.loads((cache / "manifest.json").read_text())
+    assert manifest["kind"] == "inductor" and manifest["settings"]["batch_size"] == 8
+    assert manifest["files"] and all((cache / rel).is_file() for rel in manifest["files"])
+
+
+def test_served_from_read_only_store_with_no_new_compiles(compiled_server):
+    report = compile_report(compiled_server.model_log())
+    assert report["new_entries"] == 0
+    assert report["fxgraph_cache_miss"] == 0 and report["fxgraph_cache_hit"] >= 1
+
+
+def test_compiled_stream_equals_eager_greedy(compiled_server, tiny_model_dir):
+    from llama_engine import Engine, GenerationRequest, SamplingParams
+    from llama_engine.config import HandlerConfig
+
+    eager = Engine.from_config(HandlerConfig(model_path=tiny_model_dir.name, max_length=512), str(tiny_model_dir.parent))
+    prompt = "The function returns"
+    ref = eager.generate([eager.prepare(GenerationRequest(prompt, SamplingParams(max_new_tokens=12)))])[0]
+    r = requests.post(f"{compiled_server.url()}/predictions/{MODEL}", timeout=120, stream=True,
+                      json={"inputs": prompt, "parameters": {"max_new_tokens": 12}},
+                      headers={"Authorization": f"Bearer {compiled_server.key}"})
+    lines = [json.loads(line) for line in r.iter_lines() if line]
+    assert [line["token"]["id"] for line in lines] == ref.token_ids
+    assert lines[-1]["generated_text"] == ref.text
