@@ -248,6 +248,10 @@ class ModelConfig:
     micro_batching: MicroBatchingConfig
 
     def __post_init__(self):
+        if self.handler.backend == "neuron" and self.frontend.maxWorkers > 1:
+            raise ConfigError(
+                f"maxWorkers ({self.frontend.maxWorkers}): each Neuron worker holds its tp_degree NeuronCores "
+                "exclusively; use maxWorkers: 1 and one model (config with its own handler.visible_cores) per core group")
         if self.micro_batching.micro_batch_size > self.frontend.batchSize:
             raise ConfigError(
                 f"micro_batching.micro_batch_size ({self.micro_batching.micro_batch_size}) is larger "

@@ -66,3 +66,57 @@ def test_file_errors_name_the_file(tmp_path):
     bad.write_text("handler:\n  backend: nope\n")
     with pytest.raises(ConfigError, match=r"bad\.yaml: handler\.backend"):
         load_model_config_file(str(bad))
+
+
+def neuron_base():
+    return yaml.safe_load((ROOT / "model-config" / "llama-2-7b-inf2-xlarge-b4.yaml").read_text())
+
+
+def test_neuron_config_normalises_buckets():
+    data = neuron_base()
+    data["handler"]["n_positions"] = 2048
+    data["handler"]["context_length_estimate"] = [1024, 256, 512, 256]
+    cfg = load_model_config(data)
+    assert cfg.handler.n_positions == [2048]
+    assert cfg.handler.context_length_estimate == [256, 512, 1024]
+    assert cfg.handler.max_prompt_length == 1024
+
+
+@pytest.mark.parametrize("key,value,expected", [
+    ("tp_degree", None, r"handler\.tp_degree: required for backend neuron"),
+    ("amp", "fp32", r"handler\.amp: must be one of f32, f16, bf16"),
+    ("gqa", "sharded", r"handler\.gqa: must be one of"),
+    ("n_positions", [0], r"handler\.n_positions: expected a positive integer"),
+    ("context_length_estimate", None, r"context_length_estimate: required for backend neuron"),
+    ("context_length_estimate", [4096], r"largest bucket \(4096\) must be smaller than the largest n_positions \(2048\)"),
+    ("max_length", 4096, r"max_length \(4096\) exceeds the largest n_positions bucket \(2048\)"),
+    ("visible_cores", "a-b", r"handler\.visible_cores: expected a core or a range"),
+    ("dtype", "bfloat16", r"handler\.dtype: applies only to backend torch, but backend is neuron"),
+    ("compile", True, r"handler\.compile: applies only to backend torch"),
+])
+def test_bad_neuron_config(key, value, expected):
+    data = neuron_base()
+    data["handler"][key] = value
+    with pytest.raises(ConfigError, match=expected):
+        load_model_config(data)
+
+
+def test_neuron_keys_on_the_torch_backend_are_rejected():
+    data = base()
+    data["handler"]["tp_degree"] = 2
+    with pytest.raises(ConfigError, match=r"handler\.tp_degree: applies only to backend neuron, but backend is torch"):
+        load_model_config(data)
+
+
+def test_neuron_with_several_workers_is_rejected():
+    data = neuron_base()
+    data["maxWorkers"] = 2
+    with pytest.raises(ConfigError, match=r"maxWorkers \(2\): each Neuron worker holds"):
+        load_model_config(data)
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "model-config").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_leaves_time_to_load(path):
+    cfg = load_model_config_file(str(path))
+    floor = 600 if cfg.handler.backend == "neuron" or cfg.handler.compile else 120
+    assert cfg.frontend.startupTimeout >= floor

@@ -267,11 +267,17 @@ def test_sample_argument_checks(compiled, left_padded):
         compiled.sample(torch.cat([input_ids, input_ids[:1]]), length, top_k=1)
     with pytest.raises(ValueError, match=r"max\(n_positions\)=128"):
         compiled.sample(input_ids, 200, start_ids=start_ids, top_k=1)
+    compiled.sample(input_ids, length, start_ids=start_ids, top_k=1, max_new_tokens=4)
+    assert compiled.ignored_sample_kwargs == {"max_new_tokens": 4}  # silently ignored, like the real one
 
 
 def test_sample_defaults_to_top_k_50_sampling(compiled, left_padded):
     input_ids, start_ids = left_padded
-    assert inspect.signature(compiled.sample).parameters["top_k"].default == 50
+    assert str(inspect.signature(compiled.sample)) == (
+        "(input_ids, sequence_length, cache_ids=None, start_ids=None, top_k=50, top_p=1.0, eos_token_override=None, "
+        "temperature=1.0, streamer=None, stopping_criteria_list=None, no_repeat_ngram_size=None, **kwargs)")
+    assert str(inspect.signature(compiled.forward)) == (
+        "(input_ids, cache_ids=None, start_ids=None, last_token_id=None, input_embeddings=None, **kwargs)")
     torch.manual_seed(0)
     outs = {tuple(compiled.sample(input_ids, input_ids.shape[1] + 12, start_ids=start_ids)[0].tolist())
             for _ in range(3)}

@@ -39,6 +39,7 @@ class NeuronModelBase(module.PretrainedModel):
     def _init_runtime_state(self):
         self.compile_log = []
         self.slow_context_encodings = 0
+        self.ignored_sample_kwargs = {}
         self._neffs = {}
         self._graph_hashes = []
         self._decoder = None

@@ -93,7 +93,12 @@ class LlamaForSampling(base.NeuronModelBase):
     def sample(self, input_ids, sequence_length, cache_ids=None, start_ids=None,
                top_k=50, top_p=1.0, eos_token_override=None, temperature=1.0, streamer=None,
                stopping_criteria_list=None, no_repeat_ngram_size=None, **kwargs):
-        """Prompt plus new tokens, ``[B, <= sequence_length]`` (``sequence_length`` counts the prompt)."""
+        """Prompt plus new tokens, ``[B, <= sequence_length]`` (``sequence_length`` counts the prompt).
+
+        Unknown keywords are ignored like the real method does; the double keeps the last
+        call's in ``self.ignored_sample_kwargs``.
+        """
+        self.ignored_sample_kwargs = dict(kwargs)
         if self.neuron_config.on_device_generation:
             return sampling.sample_tokens(self, input_ids, start_ids, sequence_length=sequence_length,
                                           config=self.neuron_config.on_device_generation, streamer=streamer,
