@@ -23,7 +23,7 @@ else
 ARCHIVE := $(STORE)/$(MODEL)/MAR-INF/MANIFEST.json
 endif
 
-.PHONY: demo test build serve stop stream check-prereqs venv clean
+.PHONY: demo test build serve stop stream check-prereqs venv clean neuron-smoke
 
 demo: serve
 	@echo "--- streaming with curl -N (tokens appear as they are generated):"
@@ -73,6 +73,17 @@ stream: | $(VENV)/.installed
 
 test: $(BUILD)/tiny-llama/config.json | $(VENV)/.installed
 	PATH=$(abspath $(BIN)):$$PATH $(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# On an inf2 host: install the Neuron stack, then build, serve from the shipped cache,
+# stream, benchmark and report. NEURON_PIP_INDEX: the Neuron pip repository URL, if pip
+# does not already know it (the Neuron DLAMI does).
+NEURON_VENV := .venv-neuron
+neuron-smoke: | check-prereqs
+	test -x $(NEURON_VENV)/bin/python || $(PY) -m venv $(NEURON_VENV)
+	$(NEURON_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(NEURON_VENV)/bin/python -m pip install --quiet $(if $(NEURON_PIP_INDEX),--extra-index-url $(NEURON_PIP_INDEX)) -r requirements-neuron.txt
+	PATH=$(abspath $(NEURON_VENV))/bin:$$PATH $(NEURON_VENV)/bin/python scripts/neuron_smoke.py \
+	  --model $(MODEL) --checkpoint $(CHECKPOINT)
 
 clean:
 	rm -rf $(BUILD) $(STORE)

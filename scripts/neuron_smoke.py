@@ -1,0 +1,116 @@
+#!/usr/bin/env python3
+"""End-to-end smoke run on an Inferentia2 host (``make neuron-smoke MODEL=... CHECKPOINT=...``).
+
+1. builds the artifact (compile into the shipped cache, warm every graph, manifest, archive);
+2. starts TorchServe from it and checks that loading compiled nothing (every graph hit the cache);
+3. streams a prompt;
+4. runs a short benchmark (TTFT and tokens/s at concurrency 1 and the compiled batch size);
+5. prints a report and writes it to ``build/neuron-smoke/<model>/report.json``.
+
+Each step prints what it does; the run stops at the first failure with the reason.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+import requests
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "handlers"))
+
+import build_model  # noqa: E402
+import loadtest  # noqa: E402
+from tsctl import TorchServe, free_port  # noqa: E402
+
+
+def compile_report(log: str) -> dict:
+    found = re.findall(r"compile cache: (\{.*\})", log)
+    return json.loads(found[-1]) if found else {}
+
+
+def stream_prompt(url: str, headers: dict, prompt: str, max_new_tokens: int) -> dict:
+    started = time.perf_counter()
+    first, text, final = None, [], {}
+    with requests.post(url, json={"inputs": prompt, "parameters": {"max_new_tokens": max_new_tokens}},
+                       headers=headers, stream=True, timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line:
+                continue
+            message = json.loads(line)
+            first = first or time.perf_counter() - started
+            piece = message.get("token", {}).get("text", "")
+            text.append(piece)
+            print(piece, end="", flush=True)
+            final = message if "details" in message else final
+    print()
+    return {"ttft_s": round(first or 0, 3), "total_s": round(time.perf_counter() - started, 3),
+            "text": "".join(text), "details": final.get("details")}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="a model-config name, e.g. llama-2-7b-inf2-xlarge-b1")
+    parser.add_argument("--checkpoint", required=True, type=Path)
+    parser.add_argument("--config", type=Path, help="default model-config/<model>.yaml")
+    parser.add_argument("--workdir", type=Path, help="default build/neuron-smoke/<model>")
+    parser.add_argument("--prompt", default="Today the weather is really nice and I am planning on")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--skip-build", action="store_true", help="reuse model_store/<model>")
+    args = parser.parse_args(argv)
+
+    from llama_engine import load_model_config_file
+
+    config = args.config or ROOT / "model-config" / f"{args.model}.yaml"
+    cfg = load_model_config_file(str(config))
+    work = (args.workdir or ROOT / "build" / "neuron-smoke" / args.model).resolve()
+    store = work / "model_store"
+    report = {"model": args.model, "config": str(config)}
+
+    print(f"== 1. build {args.model} (compile + warm-up + manifest + archive)", flush=True)
+    started = time.perf_counter()
+    if not args.skip_build:
+        build_model.main(["--config", str(config), "--checkpoint", str(args.checkpoint), "--name", args.model,
+                          "--build-dir", str(work / "build"), "--export-path", str(store)])
+    report["build_s"] = round(time.perf_counter() - started, 1)
+
+    print("== 2. start TorchServe from the artifact; loading must compile nothing", flush=True)
+    ports = {"inference": free_port(), "management": free_port(), "metrics": free_port()}
+    server = TorchServe(work / "torchserve", store, models=args.model, ports=ports)
+    started = time.perf_counter()
+    server.start()
+    try:
+        server.wait_ready(timeout=cfg.frontend.startupTimeout + 60)
+        report["start_to_ready_s"] = round(time.perf_counter() - started, 1)
+        cache = compile_report(server.model_log())
+        report["compile_cache"] = cache
+        if cache.get("new_entries") != 0:
+            print(f"FAIL: loading compiled {cache.get('new_entries')} graphs; see {server.workdir}/logs")
+            return 1
+
+        print("== 3. stream a prompt", flush=True)
+        url = f"{server.url()}/predictions/{args.model}"
+        headers = {"Authorization": f"Bearer {server.key}"}
+        report["stream"] = stream_prompt(url, headers, args.prompt, args.max_new_tokens)
+
+        print("== 4. short benchmark", flush=True)
+        report["benchmark"] = [loadtest.run_round(url, headers, c, args.max_new_tokens)
+                               for c in sorted({1, cfg.micro_batching.micro_batch_size})]
+    finally:
+        server.stop()
+
+    print("== 5. report", flush=True)
+    (work / "report.json").write_text(json.dumps(report, indent=2))
+    print(json.dumps(report, indent=2))
+    print(f"PASS: report in {work / 'report.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
