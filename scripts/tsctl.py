@@ -60,6 +60,9 @@ class TorchServe:
             self.props["load_models"] = models
         for name, port in (ports or {}).items():
             self.props[ADDRESS_KEYS[name]] = f"http://127.0.0.1:{port}"
+        if ports:  # a second server must not collide on TorchServe's default gRPC ports either
+            self.props.setdefault("grpc_inference_port", str(free_port()))
+            self.props.setdefault("grpc_management_port", str(free_port()))
         self.props.update(extra or {})
         self.tmpdir = self.workdir / "tmp"
         self.props["vmargs"] = f"-Djava.io.tmpdir={self.tmpdir}"
@@ -79,6 +82,15 @@ class TorchServe:
                    METRICS_LOCATION=str(self.workdir / "logs"))
         env.update(self.extra_env)
         return env
+
+    def load_failure(self) -> str:
+        """The worker's reason when initialize() raised, with the lines of the message after it."""
+        lines = self.model_log().splitlines()
+        for i, line in enumerate(lines):
+            if "Failed to load model" in line:
+                tail = [l.split("MODEL_LOG - ", 1)[-1] for l in lines[i:i + 12]]
+                return "\n".join(t for t in tail if not t.startswith("Traceback"))
+        return ""
 
     def model_log(self) -> str:
         path = self.workdir / "logs" / "model_log.log"
@@ -109,6 +121,9 @@ class TorchServe:
         while time.monotonic() - started < timeout:
             if self.process is not None and self.process.poll() is not None:
                 raise RuntimeError(f"torchserve exited with {self.process.returncode}\n{self.log_tail()}")
+            failure = self.load_failure()
+            if failure:
+                raise RuntimeError(f"the model failed to load (TorchServe would retry it until startupTimeout):\n{failure}")
             try:
                 headers = {"Authorization": f"Bearer {self.key}"}
                 r = requests.get(self.url() + "/ping", headers=headers, timeout=2)

@@ -120,7 +120,7 @@ def check_manifest(cache_dir: Path, manifest: dict, kind: CacheKind, settings: d
     for dist, built in manifest.get("versions", {}).items():
         installed = kind.versions().get(dist)
         if installed != built:
-            problems.append(f"{dist}: compiled with {built}, installed {installed}")
+            problems.append(f"{dist}: compiled with {built}, installed {installed or 'nothing (not installed)'}")
     for key in sorted(set(settings) | set(manifest.get("settings", {}))):
         built, now = manifest.get("settings", {}).get(key), settings.get(key)
         if built != now:

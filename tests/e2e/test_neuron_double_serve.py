@@ -1,0 +1,101 @@
+"""The Neuron path through a real TorchServe, with the Neuron SDK test double in the worker:
+the artifact loads with 0 compiles from a read-only store, streams, and the shape contract
+reaches the client as 4xx. The smoke script that `make neuron-smoke` runs passes too."""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+import requests
+
+from conftest import ROOT, build_model
+from neuron_env import neuron_double, subprocess_env
+from readonly import read_only_view, snapshot
+from tsctl import TorchServe, free_port
+
+MODEL = "tiny-llama-neuron"
+CONFIG = ROOT / "model-config" / f"{MODEL}.yaml"
+
+
+@pytest.fixture(scope="module")
+def neuron_store(tiny_model_dir, tmp_path_factory):
+    work = tmp_path_factory.mktemp("neuron")
+    with neuron_double(NEURON_COMPILE_CACHE_URL=str(work / "unused-cache")):
+        build_model.main(["--config", str(CONFIG), "--checkpoint", str(tiny_model_dir), "--name", MODEL,
+                          "--build-dir", str(work / "build"), "--export-path", str(work / "store")])
+    return work / "store"
+
+
+@pytest.fixture(scope="module")
+def neuron_server(neuron_store, tmp_path_factory):
+    before = snapshot(neuron_store)
+    with read_only_view(neuron_store, tmp_path_factory.mktemp("ro") / "store") as (store, _):
+        ports = {"inference": free_port(), "management": free_port(), "metrics": free_port()}
+        # A compile at load would take 5 s per graph here, and fail the readiness deadline below.
+        ts = TorchServe(tmp_path_factory.mktemp("ts-neuron"), store, models=MODEL, ports=ports,
+                        env=subprocess_env(FAKE_NEURON_COMPILE_SECONDS=5))
+        ts.start()
+        try:
+            ts.wait_ready(timeout=120)
+            yield ts
+        finally:
+            ts.stop()
+    assert snapshot(neuron_store) == before, "something wrote into the model directory"
+
+
+def post(server, body):
+    return requests.post(f"{server.url()}/predictions/{MODEL}", json=body, timeout=120, stream=True,
+                         headers={"Authorization": f"Bearer {server.key}"})
+
+
+def test_loads_with_no_compiles(neuron_server):
+    reports = re.findall(r"compile cache: (\{.*\})", neuron_server.model_log())
+    assert json.loads(reports[-1])["new_entries"] == 0
+
+
+def test_streams_ndjson(neuron_server):
+    r = post(neuron_server, {"inputs": "The function returns", "parameters": {"max_new_tokens": 6}})
+    assert r.status_code == 200 and r.headers["content-type"] == "application/x-ndjson"
+    lines = [json.loads(line) for line in r.iter_lines() if line]
+    assert len(lines) == 6 and lines[-1]["details"]["generated_tokens"] == 6
+
+
+@pytest.mark.parametrize("body,parameter,limit", [
+    ({"inputs": " ".join(["word"] * 80)}, "inputs", "largest compiled context bucket"),
+    ({"inputs": "Hello", "parameters": {"max_new_tokens": 300}}, "max_new_tokens", "256"),
+])
+def test_shape_contract_is_a_400_that_names_the_limit(neuron_server, body, parameter, limit):
+    r = post(neuron_server, body)
+    assert r.status_code == 400
+    error = r.json()
+    assert error["parameter"] == parameter and limit in error["error"]
+
+
+def test_neuron_smoke_script_passes_against_the_double(tiny_model_dir, tmp_path):
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "neuron_smoke.py"), "--model", MODEL,
+                          "--checkpoint", str(tiny_model_dir), "--workdir", str(tmp_path / "smoke"),
+                          "--max-new-tokens", "8"],
+                         env=subprocess_env(), capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    report = json.loads((tmp_path / "smoke" / "report.json").read_text())
+    assert report["compile_cache"]["new_entries"] == 0
+    assert report["stream"]["details"]["generated_tokens"] == 8
+    assert {b["concurrency"] for b in report["benchmark"]} == {1, 4}
+
+
+def test_a_changed_compiler_version_fails_the_load_fast_with_the_reason(neuron_store, tmp_path):
+    ports = {"inference": free_port(), "management": free_port(), "metrics": free_port()}
+    ts = TorchServe(tmp_path / "ts", neuron_store, models=MODEL, ports=ports,
+                    env=subprocess_env(FAKE_NEURONXCC_VERSION="2.16.0.0"))
+    ts.start()
+    try:
+        with pytest.raises(RuntimeError) as info:
+            ts.wait_ready(timeout=120)
+    finally:
+        ts.stop()
+    message = str(info.value)
+    assert "neuronx-cc: compiled with 2.15.143.0, installed 2.16.0.0" in message
+    assert "make build MODEL=" in message

@@ -1,0 +1,135 @@
+"""The Neuron backend, the build step and the handler against the Neuron SDK test double."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import yaml
+
+import build_model
+from conftest import ROOT
+from llama_engine import Engine, GenerationRequest, RequestError, SamplingParams, load_model_config
+from llama_engine.compile_cache import CompileCacheError
+from llama_engine.config import HandlerConfig
+from neuron_env import neuron_double
+
+CONFIG = ROOT / "model-config" / "tiny-llama-neuron.yaml"
+PROMPTS = ["The function returns", "If the object is a list of values, then", "A", "When the file"]
+
+
+@pytest.fixture(scope="module")
+def built(tiny_model_dir, tmp_path_factory):
+    """The tiny model built for Neuron with the double: build dir and model store."""
+    work = tmp_path_factory.mktemp("neuron-build")
+    with neuron_double(NEURON_COMPILE_CACHE_URL=str(work / "unused-cache")):
+        build_model.main(["--config", str(CONFIG), "--checkpoint", str(tiny_model_dir), "--name", "tiny-llama-neuron",
+                          "--build-dir", str(work / "build"), "--export-path", str(work / "store")])
+    return work / "store" / "tiny-llama-neuron"
+
+
+@pytest.fixture()
+def double(tmp_path, monkeypatch):
+    monkeypatch.setenv("LLAMA_COMPILE_CACHE_DIR", str(tmp_path / "writable"))
+    with neuron_double():
+        yield
+
+
+def load_cfg():
+    return load_model_config(yaml.safe_load(CONFIG.read_text()))
+
+
+def engine_from(model_dir, **handler_overrides):
+    cfg = load_cfg()
+    for key, value in handler_overrides.items():
+        setattr(cfg.handler, key, value)
+    return Engine.from_config(cfg.handler, str(model_dir), batch_size=cfg.micro_batching.micro_batch_size)
+
+
+def test_build_ships_a_neuron_cache_and_manifest(built):
+    manifest = json.loads((built / "compile_cache" / "manifest.json").read_text())
+    assert manifest["kind"] == "neuron"
+    assert manifest["versions"]["neuronx-cc"] == "2.15.143.0"
+    assert manifest["versions"]["transformers-neuronx"] and manifest["versions"]["torch-neuronx"]
+    assert manifest["settings"] == {"tp_degree": 2, "amp": "f32", "batch_size": 4, "n_positions": [256],
+                                    "context_length_estimate": [32, 64], "gqa": "shard-over-heads",
+                                    "neuron_cc_flags": "--model-type=transformer"}
+    modules = {rel.split("/")[1] for rel in manifest["files"]}
+    assert len(modules) == 3  # two context buckets and the token graph, at batch 4
+
+
+def test_load_from_shipped_cache_compiles_nothing_and_matches_torch(built, double, tiny_model_dir):
+    import transformers_neuronx
+
+    transformers_neuronx.reset_compiler_stats()
+    engine = engine_from(built)
+    engine.warmup(batch_size=4)
+    assert transformers_neuronx.compiler_stats["misses"] == 0
+    assert engine.backend.compile_session.report()["new_entries"] == 0
+    assert engine.backend.model.ignored_kwargs == {}, "a keyword the real SDK would silently ignore"
+    torch_engine = Engine.from_config(HandlerConfig(model_path=tiny_model_dir.name, max_length=256),
+                                      str(tiny_model_dir.parent))
+    prepared = [engine.prepare(GenerationRequest(p, SamplingParams(max_new_tokens=10))) for p in PROMPTS[:3]]
+    got = engine.generate(prepared)
+    want = [torch_engine.generate([p])[0] for p in prepared]
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+
+
+def test_changed_compiler_version_is_refused(built, tmp_path, monkeypatch):
+    monkeypatch.setenv("LLAMA_COMPILE_CACHE_DIR", str(tmp_path / "writable"))
+    with neuron_double(FAKE_NEURONXCC_VERSION="2.16.0.0"):
+        with pytest.raises(CompileCacheError, match=r"neuronx-cc: compiled with 2\.15\.143\.0, installed 2\.16\.0\.0"):
+            engine_from(built)
+
+
+def test_tampered_neff_is_refused(built, double, tmp_path):
+    copy = tmp_path / "model"
+    shutil.copytree(built, copy, symlinks=True)
+    neff = next((copy / "compile_cache").rglob("model.neff"))
+    neff.write_bytes(b"tampered")
+    with pytest.raises(CompileCacheError, match=r"checksum mismatch .*model\.neff"):
+        engine_from(copy)
+
+
+def test_allow_recompile_compiles_at_load_instead(built, double, tmp_path):
+    import transformers_neuronx
+
+    copy = tmp_path / "model"
+    shutil.copytree(built, copy, symlinks=True)
+    shutil.rmtree(copy / "compile_cache")
+    transformers_neuronx.reset_compiler_stats()
+    engine_from(copy, allow_recompile=True)
+    assert transformers_neuronx.compiler_stats["misses"] == 3
+
+
+def test_shape_contract_errors_name_the_limit(built, double):
+    engine = engine_from(built)
+    long_prompt = " ".join(["word"] * 80)
+    with pytest.raises(RequestError) as info:
+        engine.prepare(GenerationRequest(long_prompt))
+    assert info.value.parameter == "inputs" and "largest compiled context bucket" in info.value.message
+    with pytest.raises(RequestError) as info:
+        engine.prepare(GenerationRequest("Hello", SamplingParams(max_new_tokens=255)))
+    assert info.value.parameter == "max_new_tokens" and "256" in info.value.message
+
+
+def test_batch_is_padded_to_the_compiled_size_and_split_when_positions_would_overrun(built, double):
+    engine = engine_from(built)
+    calls = []
+    original = engine.backend.model.forward
+    engine.backend.model.forward = lambda ids, **kw: calls.append(tuple(ids.shape)) or original(ids, **kw)
+    long_prompt = " ".join(["word"] * 60)
+    prepared = [engine.prepare(GenerationRequest(long_prompt, SamplingParams(max_new_tokens=8))),
+                engine.prepare(GenerationRequest("Hi", SamplingParams(max_new_tokens=230)))]
+    results = engine.generate(prepared)
+    assert [r.generated_tokens for r in results][0] == 8
+    prefills = [shape for shape in calls if shape[1] > 1]
+    assert len(prefills) == 2, "a 60-token prompt plus a 230-token answer cannot share 256 positions"
+    assert all(shape[0] == 4 for shape in calls)
+
+
+def test_too_few_cores_is_a_clear_error(built, tmp_path, monkeypatch):
+    monkeypatch.setenv("LLAMA_COMPILE_CACHE_DIR", str(tmp_path / "writable"))
+    with neuron_double(FAKE_NEURON_DEVICES="0"):
+        with pytest.raises(RuntimeError, match=r"tp_degree 2 needs 2 NeuronCores, this host has 0"):
+            engine_from(built)
