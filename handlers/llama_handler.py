@@ -100,8 +100,10 @@ class LlamaHandler:
         model_dir = context.system_properties.get("model_dir")
         micro = self.config.micro_batching
         self.engine = Engine.from_config(self.config.handler, model_dir, batch_size=micro.micro_batch_size)
+        loaded = time.perf_counter()
         if self.config.handler.warmup:
             self.engine.warmup(batch_size=micro.micro_batch_size)
+        logger.info("load %.1f s, warm-up %.1f s", loaded - started, time.perf_counter() - loaded)
         if self.engine.backend.compile_session is not None:
             self.engine.backend.compile_session.report()
         self.micro_batching = MicroBatching(self, micro_batch_size=micro.micro_batch_size,

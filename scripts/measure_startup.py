@@ -1,0 +1,91 @@
+#!/usr/bin/env python3
+"""Cold against warm start, side by side: ``torchserve --start`` to the first streamed token.
+
+    python scripts/measure_startup.py --config model-config/tiny-llama-compiled.yaml --checkpoint build/tiny-llama
+
+Builds the artifact once (with its compile cache), then serves two copies of it from fresh
+TorchServe work directories:
+
+* warm: the artifact as built, loading through the shipped cache;
+* cold: the same artifact without ``compile_cache/`` and with ``allow_recompile: true``,
+  so the model compiles at load as it would without this toolkit's build step.
+
+Prints one JSON line per variant and the ratio.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import requests
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import build_model  # noqa: E402
+from tsctl import TorchServe, free_port  # noqa: E402
+
+
+def make_cold_copy(store: Path, name: str, cold_name: str) -> None:
+    src, dst = store / name, store / cold_name
+    shutil.rmtree(dst, ignore_errors=True)
+    shutil.copytree(src, dst, symlinks=True)
+    shutil.rmtree(dst / "compile_cache")
+    config = dst / f"{name}.yaml"
+    data = yaml.safe_load(config.read_text())
+    data["handler"]["allow_recompile"] = True
+    config.write_text(yaml.safe_dump(data))
+    manifest = json.loads((dst / "MAR-INF" / "MANIFEST.json").read_text())
+    manifest["model"]["modelName"] = cold_name
+    (dst / "MAR-INF" / "MANIFEST.json").write_text(json.dumps(manifest))
+
+
+def time_to_first_token(store: Path, model: str, workdir: Path, timeout: float) -> dict:
+    ports = {"inference": free_port(), "management": free_port(), "metrics": free_port()}
+    server = TorchServe(workdir, store, models=model, ports=ports)
+    started = time.perf_counter()
+    server.start()
+    try:
+        server.wait_ready(timeout)
+        ready = time.perf_counter() - started
+        with requests.post(f"{server.url()}/predictions/{model}", stream=True, timeout=timeout,
+                           json={"inputs": "The function returns", "parameters": {"max_new_tokens": 8}},
+                           headers={"Authorization": f"Bearer {server.key}"}) as r:
+            next(line for line in r.iter_lines() if line)
+            first = time.perf_counter() - started
+    finally:
+        server.stop()
+    return {"variant": model, "start_to_ready_s": round(ready, 1), "start_to_first_token_s": round(first, 1)}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, type=Path)
+    parser.add_argument("--checkpoint", required=True, type=Path)
+    parser.add_argument("--timeout", type=float, default=900)
+    args = parser.parse_args(argv)
+
+    name = args.config.stem
+    with tempfile.TemporaryDirectory(prefix="measure-startup-") as tmp:
+        work = Path(tmp)
+        build_model.main(["--config", str(args.config), "--checkpoint", str(args.checkpoint), "--name", name,
+                          "--build-dir", str(work / "build"), "--export-path", str(work / "store")])
+        make_cold_copy(work / "store", name, f"{name}-cold")
+        results = [time_to_first_token(work / "store", model, work / model, args.timeout)
+                   for model in (f"{name}-cold", name)]
+    for result in results:
+        print(json.dumps(result))
+    cold, warm = results
+    print(json.dumps({"cold_over_warm_first_token": round(cold["start_to_first_token_s"] /
+                                                          warm["start_to_first_token_s"], 1)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
