@@ -11,6 +11,7 @@ old ``save_pretrained_split`` layout for Neuron SDKs before 2.18 instead.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -66,7 +67,9 @@ def legacy_split(src: Path, out: Path) -> Path:
     from transformers_neuronx.module import save_pretrained_split
 
     check_checkpoint(src)
-    model = AutoModelForCausalLM.from_pretrained(src, use_safetensors=True, low_cpu_mem_usage=True)
+    # accelerate (a transformers-neuronx dependency) lets a 70B checkpoint load without a second copy in RAM.
+    low_memory = importlib.util.find_spec("accelerate") is not None
+    model = AutoModelForCausalLM.from_pretrained(src, use_safetensors=True, low_cpu_mem_usage=low_memory)
     save_pretrained_split(model, str(out))
     for name in META_FILES:
         if (src / name).exists() and not (out / name).exists():

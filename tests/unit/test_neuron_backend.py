@@ -133,3 +133,23 @@ def test_too_few_cores_is_a_clear_error(built, tmp_path, monkeypatch):
     with neuron_double(FAKE_NEURON_DEVICES="0"):
         with pytest.raises(RuntimeError, match=r"tp_degree 2 needs 2 NeuronCores, this host has 0"):
             engine_from(built)
+
+
+def test_sdk_sample_drives_the_project_streamer(built, double, tiny_model_dir):
+    """transformers-neuronx's own sample() puts [B,1] tokens and never the prompt: our streamer
+    takes exactly that, so both decoding paths stream the same text."""
+    import torch
+
+    from llama_engine.streamer import BatchTextStreamer
+
+    engine = engine_from(built)
+    prepared = [engine.prepare(GenerationRequest(p, SamplingParams(max_new_tokens=6))) for p in PROMPTS]
+    rows = [engine._row_state(p) for p in prepared]
+    streamer = BatchTextStreamer(rows)
+    input_ids, mask = engine._pad_batch([p.prompt_ids for p in prepared], 4)
+    model = engine.backend.model
+    model.reset()
+    model.sample(input_ids, input_ids.shape[1] + 6, start_ids=mask.argmax(dim=1).to(torch.int32), top_k=1,
+                 streamer=streamer)
+    expected = engine.generate(prepared)
+    assert [r.text for r in streamer.results()] == [r.text for r in expected]
