@@ -26,7 +26,7 @@ from ts.handler_utils.utils import send_intermediate_predict_response
 
 from llama_engine import Engine, RequestError, load_model_config, parse_request
 from llama_engine.engine import PreparedRequest
-from llama_engine.formatting import JSON, NDJSON, error_line, full_response, stream_line
+from llama_engine.formatting import CONTENT_TYPES, JSON, full_response, stream_chunk, stream_error
 from llama_engine.request import describe_form_error
 from llama_engine.streamer import GenerationResult
 
@@ -144,7 +144,7 @@ class LlamaHandler:
         runnable = [s for s in slots if s.error is None and s.prepared is not None]
         for slot in runnable:
             if slot.stream:
-                self.responder.set_status(slot.index, 200, NDJSON)
+                self.responder.set_status(slot.index, 200, CONTENT_TYPES[slot.prepared.request.output])
         started = time.perf_counter()
         try:
             results = self.engine.generate([s.prepared for s in runnable],
@@ -178,14 +178,21 @@ class LlamaHandler:
             raise describe_form_error()
         header = self.context.get_request_header(slot.index, body_key) or {}
         content_type = header.get("content-type") if isinstance(header, dict) else None
-        return parse_request(raw[body_key], content_type, self.config.handler.max_input_bytes)
+        return parse_request(raw[body_key], content_type, self.config.handler.max_input_bytes,
+                             accept=self._header(slot.index, "accept"))
+
+    def _header(self, idx: int, name: str) -> Optional[str]:
+        for key, value in (self.context.get_all_request_header(idx) or {}).items():
+            if isinstance(key, str) and key.lower() == name and isinstance(value, str):
+                return value
+        return None
 
     def _send_events(self, slots: List[Slot], events) -> None:
         bodies = {}
         for event in events:
             slot = slots[event.row]
             if slot.stream:
-                bodies[slot.index] = stream_line(event)
+                bodies[slot.index] = stream_chunk(slot.prepared.request, event)
                 slot.sent = True
         self.responder.send(bodies)
 
@@ -197,14 +204,14 @@ class LlamaHandler:
         """
         slot.error = error
         if slot.sent:
-            self.responder.send({slot.index: error_line(error)})
+            self.responder.send({slot.index: stream_error(slot.prepared.request, error)})
 
     def _final_body(self, slot: Slot) -> str:
         if slot.sent:
             return ""
         if slot.result is not None:
             self.responder.set_status(slot.index, 200, JSON)
-            return full_response(slot.result)
+            return full_response(slot.prepared.request, slot.result)
         error = slot.error or RequestError("request produced no result", status=500)
         self.responder.set_status(slot.index, error.status, JSON)
         return error.to_json()

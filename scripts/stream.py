@@ -67,7 +67,7 @@ def main(argv=None) -> int:
     if args.details and final:
         d = final["details"]
         rate = d["generated_tokens"] / total if total else 0.0
-        print(f"[finish_reason={d['finish_reason']} prompt_tokens={d['prompt_tokens']} "
+        print(f"[finish_reason={d['finish_reason']} input_length={d['input_length']} "
               f"generated_tokens={d['generated_tokens']} ttft={first * 1000:.0f} ms "
               f"total={total:.2f} s tokens/s={rate:.1f}]", file=sys.stderr)
     return 0

@@ -14,11 +14,12 @@ from typing import List, Optional, Sequence
 import torch
 
 from .backends import Backend, create_backend
+from .chat import render_chat
 from .detokenizer import IncrementalDetokenizer
 from .errors import RequestError
 from .request import GenerationRequest
 from .selection import TokenSelector, select_tokens
-from .stopping import StoppingCriteria
+from .stopping import StoppingCriteria, StopSequences
 from .streamer import BatchTextStreamer, GenerationResult, RowState, Sink
 
 logger = logging.getLogger(__name__)
@@ -55,7 +56,11 @@ class Engine:
 
     def prepare(self, request: GenerationRequest) -> PreparedRequest:
         """Tokenize and check the request against the model's limits (RequestError if over)."""
-        prompt_ids = self.tokenizer(request.prompt)["input_ids"]
+        if request.messages is not None:
+            request.prompt = render_chat(self.tokenizer, request.messages)
+            prompt_ids = self.tokenizer(request.prompt, add_special_tokens=False)["input_ids"]
+        else:
+            prompt_ids = self.tokenizer(request.prompt)["input_ids"]
         bucket = self.backend.max_prompt_length
         if bucket is not None and len(prompt_ids) > bucket:
             raise RequestError(
@@ -77,12 +82,15 @@ class Engine:
             max_new = requested
         return PreparedRequest(request, prompt_ids, max_new)
 
-    def _row_state(self, prepared: PreparedRequest) -> RowState:
+    def _row_state(self, prepared: PreparedRequest, seed: Optional[int] = None) -> RowState:
+        stops = prepared.request.params.stop
         return RowState(
             detokenizer=IncrementalDetokenizer(self.tokenizer, prepared.prompt_ids),
             stopping=StoppingCriteria(self.eos_token_ids, prepared.max_new_tokens),
             prompt_tokens=len(prepared.prompt_ids),
             special_ids=self.special_ids,
+            stop_sequences=StopSequences(stops) if stops else None,
+            seed=seed,
         )
 
     def _pad_batch(self, prompts: Sequence[List[int]], batch_size: int):
@@ -125,16 +133,18 @@ class Engine:
     def _generate_group(self, batch: Sequence[PreparedRequest], sink: Optional[Sink] = None
                         ) -> List[GenerationResult]:
         batch_size = self.backend.padded_batch_size(len(batch))
-        rows = [self._row_state(p) for p in batch] + [None] * (batch_size - len(batch))
-        selectors = [TokenSelector(p.request.params) for p in batch] + [None] * (batch_size - len(batch))
+        selectors = [TokenSelector(p.request.params, p.prompt_ids) for p in batch]
+        rows = [self._row_state(p, sel.seed) for p, sel in zip(batch, selectors)]
+        rows += [None] * (batch_size - len(batch))
+        selectors += [None] * (batch_size - len(batch))
         streamer = BatchTextStreamer(rows, sink)
         input_ids, attention_mask = self._pad_batch([p.prompt_ids for p in batch], batch_size)
         live = list(range(batch_size))  # streamer row of each backend row
         try:
             logits = self.backend.prefill(input_ids, attention_mask)
             while True:
-                tokens = select_tokens(logits, [selectors[r] for r in live])
-                streamer.put_rows(live, tokens)
+                tokens, logprobs = select_tokens(logits, [selectors[r] for r in live])
+                streamer.put_rows(live, tokens, logprobs)
                 if streamer.finished:
                     break
                 live, tokens = self._shrink(streamer, live, tokens)

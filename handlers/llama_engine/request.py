@@ -3,7 +3,13 @@
 Accepted bodies:
 
 * plain text: the whole body is the prompt;
-* JSON ``{"inputs": str, "parameters": {...}, "stream": bool}``.
+* TGI/LMI JSON ``{"inputs": str, "parameters": {...}, "stream": bool}``;
+* chat JSON ``{"messages": [{"role": ..., "content": ...}, ...], "parameters": {...}, "stream": bool}``,
+  rendered with the tokenizer's chat template (or the Llama-2 template) by the engine.
+
+The response format follows the request: NDJSON by default, Server-Sent Events in TGI's
+schema for ``"stream": true`` or ``Accept: text/event-stream``, one JSON document for
+``"stream": false``.
 
 A body sent as ``application/json`` that is not JSON at all (it does not start with ``{`` or
 ``[``) is taken as plain text, because the SageMaker examples send plain prompts that way.
@@ -13,29 +19,43 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import List, Optional, Union
 
 from .errors import RequestError
 from .params import SamplingParams
 
-JSON_KEYS = ("inputs", "parameters", "stream")
+NDJSON, SSE, JSON_BODY = "ndjson", "sse", "json"
+JSON_KEYS = ("inputs", "messages", "parameters", "stream")
+ROLES = ("system", "user", "assistant")
 Body = Union[bytes, bytearray, str, dict, list, None]
 
 
 @dataclass
 class GenerationRequest:
-    prompt: str
+    prompt: str = ""
     params: SamplingParams = field(default_factory=SamplingParams)
-    stream: bool = True
+    output: str = NDJSON
+    messages: Optional[List[dict]] = None
+
+    @property
+    def stream(self) -> bool:
+        return self.output != JSON_BODY
 
 
-def parse_request(body: Body, content_type: Optional[str] = None,
-                  max_bytes: int = 65536) -> GenerationRequest:
+def parse_request(body: Body, content_type: Optional[str] = None, max_bytes: int = 65536,
+                  accept: Optional[str] = None) -> GenerationRequest:
+    request = _parse_body(body, content_type, max_bytes)
+    if request.output == NDJSON and accept and "text/event-stream" in accept.lower():
+        request.output = SSE
+    return request
+
+
+def _parse_body(body: Body, content_type: Optional[str], max_bytes: int) -> GenerationRequest:
     if isinstance(body, (bytes, bytearray)):
         body = _decode_utf8(bytes(body), max_bytes)
     if isinstance(body, str):
         _check_size(len(body.encode("utf-8")), max_bytes)
-        return _parse_text(body, content_type)
+        return _parse_text(body, content_type, max_bytes)
     if isinstance(body, dict):
         _check_size(len(json.dumps(body).encode("utf-8")), max_bytes)
         return _parse_json_object(body)
@@ -64,7 +84,7 @@ def _is_json_type(content_type: Optional[str]) -> bool:
     return bool(content_type) and "json" in content_type.split(";")[0].lower()
 
 
-def _parse_text(text: str, content_type: Optional[str]) -> GenerationRequest:
+def _parse_text(text: str, content_type: Optional[str], max_bytes: int) -> GenerationRequest:
     stripped = text.lstrip()
     if _is_json_type(content_type) and stripped[:1] in ("{", "["):
         try:
@@ -72,7 +92,7 @@ def _parse_text(text: str, content_type: Optional[str]) -> GenerationRequest:
         except json.JSONDecodeError as exc:
             raise RequestError(f"invalid JSON body: {exc.msg} at line {exc.lineno} column {exc.colno}",
                                "inputs") from None
-        return parse_request(data, content_type)
+        return _parse_body(data, content_type, max_bytes)
     if not text.strip():
         raise RequestError("empty prompt; send the prompt as the request body", "inputs")
     return GenerationRequest(prompt=text)
@@ -82,16 +102,42 @@ def _parse_json_object(data: dict) -> GenerationRequest:
     for key in data:
         if key not in JSON_KEYS:
             raise RequestError(f"unknown field {key!r}; accepted: {', '.join(JSON_KEYS)}", key)
+    stream = data.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise RequestError(f"stream must be true or false, got {stream!r}", "stream")
+    output = NDJSON if stream is None else SSE if stream else JSON_BODY
+    params = SamplingParams.from_dict(data.get("parameters"))
+    if "messages" in data:
+        if "inputs" in data:
+            raise RequestError("send either inputs or messages, not both", "messages")
+        return GenerationRequest(params=params, output=output, messages=_check_messages(data["messages"]))
     prompt = data.get("inputs")
     if not isinstance(prompt, str):
         raise RequestError(f"inputs must be a string, got {type(prompt).__name__}", "inputs")
     if not prompt.strip():
         raise RequestError("inputs must not be empty", "inputs")
-    stream = data.get("stream", True)
-    if not isinstance(stream, bool):
-        raise RequestError(f"stream must be true or false, got {stream!r}", "stream")
-    params = SamplingParams.from_dict(data.get("parameters"))
-    return GenerationRequest(prompt=prompt, params=params, stream=stream)
+    return GenerationRequest(prompt=prompt, params=params, output=output)
+
+
+def _check_messages(messages) -> List[dict]:
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("messages must be a non-empty list of {\"role\", \"content\"} objects", "messages")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or set(message) != {"role", "content"}:
+            raise RequestError(f"messages[{i}] must be an object with exactly role and content", "messages")
+        if message["role"] not in ROLES:
+            raise RequestError(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {message['role']!r}",
+                               "messages")
+        if not isinstance(message["content"], str):
+            raise RequestError(f"messages[{i}].content must be a string", "messages")
+        if message["role"] == "system" and i != 0:
+            raise RequestError(f"messages[{i}]: a system message may only come first", "messages")
+    turns = [m["role"] for m in messages if m["role"] != "system"]
+    if not turns or turns[-1] != "user":
+        raise RequestError("the last message must come from the user", "messages")
+    if any(role != ("user" if i % 2 == 0 else "assistant") for i, role in enumerate(turns)):
+        raise RequestError("after an optional system message, roles must alternate user/assistant", "messages")
+    return messages
 
 
 def describe_form_error() -> RequestError:

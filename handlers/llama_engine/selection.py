@@ -1,12 +1,15 @@
 """Token selection, kept apart from the logits (after optimum-neuron's TokenSelector).
 
 Each row of a batch has its own selector, so a batch may mix greedy and sampled rows with
-different temperatures. A seeded row owns its generator, so its output does not depend on
-what else was in the batch.
+different temperatures and penalties. A sampled row owns its generator, seeded from the
+request (or at random, reported back), so its output does not depend on what else was in
+the batch. The log-probability of each chosen token comes from the distribution it was
+chosen from.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import random
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -14,12 +17,29 @@ from .params import SamplingParams
 
 
 class TokenSelector:
-    def __init__(self, params: SamplingParams):
+    def __init__(self, params: SamplingParams, prompt_ids: Sequence[int] = ()):
         self.params = params
+        self.seed: Optional[int] = None
         self.generator: Optional[torch.Generator] = None
         if params.do_sample:
-            self.generator = torch.Generator()
-            self.generator.manual_seed(params.seed if params.seed is not None else torch.seed())
+            self.seed = params.seed if params.seed is not None else random.getrandbits(63)
+            self.generator = torch.Generator().manual_seed(self.seed)
+        self._seen: List[int] = list(prompt_ids) if params.repetition_penalty != 1.0 else []
+
+    @property
+    def plain_greedy(self) -> bool:
+        return not self.params.do_sample and self.params.repetition_penalty == 1.0
+
+    def penalise(self, logits: torch.Tensor) -> torch.Tensor:
+        """CTRL-style repetition penalty over the prompt and the tokens generated so far."""
+        penalty = self.params.repetition_penalty
+        if penalty == 1.0 or not self._seen:
+            return logits
+        ids = torch.tensor(sorted(set(self._seen)), device=logits.device)
+        scores = logits[ids]
+        logits = logits.clone()
+        logits[ids] = torch.where(scores > 0, scores / penalty, scores * penalty)
+        return logits
 
     def warp(self, logits: torch.Tensor) -> torch.Tensor:
         """Apply temperature, top-k and top-p to one row of logits ``[vocab]``."""
@@ -37,15 +57,35 @@ class TokenSelector:
             logits = logits.masked_fill(drop, float("-inf"))
         return logits
 
-    def sample(self, logits: torch.Tensor) -> int:
-        probs = self.warp(logits.float()).softmax(-1)
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+    def choose(self, logits: torch.Tensor) -> Tuple[int, float]:
+        """Pick one token from one row of logits; return it with its log-probability."""
+        scores = self.penalise(logits.float())
+        if self.params.do_sample:
+            scores = self.warp(scores)
+            logprobs = scores.log_softmax(-1)
+            token = int(torch.multinomial(logprobs.exp(), 1, generator=self.generator))
+        else:
+            logprobs = scores.log_softmax(-1)
+            token = int(scores.argmax())
+        return token, float(logprobs[token])
+
+    def observe(self, token: int) -> None:
+        if self.params.repetition_penalty != 1.0:
+            self._seen.append(token)
 
 
-def select_tokens(logits: torch.Tensor, selectors: Sequence[Optional[TokenSelector]]) -> torch.Tensor:
+def select_tokens(logits: torch.Tensor, selectors: Sequence[Optional[TokenSelector]]
+                  ) -> Tuple[torch.Tensor, List[float]]:
     """Pick the next token of every row of ``logits [B, vocab]``; a ``None`` selector is a padding row."""
+    logits = logits.float()
     tokens = logits.argmax(dim=-1)
+    logprobs = logits.log_softmax(-1).gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
     for row, selector in enumerate(selectors):
-        if selector is not None and selector.params.do_sample:
-            tokens[row] = selector.sample(logits[row])
-    return tokens
+        if selector is None:
+            continue
+        if not selector.plain_greedy:
+            token, logprob = selector.choose(logits[row])
+            tokens[row] = token
+            logprobs[row] = logprob
+        selector.observe(int(tokens[row]))
+    return tokens, logprobs

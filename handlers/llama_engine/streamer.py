@@ -13,7 +13,7 @@ from typing import Callable, List, Optional, Sequence
 import torch
 
 from .detokenizer import IncrementalDetokenizer
-from .stopping import FINISH_LENGTH, StoppingCriteria
+from .stopping import FINISH_LENGTH, FINISH_STOP, StoppingCriteria, StopSequences
 
 
 @dataclass
@@ -22,6 +22,10 @@ class GenerationResult:
     token_ids: List[int]
     finish_reason: str
     prompt_tokens: int
+    token_texts: List[str] = field(default_factory=list)
+    logprobs: List[float] = field(default_factory=list)
+    special: List[bool] = field(default_factory=list)
+    seed: Optional[int] = None
 
     @property
     def generated_tokens(self) -> int:
@@ -34,7 +38,9 @@ class TokenEvent:
     token_id: Optional[int]  # None for a closing event that carries no new token
     text: str
     special: bool
+    logprob: float = 0.0
     result: Optional[GenerationResult] = None
+    index: int = 0  # 1-based position of the token in the answer
 
     @property
     def finished(self) -> bool:
@@ -49,24 +55,36 @@ class RowState:
     stopping: StoppingCriteria
     prompt_tokens: int
     special_ids: frozenset
+    stop_sequences: Optional[StopSequences] = None
+    seed: Optional[int] = None
     token_ids: List[int] = field(default_factory=list)
     pieces: List[str] = field(default_factory=list)
+    logprobs: List[float] = field(default_factory=list)
     result: Optional[GenerationResult] = None
 
-    def add(self, token_id: int) -> TokenEvent:
+    def add(self, token_id: int, logprob: float = 0.0) -> TokenEvent:
         self.token_ids.append(token_id)
+        self.logprobs.append(logprob)
         text = self.detokenizer.add(token_id)
         stopped, reason = self.stopping(token_id, len(self.token_ids))
         if stopped:
             text += self.detokenizer.flush()
+        if self.stop_sequences is not None:
+            text, matched = self.stop_sequences(text)
+            if matched:
+                stopped, reason = True, FINISH_STOP
+            elif stopped:
+                text += self.stop_sequences.flush()
         self.pieces.append(text)
         if stopped:
             self._finish(reason)
-        return TokenEvent(-1, token_id, text, token_id in self.special_ids, self.result)
+        return TokenEvent(-1, token_id, text, token_id in self.special_ids, logprob, self.result,
+                          len(self.token_ids))
 
     def _finish(self, reason: str) -> None:
-        self.result = GenerationResult("".join(self.pieces), list(self.token_ids), reason,
-                                       self.prompt_tokens)
+        self.result = GenerationResult(
+            "".join(self.pieces), list(self.token_ids), reason, self.prompt_tokens, list(self.pieces),
+            list(self.logprobs), [t in self.special_ids for t in self.token_ids], self.seed)
 
 
 Sink = Callable[[List[TokenEvent]], None]
@@ -83,14 +101,15 @@ class BatchTextStreamer:
             raise ValueError(f"BatchTextStreamer has {len(self.rows)} rows, got shape {tuple(value.shape)}")
         self.put_rows(range(len(self.rows)), value.reshape(-1))
 
-    def put_rows(self, rows: Sequence[int], tokens: torch.Tensor) -> None:
+    def put_rows(self, rows: Sequence[int], tokens: torch.Tensor, logprobs: Optional[Sequence[float]] = None) -> None:
         """Take one new token for each of ``rows`` (the rows still in a shrunken batch)."""
         events = []
-        for row, token_id in zip(rows, tokens.reshape(-1).tolist()):
+        token_list = tokens.reshape(-1).tolist()
+        for i, (row, token_id) in enumerate(zip(rows, token_list)):
             state = self.rows[row]
             if state is None or state.result is not None:
                 continue
-            event = state.add(token_id)
+            event = state.add(token_id, 0.0 if logprobs is None else logprobs[i])
             event.row = row
             events.append(event)
         if events and self.sink is not None:
@@ -102,9 +121,15 @@ class BatchTextStreamer:
         for row, state in enumerate(self.rows):
             if state is not None and state.result is None:
                 text = state.detokenizer.flush()
-                state.pieces.append(text)
+                if state.stop_sequences is not None:
+                    text, _ = state.stop_sequences(text)
+                    text += state.stop_sequences.flush()
+                if state.pieces:  # the closing text belongs to the last token
+                    state.pieces[-1] += text
+                else:
+                    state.pieces.append(text)
                 state._finish(FINISH_LENGTH)
-                events.append(TokenEvent(row, None, text, False, state.result))
+                events.append(TokenEvent(row, None, text, False, result=state.result))
         if events and self.sink is not None:
             self.sink(events)
 
