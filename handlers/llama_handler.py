@@ -179,7 +179,8 @@ class LlamaHandler:
         header = self.context.get_request_header(slot.index, body_key) or {}
         content_type = header.get("content-type") if isinstance(header, dict) else None
         return parse_request(raw[body_key], content_type, self.config.handler.max_input_bytes,
-                             accept=self._header(slot.index, "accept"))
+                             accept=self._header(slot.index, "accept"),
+                             user_agent=self._header(slot.index, "user-agent"))
 
     def _header(self, idx: int, name: str) -> Optional[str]:
         for key, value in (self.context.get_all_request_header(idx) or {}).items():

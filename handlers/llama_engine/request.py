@@ -9,7 +9,8 @@ Accepted bodies:
 
 The response format follows the request: NDJSON by default, Server-Sent Events in TGI's
 schema for ``"stream": true`` or ``Accept: text/event-stream``, one JSON document for
-``"stream": false``.
+``"stream": false``. huggingface_hub's client sends no ``"stream"`` key when it wants one
+JSON document (TGI's default), so a request with its User-Agent and no key gets that.
 
 A body sent as ``application/json`` that is not JSON at all (it does not start with ``{`` or
 ``[``) is taken as plain text, because the SageMaker examples send plain prompts that way.
@@ -42,9 +43,16 @@ class GenerationRequest:
         return self.output != JSON_BODY
 
 
+# TGI's clients expect TGI's default, a single JSON document, when they send no "stream" key.
+TGI_CLIENT_AGENTS = ("hf_hub/",)
+
+
 def parse_request(body: Body, content_type: Optional[str] = None, max_bytes: int = 65536,
-                  accept: Optional[str] = None) -> GenerationRequest:
+                  accept: Optional[str] = None, user_agent: Optional[str] = None) -> GenerationRequest:
     request = _parse_body(body, content_type, max_bytes)
+    if request.output is None:
+        tgi_client = bool(user_agent) and any(agent in user_agent for agent in TGI_CLIENT_AGENTS)
+        request.output = JSON_BODY if tgi_client else NDJSON
     if request.output == NDJSON and accept and "text/event-stream" in accept.lower():
         request.output = SSE
     return request
@@ -105,7 +113,7 @@ def _parse_json_object(data: dict) -> GenerationRequest:
     stream = data.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise RequestError(f"stream must be true or false, got {stream!r}", "stream")
-    output = NDJSON if stream is None else SSE if stream else JSON_BODY
+    output = None if stream is None else SSE if stream else JSON_BODY
     params = SamplingParams.from_dict(data.get("parameters"))
     if "messages" in data:
         if "inputs" in data:
