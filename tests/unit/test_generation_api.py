@@ -225,3 +225,17 @@ def test_tgi_clients_without_a_stream_key_get_one_json_document():
     assert parse_request({"inputs": "x"}, user_agent=agent).output == "json"
     assert parse_request({"inputs": "x", "stream": True}, user_agent=agent).output == "sse"
     assert parse_request({"inputs": "x"}, user_agent="curl/8.0").output == "ndjson"
+
+
+def test_mid_stream_errors_end_each_form_in_its_own_way():
+    from huggingface_hub.errors import TextGenerationError
+    from huggingface_hub.inference._common import _format_text_generation_stream_output
+
+    from llama_engine.formatting import stream_error
+
+    error = RequestError("generation failed: device lost", status=500)
+    sse = stream_error(parse_request({"inputs": "x", "stream": True}), error)
+    with pytest.raises(TextGenerationError, match="device lost"):
+        _format_text_generation_stream_output(sse.strip().encode(), details=True)
+    line = stream_error(parse_request({"inputs": "x"}), error)
+    assert line.endswith("\n") and json.loads(line)["code"] == 500

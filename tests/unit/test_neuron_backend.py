@@ -153,3 +153,15 @@ def test_sdk_sample_drives_the_project_streamer(built, double, tiny_model_dir):
                  streamer=streamer)
     expected = engine.generate(prepared)
     assert [r.text for r in streamer.results()] == [r.text for r in expected]
+
+
+def test_per_row_parameters_hold_on_the_neuron_backend(built, double):
+    from llama_engine.request import GenerationRequest as Request
+
+    engine = engine_from(built)
+    rows = [Request("The function returns", SamplingParams(max_new_tokens=8)),
+            Request("If the object is", SamplingParams(max_new_tokens=8, do_sample=True, temperature=0.8, seed=11)),
+            Request("A list of", SamplingParams(max_new_tokens=8, repetition_penalty=1.4, stop=["\n"]))]
+    alone = [engine.generate([engine.prepare(r)])[0] for r in rows]
+    batched = engine.generate([engine.prepare(r) for r in rows])
+    assert [(b.token_ids, b.finish_reason) for b in batched] == [(a.token_ids, a.finish_reason) for a in alone]
