@@ -242,10 +242,38 @@ class MicroBatchingConfig:
 
 
 @dataclass
+class SageMakerConfig:
+    """The ``sagemaker:`` section: what `make deploy` needs to size an endpoint for this model."""
+
+    instance_type: str = "ml.m5.xlarge"
+    volume_size_gb: int = 30
+    model_data_download_timeout: int = 600
+    container_startup_health_check_timeout: int = 600
+
+    _TYPES = {"instance_type": (str, False), "volume_size_gb": (int, False),
+              "model_data_download_timeout": (int, False), "container_startup_health_check_timeout": (int, False)}
+
+    def __post_init__(self):
+        _check_fields(self, "sagemaker.", self._TYPES)
+        if not self.instance_type.startswith("ml."):
+            raise ConfigError(f"sagemaker.instance_type: SageMaker instance types start with 'ml.', "
+                              f"got {self.instance_type!r} (e.g. ml.inf2.xlarge)")
+        for key in ("volume_size_gb", "model_data_download_timeout", "container_startup_health_check_timeout"):
+            _check_positive("sagemaker.", key, getattr(self, key))
+        if not 60 <= self.container_startup_health_check_timeout <= 3600:
+            raise ConfigError("sagemaker.container_startup_health_check_timeout: SageMaker accepts 60 to 3600 s, "
+                              f"got {self.container_startup_health_check_timeout}")
+        if not 60 <= self.model_data_download_timeout <= 3600:
+            raise ConfigError("sagemaker.model_data_download_timeout: SageMaker accepts 60 to 3600 s, "
+                              f"got {self.model_data_download_timeout}")
+
+
+@dataclass
 class ModelConfig:
     frontend: FrontendConfig
     handler: HandlerConfig
     micro_batching: MicroBatchingConfig
+    sagemaker: SageMakerConfig = field(default_factory=SageMakerConfig)
 
     def __post_init__(self):
         if self.handler.backend == "neuron" and self.frontend.maxWorkers > 1:
@@ -287,14 +315,15 @@ def load_model_config(data: Optional[Mapping]) -> ModelConfig:
     data = dict(data or {})
     handler = _section(HandlerConfig, data.pop("handler", None), "handler")
     micro = _section(MicroBatchingConfig, data.pop("micro_batching", None), "micro_batching")
+    sagemaker = _section(SageMakerConfig, data.pop("sagemaker", None), "sagemaker")
     frontend_keys = [f.name for f in dataclasses.fields(FrontendConfig)]
     passthrough = {k: data.pop(k) for k in list(data) if k in PASSTHROUGH_FRONTEND_KEYS}
-    _reject_unknown("", data, frontend_keys + ["handler", "micro_batching"] + sorted(passthrough))
+    _reject_unknown("", data, frontend_keys + ["handler", "micro_batching", "sagemaker"] + sorted(passthrough))
     if passthrough.get("continuousBatching"):
         raise ConfigError(
             "continuousBatching: this handler uses micro-batching; remove continuousBatching or set it to false"
         )
-    return ModelConfig(frontend=FrontendConfig(**data), handler=handler, micro_batching=micro)
+    return ModelConfig(frontend=FrontendConfig(**data), handler=handler, micro_batching=micro, sagemaker=sagemaker)
 
 
 def load_model_config_file(path: str) -> ModelConfig:
