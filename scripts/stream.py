@@ -1,10 +1,14 @@
 #!/usr/bin/env python3
-"""Stream one prompt from the local TorchServe and print tokens as they arrive.
+"""Stream one prompt and print tokens as they arrive, from a local TorchServe or a SageMaker endpoint.
 
     python scripts/stream.py "Today the weather is" --max-new-tokens 40 --details
+    python scripts/stream.py "Today the weather is" --sagemaker-endpoint my-endpoint --region us-east-1
 
-The inference key is read from the key_file.json that TorchServe wrote into its start
-directory (``build/serve`` for ``make serve``).
+Locally, the inference key is read from the key_file.json that TorchServe wrote into its
+start directory (``build/serve`` for ``make serve``). On SageMaker the request goes through
+``invoke_endpoint_with_response_stream`` with the standard boto3 credential chain; its
+``PayloadPart`` events split the NDJSON stream at arbitrary byte offsets, so the
+:class:`LineIterator` reassembles whole lines (and whole UTF-8 characters) before parsing.
 """
 from __future__ import annotations
 
@@ -13,18 +17,83 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Iterable, Iterator
 
-import requests
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tsctl import ROOT, read_key  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 
-def iter_ndjson(response):
-    """Yield one parsed object per line, however the HTTP chunks fall."""
-    for line in response.iter_lines(chunk_size=None, decode_unicode=False):
-        if line:
-            yield json.loads(line)
+class LineIterator:
+    """Yield complete lines (bytes, without the newline) from an iterable of byte chunks.
+
+    Accepts raw ``bytes`` chunks or SageMaker event-stream events
+    (``{"PayloadPart": {"Bytes": b"..."}}``); a line may span any number of chunks, and a chunk
+    may hold several lines. Lines are only decoded by the caller, once whole, so a multi-byte
+    character split across chunks is never decoded in halves.
+    """
+
+    def __init__(self, chunks: Iterable):
+        self.chunks = iter(chunks)
+        self.buffer = bytearray()
+
+    def __iter__(self) -> Iterator[bytes]:
+        for chunk in self.chunks:
+            self.buffer += _payload(chunk)
+            while True:
+                newline = self.buffer.find(b"\n")
+                if newline < 0:
+                    break
+                line = bytes(self.buffer[:newline])
+                del self.buffer[:newline + 1]
+                yield line
+        if self.buffer:
+            yield bytes(self.buffer)
+            self.buffer.clear()
+
+
+def _payload(chunk) -> bytes:
+    if isinstance(chunk, (bytes, bytearray)):
+        return bytes(chunk)
+    if "PayloadPart" in chunk:
+        return chunk["PayloadPart"]["Bytes"]
+    for error in ("ModelStreamError", "InternalStreamFailure"):
+        if error in chunk:
+            raise RuntimeError(f"{error}: {chunk[error].get('Message', chunk[error])}")
+    return b""
+
+
+def iter_messages(chunks: Iterable) -> Iterator[dict]:
+    """Parse a stream into messages: NDJSON lines, or TGI-style SSE ``data:`` events."""
+    for line in LineIterator(chunks):
+        line = line.strip()
+        if not line:
+            continue
+        if line.startswith(b"data:"):
+            line = line[len(b"data:"):].strip()
+        yield json.loads(line.decode("utf-8"))
+
+
+def local_chunks(args, body: dict) -> Iterator[bytes]:
+    import requests
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from tsctl import read_key
+
+    headers = {"Authorization": f"Bearer {read_key(args.workdir)}", "Content-Type": "application/json"}
+    with requests.post(f"{args.url}/predictions/{args.model}", json=body, headers=headers, stream=True,
+                       timeout=600) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"HTTP {response.status_code}: {response.text}")
+        yield from response.iter_content(chunk_size=None)
+
+
+def sagemaker_chunks(args, body: dict) -> Iterator[dict]:
+    import boto3
+
+    runtime = boto3.client("sagemaker-runtime", region_name=args.region)
+    response = runtime.invoke_endpoint_with_response_stream(
+        EndpointName=args.sagemaker_endpoint, Body=json.dumps(body).encode("utf-8"),
+        ContentType="application/json")
+    yield from response["Body"]
 
 
 def main(argv=None) -> int:
@@ -34,6 +103,8 @@ def main(argv=None) -> int:
     parser.add_argument("--model", default="tiny-llama")
     parser.add_argument("--workdir", type=Path, default=ROOT / "build" / "serve",
                         help="where torchserve was started (holds key_file.json)")
+    parser.add_argument("--sagemaker-endpoint", help="stream from this SageMaker endpoint instead")
+    parser.add_argument("--region", help="AWS region of the endpoint (default: the boto3 chain's)")
     parser.add_argument("--max-new-tokens", type=int)
     parser.add_argument("--temperature", type=float)
     parser.add_argument("--details", action="store_true", help="print finish reason, TTFT and tokens/s")
@@ -44,24 +115,21 @@ def main(argv=None) -> int:
         params["max_new_tokens"] = args.max_new_tokens
     if args.temperature is not None:
         params.update(do_sample=True, temperature=args.temperature)
-    headers = {"Authorization": f"Bearer {read_key(args.workdir)}", "Content-Type": "application/json"}
+    body = {"inputs": args.prompt, "parameters": params}
+    source = sagemaker_chunks if args.sagemaker_endpoint else local_chunks
     started = time.perf_counter()
-    first = None
-    final = {}
-    with requests.post(f"{args.url}/predictions/{args.model}", json={"inputs": args.prompt, "parameters": params},
-                       headers=headers, stream=True, timeout=600) as response:
-        if response.status_code != 200:
-            print(f"HTTP {response.status_code}: {response.text}", file=sys.stderr)
-            return 1
-        for message in iter_ndjson(response):
+    first, final = None, {}
+    try:
+        for message in iter_messages(source(args, body)):
             if "error" in message:
                 print(f"\nerror: {message['error']}", file=sys.stderr)
                 return 1
-            if first is None:
-                first = time.perf_counter() - started
+            first = first if first is not None else time.perf_counter() - started
             print(message.get("token", {}).get("text", ""), end="", flush=True)
-            if "details" in message:
-                final = message
+            final = message if "details" in message else final
+    except RuntimeError as exc:
+        print(exc, file=sys.stderr)
+        return 1
     total = time.perf_counter() - started
     print()
     if args.details and final:

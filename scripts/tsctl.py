@@ -54,7 +54,7 @@ class TorchServe:
                  extra: Optional[Dict[str, str]] = None, env: Optional[Dict[str, str]] = None):
         self.workdir = Path(workdir).resolve()
         self.model_store = Path(model_store).resolve()
-        self.props = read_properties(base_config)
+        self.props = read_properties(base_config) if base_config is not None else {}
         self.props["model_store"] = str(self.model_store)
         if models is not None:
             self.props["load_models"] = models
@@ -75,6 +75,12 @@ class TorchServe:
     @property
     def key(self) -> str:
         return read_key(self.workdir)
+
+    def auth_headers(self, kind: str = "inference") -> Dict[str, str]:
+        """Bearer headers, or none when token authorization is off (as in the SageMaker container)."""
+        if self.props.get("disable_token_authorization") == "true":
+            return {}
+        return {"Authorization": f"Bearer {read_key(self.workdir, kind)}"}
 
     def env(self) -> Dict[str, str]:
         env = dict(os.environ)
@@ -125,7 +131,7 @@ class TorchServe:
             if failure:
                 raise RuntimeError(f"the model failed to load (TorchServe would retry it until startupTimeout):\n{failure}")
             try:
-                headers = {"Authorization": f"Bearer {self.key}"}
+                headers = self.auth_headers()
                 r = requests.get(self.url() + "/ping", headers=headers, timeout=2)
                 if r.status_code == 200 and r.json().get("status") == "Healthy" and self._models_ready(headers):
                     return time.monotonic() - started
@@ -136,8 +142,8 @@ class TorchServe:
 
     def _models_ready(self, headers) -> bool:
         """Ping says Healthy before any model is loaded; ask the management API for workers."""
-        mgmt = {"Authorization": f"Bearer {read_key(self.workdir, 'management')}"}
-        models = [m.split("=")[0] for m in self.props.get("load_models", "").split(",") if m]
+        mgmt = self.auth_headers("management")
+        models = [m.split("=")[0] for m in self.props.get("load_models", "").split(",") if m and m != "ALL"]
         for model in models:
             r = requests.get(f"{self.url('management')}/models/{model}", headers=mgmt, timeout=2)
             if r.status_code != 200:

@@ -1,0 +1,104 @@
+#!/usr/bin/env python3
+"""Serve an uploaded artifact the way SageMaker's PyTorch container does, on this machine.
+
+    python scripts/sagemaker_local.py s3://bucket/prefix/ [--endpoint-url URL] [--check]
+
+SageMaker copies the S3 prefix's contents into a read-only ``/opt/ml/model`` and its
+inference toolkit starts ``torchserve --models model=/opt/ml/model`` with the toolkit's
+``default-ts.properties`` (``decode_input_request=false``: bodies arrive as raw bytes;
+``disable_token_authorization=true``: SageMaker's ``/ping`` and ``/invocations`` carry no
+TorchServe token, the endpoint is protected by IAM instead). Then it calls ``/ping`` and
+``/invocations``. Reproducing that here catches layout mistakes (the nesting of the model
+directory, writes into it, a missing per-model requirement) before a 30-minute endpoint
+creation does.
+
+Differences from the container, on purpose: addresses are 127.0.0.1, not 0.0.0.0, and the
+model-registration API stays off. ``--check`` streams one prompt through ``/invocations``
+and stops; otherwise the server runs until Ctrl-C.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import stat
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from tsctl import TorchServe, free_port  # noqa: E402
+
+MODEL_NAME = "model"  # the toolkit registers the artifact under this name
+# sagemaker-pytorch-inference-toolkit: etc/default-ts.properties plus the properties it generates.
+CONTAINER_PROPERTIES = {
+    "enable_envvars_config": "true",
+    "decode_input_request": "false",
+    "disable_token_authorization": "true",
+    "enable_model_api": "false",
+    "default_workers_per_model": "1",
+    "default_response_timeout": "600",
+}
+
+
+def make_read_only(root: Path) -> None:
+    for path in [root, *root.rglob("*")]:
+        if not path.is_symlink():
+            os.chmod(path, os.stat(path).st_mode & ~(stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH))
+
+
+def container_server(model_dir: Path, workdir: Path, env=None) -> TorchServe:
+    """A TorchServe configured as the SageMaker container starts it, on free loopback ports."""
+    ports = {"inference": free_port(), "management": free_port(), "metrics": free_port()}
+    props = {**CONTAINER_PROPERTIES, "load_models": f"{MODEL_NAME}={model_dir}"}
+    store = workdir / ".sagemaker" / "ts" / "models"
+    store.mkdir(parents=True, exist_ok=True)
+    return TorchServe(workdir, store, ports=ports, base_config=None, extra=props, env=env)
+
+
+def main(argv=None) -> int:
+    import boto3
+    import requests
+
+    import s3_upload
+    from stream import iter_messages
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("s3_uri")
+    parser.add_argument("--endpoint-url", help="an S3-compatible endpoint instead of AWS S3")
+    parser.add_argument("--region")
+    parser.add_argument("--workdir", type=Path, default=ROOT / "build" / "sagemaker-local")
+    parser.add_argument("--check", action="store_true", help="stream one prompt via /invocations, then stop")
+    args = parser.parse_args(argv)
+
+    model_dir = args.workdir / "opt" / "ml" / "model"
+    if model_dir.exists():
+        for path in [model_dir, *model_dir.rglob("*")]:
+            os.chmod(path, 0o755 if path.is_dir() else 0o644)
+    s3 = boto3.client("s3", endpoint_url=args.endpoint_url, region_name=args.region)
+    s3_upload.download(args.s3_uri, model_dir, s3)
+    make_read_only(model_dir)
+    server = container_server(model_dir.resolve(), args.workdir / "container")
+    server.start()
+    try:
+        print(f"ready in {server.wait_ready(timeout=900):.1f} s; POST {server.url()}/invocations", flush=True)
+        if args.check:
+            with requests.post(f"{server.url()}/invocations", json={"inputs": "The function returns"},
+                               stream=True, timeout=300) as r:
+                r.raise_for_status()
+                for message in iter_messages(r.iter_content(chunk_size=None)):
+                    print(message.get("token", {}).get("text", ""), end="", flush=True)
+            print()
+            return 0
+        while server.process.poll() is None:
+            time.sleep(1)
+        return server.process.returncode or 0
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        server.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
