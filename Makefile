@@ -23,7 +23,7 @@ else
 ARCHIVE := $(STORE)/$(MODEL)/MAR-INF/MANIFEST.json
 endif
 
-.PHONY: demo test build serve stop stream check-prereqs venv clean neuron-smoke
+.PHONY: demo test build serve stop stream check-prereqs venv clean neuron-smoke upload deploy undeploy sagemaker-local
 
 demo: serve
 	@echo "--- streaming with curl -N (tokens appear as they are generated):"
@@ -73,6 +73,30 @@ stream: | $(VENV)/.installed
 
 test: $(BUILD)/tiny-llama/config.json | $(VENV)/.installed
 	PATH=$(abspath $(BIN)):$$PATH $(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# SageMaker: upload the uncompressed artifact, deploy it, tear it down. Credentials come from
+# the standard AWS chain (environment, profile, instance role), never from arguments.
+S3_URI ?=
+ROLE_ARN ?=
+IMAGE_URI ?=
+ENDPOINT ?=
+AWS_ARGS := $(if $(REGION),--region $(REGION)) $(if $(ENDPOINT_URL),--endpoint-url $(ENDPOINT_URL))
+upload: build
+	@test -n "$(S3_URI)" || { echo "set S3_URI=s3://bucket/prefix/" >&2; exit 1; }
+	$(BIN)/python scripts/s3_upload.py $(STORE)/$(MODEL) $(S3_URI) $(AWS_ARGS) $(UPLOAD_ARGS)
+
+deploy: | $(VENV)/.installed
+	@test -n "$(S3_URI)" -a -n "$(ROLE_ARN)" -a -n "$(IMAGE_URI)" || { echo "set S3_URI, ROLE_ARN and IMAGE_URI (see README: Deploy to SageMaker)" >&2; exit 1; }
+	$(BIN)/python scripts/sagemaker_deploy.py deploy --config model-config/$(MODEL).yaml --s3-uri $(S3_URI) \
+	  --role-arn $(ROLE_ARN) --image-uri $(IMAGE_URI) $(if $(ENDPOINT),--name $(ENDPOINT)) $(if $(REGION),--region $(REGION)) $(DEPLOY_ARGS)
+
+undeploy: | $(VENV)/.installed
+	@test -n "$(ENDPOINT)" || { echo "set ENDPOINT=<name printed by make deploy>" >&2; exit 1; }
+	$(BIN)/python scripts/sagemaker_deploy.py undeploy --name $(ENDPOINT) $(if $(REGION),--region $(REGION))
+
+# Serve what S3_URI holds the way the SageMaker container would, locally, and stream once.
+sagemaker-local: | $(VENV)/.installed
+	PATH=$(abspath $(BIN)):$$PATH $(BIN)/python scripts/sagemaker_local.py $(S3_URI) $(AWS_ARGS) --check
 
 # On an inf2 host: install the Neuron stack, then build, serve from the shipped cache,
 # stream, benchmark and report. NEURON_PIP_INDEX: the Neuron pip repository URL, if pip
