@@ -49,3 +49,38 @@ class Backend(ABC):
         if not fitting:
             raise ValueError(f"{n} rows exceed the largest compiled batch size {max(self.batch_sizes)}")
         return min(fitting)
+
+
+class SlotBackend(ABC):
+    """A KV cache of ``max_slots`` independent rows, for continuous batching.
+
+    Unlike :class:`Backend`, which runs one static batch, a slot backend keeps one sequence
+    per slot, each at its own position: a request is prefilled into a free slot while the
+    other slots keep their cache, and a decode step advances any subset of the slots by one
+    token each.
+    """
+
+    #: How many sequences the cache holds at once.
+    max_slots: int
+    #: The most positions (prompt + generated) one slot may occupy.
+    max_length: int
+
+    @abstractmethod
+    def prefill_slot(self, slot: int, prompt_ids: Sequence[int], start: int = 0) -> torch.Tensor:
+        """Encode ``prompt_ids`` at positions ``start..`` of ``slot``; return the last logits ``[vocab]``.
+
+        ``start > 0`` continues a prompt whose first ``start`` tokens are already in the slot
+        (chunked prefill).
+        """
+
+    @abstractmethod
+    def decode_slots(self, slots: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
+        """Append one token to each of ``slots``, each at its own position; return logits ``[len(slots), vocab]``."""
+
+    @abstractmethod
+    def free_slot(self, slot: int) -> None:
+        """Forget the sequence in ``slot`` so that another request can use it."""
+
+    def slot_length(self, slot: int) -> int:
+        """Positions of ``slot`` already written (0 when free)."""
+        return 0

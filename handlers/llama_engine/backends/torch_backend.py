@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from typing import List, Sequence
 
 import torch
 
-from .base import Backend
+from .base import Backend, SlotBackend
 
 logger = logging.getLogger(__name__)
 
@@ -132,3 +132,149 @@ class CompiledTorchBackend(TorchBackend):
 
     def release(self) -> None:
         self._position = 0
+
+
+class TorchSlotBackend(SlotBackend):
+    """A slot KV cache over an HF Llama's weights, for continuous batching.
+
+    HF's caches keep every row of a batch at one shared position, so admitting a request
+    would mean recomputing (or re-padding) all the others. This backend runs its own lean
+    Llama forward over the HF modules (embeddings, RMSNorm, projections, MLP, lm_head; only
+    the attention is its own) against one cache ``[layers, slots, kv_heads, max_length,
+    head_dim]`` for keys and one for values. Each row of a forward pass writes its K/V at its
+    own positions in its own slot and attends only to the positions at or before its own,
+    so a slot's stale entries from an earlier request are never read and freeing a slot is
+    only bookkeeping.
+    """
+
+    def __init__(self, model, max_slots: int, max_length: int):
+        self.model = model.eval()
+        cfg = model.config
+        limit = getattr(cfg, "max_position_embeddings", max_length)
+        if max_length > limit:
+            raise ValueError(f"max_length ({max_length}) exceeds the model's max_position_embeddings ({limit})")
+        if max_slots < 1:
+            raise ValueError(f"max_slots must be >= 1, got {max_slots}")
+        self.max_slots, self.max_length = max_slots, max_length
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.n_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
+        shape = (cfg.num_hidden_layers, max_slots, self.n_kv_heads, max_length, self.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self._cos, self._sin = self._rope_tables()
+        self._lengths: List[int] = [0] * max_slots
+        logger.info("torch slot backend: %d slots x %d positions, %.1f MiB of KV cache", max_slots, max_length,
+                    2 * self.k_cache.numel() * self.k_cache.element_size() / 2**20)
+
+    @classmethod
+    def from_pretrained(cls, model_path: str, max_slots: int, max_length: int = 512, dtype: str = "float32",
+                        device: str = "auto") -> "TorchSlotBackend":
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=DTYPES[dtype], use_safetensors=True)
+        return cls(model.to(resolve_device(device)), max_slots, max_length)
+
+    @torch.inference_mode()
+    def _rope_tables(self):
+        """cos/sin for every position, from the model's own rotary module (rope_theta, rope_scaling)."""
+        rotary = self.model.model.rotary_emb
+        if "dynamic" in getattr(rotary, "rope_type", "default"):
+            raise ValueError("dynamic RoPE scaling depends on the sequence length; the slot cache needs a fixed table")
+        positions = torch.arange(self.max_length, device=self.device).unsqueeze(0)
+        probe = torch.zeros(1, dtype=self.dtype, device=self.device)
+        cos, sin = rotary(probe, positions)
+        return cos[0], sin[0]
+
+    def slot_length(self, slot: int) -> int:
+        return self._lengths[slot]
+
+    def free_slot(self, slot: int) -> None:
+        self._lengths[slot] = 0
+
+    @torch.inference_mode()
+    def prefill_slot(self, slot: int, prompt_ids: Sequence[int], start: int = 0) -> torch.Tensor:
+        n = len(prompt_ids)
+        if n == 0:
+            raise ValueError("prefill_slot needs at least one token")
+        if start != self._lengths[slot]:
+            raise ValueError(f"slot {slot} holds {self._lengths[slot]} positions; cannot prefill from {start}")
+        if start + n > self.max_length:
+            raise ValueError(f"the prompt needs {start + n} positions; the slot holds {self.max_length}")
+        ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=self.device)
+        positions = torch.arange(start, start + n, device=self.device).unsqueeze(0)
+        logits = self._forward(ids, positions, [slot], start + n)
+        self._lengths[slot] = start + n
+        return logits[0]
+
+    @torch.inference_mode()
+    def decode_slots(self, slots: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
+        slots = list(slots)
+        if len(slots) != len(tokens):
+            raise ValueError(f"{len(slots)} slots but {len(tokens)} tokens")
+        lengths = [self._lengths[s] for s in slots]
+        if min(lengths) < 1:
+            raise ValueError(f"decode on an empty slot ({slots[lengths.index(min(lengths))]}); prefill it first")
+        if max(lengths) >= self.max_length:
+            raise ValueError(f"a slot reached max_length ({self.max_length}) positions")
+        ids = torch.as_tensor(tokens, dtype=torch.long).to(self.device).view(-1, 1)
+        positions = torch.tensor(lengths, device=self.device).unsqueeze(1)
+        logits = self._forward(ids, positions, slots, max(lengths) + 1)
+        for s in slots:
+            self._lengths[s] += 1
+        return logits
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, slots: List[int], span: int) -> torch.Tensor:
+        """Run ``ids [B, T]`` at ``positions [B, T]`` in ``slots``; keys span cache positions ``[0, span)``.
+
+        Returns the float logits of each row's last position, ``[B, vocab]``.
+        """
+        inner = self.model.model
+        rows = _rows(slots, self.device)
+        mask = (torch.arange(span, device=self.device) <= positions.unsqueeze(-1)).unsqueeze(1)  # [B, 1, T, span]
+        cos, sin = self._cos[positions].unsqueeze(1), self._sin[positions].unsqueeze(1)  # [B, 1, T, D]
+        hidden = inner.embed_tokens(ids)
+        for index, layer in enumerate(inner.layers):
+            attn_in = layer.input_layernorm(hidden)
+            hidden = hidden + self._attention(index, layer.self_attn, attn_in, positions, rows, span, mask, cos, sin)
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        return self.model.lm_head(inner.norm(hidden[:, -1, :])).float()
+
+    def _attention(self, index, attn, x, positions, rows, span, mask, cos, sin) -> torch.Tensor:
+        batch, length, _ = x.shape
+        q = attn.q_proj(x).view(batch, length, self.n_heads, self.head_dim).transpose(1, 2)
+        k = attn.k_proj(x).view(batch, length, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = attn.v_proj(x).view(batch, length, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        k_layer, v_layer = self.k_cache[index], self.v_cache[index]
+        write = (_row_index(rows, batch, self.device), slice(None), positions)  # each row at its own positions
+        k_layer[write] = k.transpose(1, 2)
+        v_layer[write] = v.transpose(1, 2)
+        keys, values = k_layer[rows, :, :span], v_layer[rows, :, :span]
+        out = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
+                                                               enable_gqa=self.n_heads != self.n_kv_heads)
+        return attn.o_proj(out.transpose(1, 2).reshape(batch, length, self.n_heads * self.head_dim))
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Llama's rotary embedding (HF's ``rotate_half`` convention)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def _rows(slots: List[int], device):
+    """Index the slots as a view when they are a contiguous run (the common case), else as a tensor."""
+    first = slots[0]
+    if slots == list(range(first, first + len(slots))):
+        return slice(first, first + len(slots))
+    return torch.tensor(slots, device=device)
+
+
+def _row_index(rows, batch: int, device) -> torch.Tensor:
+    """``rows`` as a ``[B, 1]`` tensor, to broadcast against positions ``[B, T]`` in an index."""
+    if isinstance(rows, slice):
+        return torch.arange(rows.start, rows.stop, device=device).unsqueeze(1)
+    return rows.view(batch, 1)

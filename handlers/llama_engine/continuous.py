@@ -1,0 +1,346 @@
+"""Continuous batching: requests join and leave the running batch between decode steps.
+
+The static engine (``engine.py``) runs a batch from prefill to its last row, so a request
+that arrives meanwhile waits for the whole batch, and a short answer holds its row until the
+longest one ends. Here a :class:`ContinuousScheduler` owns the slots of a
+:class:`~llama_engine.backends.base.SlotBackend` and runs one loop; each iteration (``step``)
+
+1. drops cancelled requests and frees their slots;
+2. prefills: continues prompts already admitted, then admits waiting requests into free
+   slots, all within ``max_prefill_tokens_per_step`` prompt tokens. A longer prompt is
+   prefilled in chunks over several steps (chunked prefill), so it cannot stall the
+   streams already running; a request whose prompt is complete gets its first token now;
+3. decodes one token for every request that was running when the step began.
+
+Each token goes through the request's own ``TokenSelector`` and ``RowState`` (the same
+selection, detokenization and stopping as the static engine) and the ``TokenEvent`` goes to
+that request's own callback. A request that finishes (EOS, length, stop sequence, error)
+frees its slot before its callback sees the final event.
+
+Threading: ``submit`` and ``cancel`` may be called from any thread; ``step`` (directly, for
+tests, or through ``start``'s background thread) from one thread at a time. Callbacks run on
+the stepping thread, so they should hand events off rather than block.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import threading
+from collections import deque
+from typing import Callable, Deque, Dict, List, Optional
+
+from .backends.base import SlotBackend
+from .detokenizer import IncrementalDetokenizer
+from .engine import PreparedRequest
+from .errors import RequestError
+from .selection import TokenSelector, select_tokens
+from .stopping import StoppingCriteria, StopSequences
+from .streamer import GenerationResult, RowState, TokenEvent
+
+logger = logging.getLogger(__name__)
+
+FINISH_ERROR = "error"
+FINISH_CANCELLED = "cancelled"
+
+WAITING, PREFILLING, RUNNING, FINISHED = "waiting", "prefilling", "running", "finished"
+
+EventCallback = Callable[[TokenEvent], None]
+
+
+class RequestHandle:
+    """One submitted request: its state, its slot, and at the end its result."""
+
+    def __init__(self, request_id: str, prepared: PreparedRequest, on_event: Optional[EventCallback],
+                 selector: TokenSelector, row: RowState):
+        self.request_id = request_id
+        self.prepared = prepared
+        self.on_event = on_event
+        self.selector = selector
+        self.row = row
+        self.state = WAITING
+        self.slot: Optional[int] = None
+        self.prefilled = 0  # prompt tokens already in the slot
+        self.next_token: Optional[int] = None  # the token the next decode step feeds
+        self.result: Optional[GenerationResult] = None
+        self.error: Optional[BaseException] = None
+        self.first_token_step: Optional[int] = None  # the scheduler step that produced the first token
+        self._done = threading.Event()
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: Optional[float] = None) -> Optional[GenerationResult]:
+        """Block until the request ends (any reason); return its result, None on timeout."""
+        self._done.wait(timeout)
+        return self.result
+
+
+class ContinuousScheduler:
+    def __init__(self, backend: SlotBackend, tokenizer, max_slots: Optional[int] = None, max_queue: int = 64,
+                 max_prefill_tokens_per_step: int = 256, eos_token_ids: Optional[frozenset] = None):
+        max_slots = backend.max_slots if max_slots is None else max_slots
+        if not 1 <= max_slots <= backend.max_slots:
+            raise ValueError(f"max_slots must be in [1, {backend.max_slots}] (the backend's slots), got {max_slots}")
+        if max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {max_queue}")
+        if max_prefill_tokens_per_step < 1:
+            raise ValueError(f"max_prefill_tokens_per_step must be >= 1, got {max_prefill_tokens_per_step}")
+        self.backend = backend
+        self.tokenizer = tokenizer
+        self.max_slots = max_slots
+        self.max_queue = max_queue
+        self.max_prefill_tokens_per_step = max_prefill_tokens_per_step
+        eos = tokenizer.eos_token_id
+        self.eos_token_ids = frozenset(eos_token_ids if eos_token_ids is not None else ([] if eos is None else [eos]))
+        self.special_ids = frozenset(tokenizer.all_special_ids)
+        self.steps = 0
+        self._free: List[int] = list(range(max_slots))  # a heap: admission takes the lowest free slot
+        self._active: Dict[int, RequestHandle] = {}  # slot -> request (prefilling or running)
+        self._waiting: Deque[RequestHandle] = deque()
+        self._by_id: Dict[str, RequestHandle] = {}
+        self._cancelled: List[str] = []
+        self._ids = itertools.count(1)
+        self._lock = threading.Condition()
+        self._thread: Optional[threading.Thread] = None
+        self._stopping = False
+
+    # ----- submission, cancellation, inspection (any thread)
+
+    def submit(self, prepared: PreparedRequest, on_event: Optional[EventCallback] = None,
+               request_id: Optional[str] = None) -> RequestHandle:
+        """Queue a request; RequestError 503 when ``max_queue`` requests already wait for a slot."""
+        self._check_fits(prepared)
+        handle = self._new_handle(prepared, on_event, request_id)
+        with self._lock:
+            if handle.request_id in self._by_id:
+                raise RequestError(f"request id {handle.request_id!r} is already in use", "request_id")
+            if len(self._waiting) >= self.max_queue:
+                raise RequestError(
+                    f"the server is busy: {len(self._waiting)} requests are already waiting for one of "
+                    f"{self.max_slots} generation slots (queue limit {self.max_queue}); retry later",
+                    status=503)
+            self._waiting.append(handle)
+            self._by_id[handle.request_id] = handle
+            self._lock.notify_all()
+        return handle
+
+    def cancel(self, request_id: str) -> bool:
+        """Drop a request (its client went away); its callback sees nothing more.
+
+        A waiting request leaves the queue now; a running one frees its slot at the start of
+        the next step. Return False if the request is unknown or already over.
+        """
+        with self._lock:
+            handle = self._by_id.get(request_id)
+            if handle is None or handle.done:
+                return False
+            if handle.state == WAITING:
+                self._waiting.remove(handle)
+                self._close(handle, FINISH_CANCELLED)
+            else:
+                self._cancelled.append(request_id)
+                self._lock.notify_all()
+            return True
+
+    @property
+    def free_slots(self) -> List[int]:
+        return sorted(self._free)
+
+    @property
+    def queue_length(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def active(self) -> Dict[int, RequestHandle]:
+        """Requests holding a slot, by slot."""
+        return dict(self._active)
+
+    @property
+    def idle(self) -> bool:
+        return not self._waiting and not self._active and not self._cancelled
+
+    # ----- the loop (one thread)
+
+    def step(self) -> bool:
+        """One iteration: cancellations, prefill within the token budget, one decode step.
+
+        Return False when there was nothing to do.
+        """
+        if self.idle:
+            return False
+        self._apply_cancellations()
+        running = sorted((h for h in self._active.values() if h.state == RUNNING), key=lambda h: h.slot)
+        self._prefill()
+        self._decode([h for h in running if h.state == RUNNING])
+        self.steps += 1
+        return True
+
+    def run_forever(self) -> None:
+        """Step until ``stop``; sleep while there is nothing to do."""
+        while True:
+            with self._lock:
+                while self.idle and not self._stopping:
+                    self._lock.wait()
+                if self._stopping:
+                    return
+            try:
+                self.step()
+            except Exception as exc:  # a bug, not a request's fault: fail what is in flight, keep serving
+                logger.exception("continuous batching step failed")
+                for handle in list(self._active.values()):
+                    self._fail(handle, exc)
+
+    def start(self) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self._stopping = False
+        self._thread = threading.Thread(target=self.run_forever, name="continuous-batching", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: Optional[float] = None) -> None:
+        """Stop the loop after its current step; requests still in flight stay where they are."""
+        with self._lock:
+            self._stopping = True
+            self._lock.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    # ----- internals
+
+    def _check_fits(self, prepared: PreparedRequest) -> None:
+        prompt = len(prepared.prompt_ids)
+        if prompt == 0:
+            raise RequestError("the prompt has no tokens", "inputs")
+        if prompt + prepared.max_new_tokens > self.backend.max_length:
+            raise RequestError(
+                f"the prompt ({prompt} tokens) and max_new_tokens ({prepared.max_new_tokens}) need "
+                f"{prompt + prepared.max_new_tokens} positions; a slot holds {self.backend.max_length}",
+                "max_new_tokens")
+
+    def _new_handle(self, prepared: PreparedRequest, on_event, request_id) -> RequestHandle:
+        selector = TokenSelector(prepared.request.params, prepared.prompt_ids)
+        stops = prepared.request.params.stop
+        row = RowState(
+            detokenizer=IncrementalDetokenizer(self.tokenizer, prepared.prompt_ids),
+            stopping=StoppingCriteria(self.eos_token_ids, prepared.max_new_tokens),
+            prompt_tokens=len(prepared.prompt_ids),
+            special_ids=self.special_ids,
+            stop_sequences=StopSequences(stops) if stops else None,
+            seed=selector.seed,
+        )
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        return RequestHandle(rid, prepared, on_event, selector, row)
+
+    def _apply_cancellations(self) -> None:
+        with self._lock:
+            ids, self._cancelled = self._cancelled, []
+        for rid in ids:
+            handle = self._by_id.get(rid)
+            if handle is not None and not handle.done:
+                self._release(handle)
+                self._close(handle, FINISH_CANCELLED)
+
+    def _prefill(self) -> None:
+        """Spend the step's prompt-token budget: first on prompts under way, then on new admissions."""
+        budget = self.max_prefill_tokens_per_step
+        for handle in sorted((h for h in self._active.values() if h.state == PREFILLING), key=lambda h: h.slot):
+            if budget == 0:
+                return
+            budget -= self._prefill_chunk(handle, budget)
+        while budget > 0 and self._free:
+            handle = self._admit()
+            if handle is None:
+                return
+            budget -= self._prefill_chunk(handle, budget)
+
+    def _admit(self) -> Optional[RequestHandle]:
+        with self._lock:
+            if not self._waiting:
+                return None
+            handle = self._waiting.popleft()
+            handle.slot = heapq.heappop(self._free)
+            handle.state = PREFILLING
+            self._active[handle.slot] = handle
+            return handle
+
+    def _prefill_chunk(self, handle: RequestHandle, budget: int) -> int:
+        """Prefill up to ``budget`` more prompt tokens of ``handle``; return how many it took."""
+        prompt = handle.prepared.prompt_ids
+        chunk = prompt[handle.prefilled:handle.prefilled + budget]
+        try:
+            logits = self.backend.prefill_slot(handle.slot, chunk, start=handle.prefilled)
+            handle.prefilled += len(chunk)
+            if handle.prefilled < len(prompt):
+                return len(chunk)
+            tokens, logprobs = select_tokens(logits.unsqueeze(0), [handle.selector])
+        except Exception as exc:
+            self._fail(handle, exc)
+            return len(chunk)
+        handle.state = RUNNING
+        self._deliver(handle, int(tokens[0]), logprobs[0])
+        return len(chunk)
+
+    def _decode(self, handles: List[RequestHandle]) -> None:
+        if not handles:
+            return
+        try:
+            logits = self.backend.decode_slots([h.slot for h in handles], [h.next_token for h in handles])
+            tokens, logprobs = select_tokens(logits, [h.selector for h in handles])
+        except Exception as exc:  # the step is shared: every row in it fails
+            for handle in handles:
+                self._fail(handle, exc)
+            return
+        for handle, token, logprob in zip(handles, tokens.tolist(), logprobs):
+            self._deliver(handle, token, logprob)
+
+    def _deliver(self, handle: RequestHandle, token: int, logprob: float) -> None:
+        event = handle.row.add(token, logprob)
+        event.row = handle.slot
+        handle.next_token = token
+        if handle.first_token_step is None:
+            handle.first_token_step = self.steps
+        if event.finished:
+            self._release(handle)
+            self._close(handle, None)
+        self._emit(handle, event)
+
+    def _fail(self, handle: RequestHandle, exc: BaseException) -> None:
+        logger.error("request %s failed: %s", handle.request_id, exc)
+        handle.error = exc
+        slot = handle.slot
+        self._release(handle)
+        self._close(handle, FINISH_ERROR)
+        self._emit(handle, TokenEvent(-1 if slot is None else slot, None, "", False, result=handle.result))
+
+    def _emit(self, handle: RequestHandle, event: TokenEvent) -> None:
+        """Hand the event to the request's callback; a callback that raises cancels its request."""
+        if handle.on_event is None:
+            return
+        try:
+            handle.on_event(event)
+        except Exception:
+            logger.exception("callback of request %s raised; cancelling it", handle.request_id)
+            if not handle.done:
+                self._release(handle)
+                self._close(handle, FINISH_CANCELLED)
+
+    def _release(self, handle: RequestHandle) -> None:
+        """Give the request's slot back at once, so the next admission can take it."""
+        if handle.slot is None or self._active.get(handle.slot) is not handle:
+            return
+        del self._active[handle.slot]
+        self.backend.free_slot(handle.slot)
+        heapq.heappush(self._free, handle.slot)
+
+    def _close(self, handle: RequestHandle, reason: Optional[str]) -> None:
+        """Mark the request over; ``reason`` None means the row already finished on its own."""
+        if reason is not None:
+            handle.row._finish(reason)
+        handle.result = handle.row.result
+        handle.state = FINISHED
+        with self._lock:
+            self._by_id.pop(handle.request_id, None)
+        handle._done.set()

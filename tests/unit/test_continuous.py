@@ -1,0 +1,301 @@
+"""Continuous batching in-process: the slot KV cache and the scheduler, on the tiny model (CPU)."""
+import math
+
+import pytest
+import torch
+
+from llama_engine import Engine, GenerationRequest, RequestError, SamplingParams
+from llama_engine.backends.torch_backend import TorchSlotBackend
+from llama_engine.config import HandlerConfig
+from llama_engine.continuous import FINISH_CANCELLED, FINISH_ERROR, ContinuousScheduler
+
+MAX_LENGTH = 256
+PROMPTS = [
+    "The function returns",
+    "If the object is a list of values, then",
+    "A",
+    "Errors should never pass silently. Unless explicitly silenced. In the face of ambiguity",
+    "def main():",
+    "Once upon a time there was",
+]
+LONG_PROMPT = " ".join(["Beautiful is better than ugly. Explicit is better than implicit."] * 3)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    # One thread: the tiny model gains nothing from more, and spinning OpenMP threads slow
+    # down many-fold when the machine is busy (other test processes).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    cfg = HandlerConfig(model_path=tiny_model_dir.name, max_length=MAX_LENGTH, max_new_tokens=16)
+    yield Engine.from_config(cfg, str(tiny_model_dir.parent))
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def backend(engine):
+    """Shares the engine's HF weights; 4 slots."""
+    return TorchSlotBackend(engine.backend.model, max_slots=4, max_length=MAX_LENGTH)
+
+
+def make_scheduler(engine, backend, **kw):
+    kw.setdefault("max_slots", backend.max_slots)
+    kw.setdefault("max_queue", 16)
+    kw.setdefault("max_prefill_tokens_per_step", 64)
+    return ContinuousScheduler(backend, engine.tokenizer, **kw)
+
+
+def prepare(engine, prompt, max_new_tokens=12, **params):
+    return engine.prepare(GenerationRequest(prompt, SamplingParams(max_new_tokens=max_new_tokens, **params)))
+
+
+_alone_cache = {}
+
+
+def alone(engine, prompt, max_new_tokens=12, **params):
+    """The static engine's output for the request served by itself (the reference)."""
+    key = (prompt, max_new_tokens, tuple(sorted((k, str(v)) for k, v in params.items())))
+    if key not in _alone_cache:
+        _alone_cache[key] = engine.generate([prepare(engine, prompt, max_new_tokens, **params)])[0]
+    return _alone_cache[key]
+
+
+class Events:
+    """A callback that records one request's events and the scheduler step each arrived at."""
+
+    def __init__(self, scheduler=None):
+        self.scheduler = scheduler
+        self.events, self.steps = [], []
+
+    def __call__(self, event):
+        self.events.append(event)
+        self.steps.append(None if self.scheduler is None else self.scheduler.steps)
+
+    @property
+    def text(self):
+        return "".join(e.text for e in self.events)
+
+    @property
+    def tokens(self):
+        return [e.token_id for e in self.events if e.token_id is not None]
+
+
+def drain(scheduler, limit=1000):
+    for _ in range(limit):
+        if not scheduler.step():
+            break
+    assert scheduler.idle
+    assert scheduler.free_slots == list(range(scheduler.max_slots)), "a slot leaked"
+
+
+# ----- the slot backend
+
+
+def test_slot_backend_matches_hf_logits(engine, backend):
+    model = engine.backend.model
+    tok = engine.tokenizer
+    a, b = tok(PROMPTS[3])["input_ids"], tok(PROMPTS[0])["input_ids"]
+    with torch.inference_mode():
+        ref_a = model(torch.tensor([a + [7, 8]])).logits[0]
+        ref_b = model(torch.tensor([b + [9]])).logits[0]
+    first = backend.prefill_slot(3, a[:5])  # chunked: 5 tokens, then the rest
+    torch.testing.assert_close(first, ref_a[4], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(backend.prefill_slot(3, a[5:], start=5), ref_a[len(a) - 1], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(backend.prefill_slot(1, b), ref_b[len(b) - 1], atol=1e-4, rtol=1e-4)
+    step = backend.decode_slots([3, 1], [7, 9])  # two rows at different positions, slots not contiguous
+    torch.testing.assert_close(step[0], ref_a[len(a)], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(step[1], ref_b[len(b)], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(backend.decode_slots([3], [8])[0], ref_a[len(a) + 1], atol=1e-4, rtol=1e-4)
+    assert backend.slot_length(3) == len(a) + 2
+    for slot in (1, 3):
+        backend.free_slot(slot)
+    assert backend.slot_length(3) == 0
+    with pytest.raises(ValueError, match="prefill it first"):
+        backend.decode_slots([0], [5])
+
+
+# ----- the scheduler
+
+
+def test_interleaved_arrivals_equal_each_request_alone(engine, backend):
+    """Requests arrive at different steps while others run; three slots, so some queue too."""
+    sched = make_scheduler(engine, backend, max_slots=3, max_prefill_tokens_per_step=8)
+    lengths = [14, 6, 10, 12, 3, 9]
+    arrivals = {0: [0, 1], 2: [2], 5: [3, 4], 9: [5]}  # step -> requests submitted before it
+    handles, events = {}, {}
+    for step in range(200):
+        for i in arrivals.get(step, []):
+            events[i] = Events(sched)
+            handles[i] = sched.submit(prepare(engine, PROMPTS[i], lengths[i]), events[i])
+        if not sched.step() and step > max(arrivals):
+            break
+    drain(sched)
+    for i, prompt in enumerate(PROMPTS):
+        ref = alone(engine, prompt, lengths[i])
+        result = handles[i].result
+        assert result.token_ids == ref.token_ids, f"request {i}"
+        assert result.text == ref.text and events[i].text == ref.text
+        assert events[i].tokens == ref.token_ids
+        assert result.finish_reason == ref.finish_reason
+        assert [e.finished for e in events[i].events] == [False] * (len(events[i].events) - 1) + [True]
+    assert handles[3].first_token_step > 5  # it waited for a slot
+
+
+def test_short_request_finishes_before_a_long_one_that_started_earlier(engine, backend):
+    sched = make_scheduler(engine, backend)
+    long_events, short_events = Events(sched), Events(sched)
+    long = sched.submit(prepare(engine, PROMPTS[0], 40), long_events)
+    sched.step()
+    sched.step()
+    short = sched.submit(prepare(engine, PROMPTS[1], 3), short_events)
+    while not short.done:
+        sched.step()
+    assert not long.done and long.state == "running"
+    assert short.slot not in sched.active  # freed at once
+    assert short_events.events[-1].finished and short.result.generated_tokens == 3
+    drain(sched)
+    assert short_events.steps[-1] < long_events.steps[-1]
+    assert long.result.token_ids == alone(engine, PROMPTS[0], 40).token_ids
+
+
+def test_cancel_frees_the_slot_and_a_new_request_takes_it(engine, backend):
+    sched = make_scheduler(engine, backend, max_slots=2)
+    ev_a, ev_b = Events(sched), Events(sched)
+    a = sched.submit(prepare(engine, PROMPTS[3], 40), ev_a)
+    b = sched.submit(prepare(engine, PROMPTS[1], 40), ev_b)
+    for _ in range(4):
+        sched.step()
+    assert sched.free_slots == []
+    seen = len(ev_a.events)
+    assert sched.cancel(a.request_id)
+    assert not sched.cancel("no-such-request")
+    c = sched.submit(prepare(engine, PROMPTS[2], 8))
+    sched.step()
+    assert a.done and a.result.finish_reason == FINISH_CANCELLED
+    assert c.slot == a.slot and sched.active[c.slot] is c
+    assert len(ev_a.events) == seen  # nothing more reaches a cancelled client
+    assert not sched.cancel(a.request_id)
+    drain(sched)
+    # c reuses a's cache rows; a's stale keys beyond c's positions must not leak into c
+    assert c.result.token_ids == alone(engine, PROMPTS[2], 8).token_ids
+    assert b.result.token_ids == alone(engine, PROMPTS[1], 40).token_ids
+
+
+def test_cancel_while_waiting_leaves_the_queue(engine, backend):
+    sched = make_scheduler(engine, backend, max_slots=1)
+    first = sched.submit(prepare(engine, PROMPTS[0], 4))
+    queued = sched.submit(prepare(engine, PROMPTS[1], 4))
+    assert sched.cancel(queued.request_id) and queued.done and sched.queue_length == 1
+    drain(sched)
+    assert first.result.generated_tokens == 4 and queued.result.finish_reason == FINISH_CANCELLED
+
+
+def test_queue_limit_raises_503(engine, backend):
+    sched = make_scheduler(engine, backend, max_slots=1, max_queue=2)
+    sched.submit(prepare(engine, PROMPTS[0], 4))
+    sched.submit(prepare(engine, PROMPTS[1], 4))
+    with pytest.raises(RequestError, match="busy.*2 requests are already waiting.*queue limit 2") as info:
+        sched.submit(prepare(engine, PROMPTS[2], 4))
+    assert info.value.status == 503 and info.value.to_dict()["error_type"] == "overloaded"
+    sched.step()  # one is admitted: the queue has room again
+    sched.submit(prepare(engine, PROMPTS[2], 4))
+    drain(sched)
+
+
+def test_request_too_long_for_a_slot_is_a_400(engine, backend):
+    sched = make_scheduler(engine, backend)
+    prepared = prepare(engine, PROMPTS[0], 4)
+    prepared.max_new_tokens = MAX_LENGTH
+    with pytest.raises(RequestError, match="a slot holds 256") as info:
+        sched.submit(prepared)
+    assert info.value.status == 400 and sched.idle
+
+
+def test_per_request_parameters_hold(engine, backend):
+    greedy_ref = alone(engine, PROMPTS[4], 16)
+    stop = greedy_ref.text[len(greedy_ref.text) // 2:][:3]
+    assert stop.strip(), greedy_ref.text
+    cases = [
+        (PROMPTS[0], dict()),
+        (PROMPTS[1], dict(do_sample=True, temperature=0.8, top_k=50, top_p=0.9, seed=1234)),
+        (PROMPTS[4], dict(stop=[stop])),
+        (PROMPTS[5], dict(repetition_penalty=1.3)),
+        (PROMPTS[3], dict(do_sample=True, temperature=1.2, seed=7)),
+    ]
+    sched = make_scheduler(engine, backend, max_prefill_tokens_per_step=16)
+    handles = [sched.submit(prepare(engine, p, 16, **kw), Events()) for p, kw in cases]
+    drain(sched)
+    for handle, (prompt, kw) in zip(handles, cases):
+        ref = alone(engine, prompt, 16, **kw)
+        assert handle.result.token_ids == ref.token_ids, kw
+        assert handle.result.text == ref.text and handle.result.finish_reason == ref.finish_reason
+        assert handle.on_event.text == ref.text
+    assert handles[2].result.finish_reason == "stop_sequence" and stop not in handles[2].result.text
+    assert handles[1].result.seed == 1234
+
+
+def test_prefill_budget_delays_a_long_prompt_while_running_streams_keep_going(engine, backend):
+    budget = 8
+    sched = make_scheduler(engine, backend, max_prefill_tokens_per_step=budget)
+    runner_events = Events(sched)
+    runner = sched.submit(prepare(engine, PROMPTS[2], 60), runner_events)
+    sched.step()
+    assert len(runner_events.events) == 1
+    long = sched.submit(prepare(engine, LONG_PROMPT, 5), Events(sched))
+    prompt_tokens = len(long.prepared.prompt_ids)
+    assert prompt_tokens > 3 * budget
+    submitted_at = sched.steps
+    while long.first_token_step is None:
+        before = len(runner_events.events)
+        sched.step()
+        assert len(runner_events.events) == before + 1  # the running stream never skips a step
+        assert backend.slot_length(long.slot) == min(prompt_tokens, (sched.steps - submitted_at) * budget)
+    assert long.first_token_step - submitted_at + 1 == math.ceil(prompt_tokens / budget)
+    assert not runner.done
+    drain(sched)
+    assert long.result.token_ids == alone(engine, LONG_PROMPT, 5).token_ids
+    assert runner.result.token_ids == alone(engine, PROMPTS[2], 60).token_ids
+
+
+def test_decode_error_fails_the_rows_of_that_step_and_frees_their_slots(engine, backend, monkeypatch):
+    sched = make_scheduler(engine, backend)
+    events = Events()
+    handle = sched.submit(prepare(engine, PROMPTS[0], 10), events)
+    sched.step()
+
+    def broken(slots, tokens):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(backend, "decode_slots", broken)
+    sched.step()
+    monkeypatch.undo()
+    assert handle.done and handle.result.finish_reason == FINISH_ERROR and "device lost" in str(handle.error)
+    assert events.events[-1].finished and events.events[-1].token_id is None
+    drain(sched)
+
+
+def test_a_callback_that_raises_cancels_only_its_request(engine, backend):
+    sched = make_scheduler(engine, backend)
+
+    def gone(event):
+        raise BrokenPipeError("client went away")
+
+    bad = sched.submit(prepare(engine, PROMPTS[0], 10), gone)
+    good = sched.submit(prepare(engine, PROMPTS[1], 10))
+    drain(sched)
+    assert bad.result.finish_reason == FINISH_CANCELLED and bad.result.generated_tokens == 1
+    assert good.result.token_ids == alone(engine, PROMPTS[1], 10).token_ids
+
+
+def test_background_thread_serves_concurrent_requests(engine, backend):
+    sched = make_scheduler(engine, backend)
+    sched.start()
+    try:
+        handles = [sched.submit(prepare(engine, p, 8)) for p in PROMPTS]
+        results = [h.wait(timeout=60) for h in handles]
+    finally:
+        sched.stop(timeout=10)
+    assert all(r is not None for r in results)
+    for prompt, result in zip(PROMPTS, results):
+        assert result.token_ids == alone(engine, prompt, 8).token_ids
+    assert sched.free_slots == [0, 1, 2, 3] and sched.idle
