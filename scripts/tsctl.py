@@ -154,7 +154,9 @@ class TorchServe:
         return True
 
     def stop(self, timeout: float = 30.0) -> None:
-        if self.process is None or self.process.poll() is not None:
+        """Stop the whole process group, even when the launcher already exited: TorchServe's
+        Python workers can outlive a frontend that died (a port already taken, say)."""
+        if self.process is None:
             return
         stop_group(self.process.pid, timeout, reap=self.process.poll)
         self.process.wait(timeout=5)
