@@ -133,14 +133,14 @@ class TorchServe:
             try:
                 headers = self.auth_headers()
                 r = requests.get(self.url() + "/ping", headers=headers, timeout=2)
-                if r.status_code == 200 and r.json().get("status") == "Healthy" and self._models_ready(headers):
+                if r.status_code == 200 and r.json().get("status") == "Healthy" and self._models_ready():
                     return time.monotonic() - started
             except (OSError, ValueError, KeyError, requests.RequestException):
                 pass
             time.sleep(0.25)
         raise TimeoutError(f"torchserve not ready after {timeout:.0f} s\n{self.log_tail()}")
 
-    def _models_ready(self, headers) -> bool:
+    def _models_ready(self) -> bool:
         """Ping says Healthy before any model is loaded; ask the management API for workers."""
         mgmt = self.auth_headers("management")
         models = [m.split("=")[0] for m in self.props.get("load_models", "").split(",") if m and m != "ALL"]
