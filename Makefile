@@ -23,7 +23,7 @@ else
 ARCHIVE := $(STORE)/$(MODEL)/MAR-INF/MANIFEST.json
 endif
 
-.PHONY: demo test build serve stop stream check-prereqs venv clean neuron-smoke upload deploy undeploy sagemaker-local
+.PHONY: demo test build serve stop stream check-prereqs venv clean neuron-smoke upload deploy undeploy sagemaker-local bench
 
 demo: serve
 	@echo "--- streaming with curl -N (tokens appear as they are generated):"
@@ -73,6 +73,12 @@ stream: | $(VENV)/.installed
 
 test: $(BUILD)/tiny-llama/config.json | $(VENV)/.installed
 	PATH=$(abspath $(BIN)):$$PATH $(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# Benchmarks (issue 6): a ~116M random-weight Llama served by the handler and run in-process,
+# side by side (and peers when installed); JSON, Markdown, PNG plots, docs/benchmarks.md.
+# BENCH_ARGS=--quick for a ~2-minute run.
+bench: $(BUILD)/tiny-llama/config.json | $(VENV)/.installed
+	PATH=$(abspath $(BIN)):$$PATH $(BIN)/python -m scripts.bench $(BENCH_ARGS)
 
 # SageMaker: upload the uncompressed artifact, deploy it, tear it down. Credentials come from
 # the standard AWS chain (environment, profile, instance role), never from arguments.

@@ -11,7 +11,6 @@ import struct
 import threading
 
 import pytest
-import torch
 from ts.context import Context, RequestProcessor
 
 import llama_handler

@@ -205,7 +205,7 @@ def test_cli_exits_non_zero_naming_an_object_corrupted_after_upload(model_dir, u
                          "--no-progress"])
     out, err = capsys.readouterr()
     assert rc == 1
-    assert f"VERIFICATION FAILED for 1 objects" in err
+    assert "VERIFICATION FAILED for 1 objects" in err
     assert f"s3://{bucket}/{PREFIX}model/config.json: size differs" in err
     assert "S3DataSource" not in out
 
