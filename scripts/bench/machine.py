@@ -1,0 +1,159 @@
+"""What the figures were measured on: CPU, memory, OS, and the versions of everything involved."""
+from __future__ import annotations
+
+import os
+import platform
+import time
+import subprocess
+from importlib import metadata
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _cpu_flags() -> list:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                return sorted(f for f in flags if f.startswith(("avx512_bf16", "amx", "avx512f", "avx2", "avx512_vnni")))
+    except OSError:
+        pass
+    return []
+
+
+def machine_info() -> dict:
+    info = {"cpu": _cpu_model(), "logical_cpus": os.cpu_count(), "cpu_flags": _cpu_flags(),
+            "platform": platform.platform()}
+    try:
+        import psutil
+
+        info["memory_gb"] = round(psutil.virtual_memory().total / 1e9, 1)
+        info["physical_cores"] = psutil.cpu_count(logical=False)
+    except ImportError:
+        pass
+    try:
+        import torch
+
+        info["torch_cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+        info["cuda"] = torch.cuda.is_available()
+    except Exception:  # noqa: BLE001
+        pass
+    try:
+        hv = subprocess.run(["systemd-detect-virt"], capture_output=True, text=True, timeout=5).stdout.strip()
+        if hv:
+            info["virtualization"] = hv
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return info
+
+
+def versions() -> dict:
+    out = {"python": platform.python_version()}
+    for dist in ("torch", "transformers", "tokenizers", "safetensors", "torchserve", "torch-model-archiver",
+                 "numpy", "requests", "matplotlib"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = None
+    try:
+        java = subprocess.run(["java", "-version"], capture_output=True, text=True, timeout=20)
+        out["java"] = (java.stderr or java.stdout).splitlines()[0] if (java.stderr or java.stdout) else None
+    except (OSError, subprocess.SubprocessError):
+        out["java"] = None
+    try:
+        git = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"],
+                             capture_output=True, text=True, timeout=20)
+        out["git"] = git.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        out["git"] = None
+    return out
+
+
+class CpuMonitor:
+    """CPU time the rest of the machine used while we measured: other people's work skews every figure.
+
+    ``foreign_cpu_share`` = (busy CPU seconds of the whole machine - CPU seconds of this process
+    and its children, servers included) / (wall seconds x logical CPUs); ``steal_share`` is the
+    hypervisor's steal time on the same scale.
+    """
+
+    def __init__(self):
+        import psutil
+
+        self.psutil = psutil
+        self.me = psutil.Process()
+        self.ncpu = psutil.cpu_count() or 1
+
+    def _label(self, proc) -> str:
+        if proc.pid == self.me.pid:
+            return "bench (client threads or in-process engine)"
+        try:
+            cmd = " ".join(proc.cmdline())
+            name = proc.name()
+        except (self.psutil.NoSuchProcess, self.psutil.AccessDenied):
+            return "other child"
+        if "model_service_worker" in cmd:
+            return "torchserve worker (python)"
+        if name == "java":
+            return "torchserve frontend (java)"
+        return name
+
+    def _ours(self) -> dict:
+        """CPU seconds of this process and each of its descendants, by pid."""
+        out = {}
+        for proc in [self.me] + self.me.children(recursive=True):
+            try:
+                t = proc.cpu_times()
+                out[proc.pid] = (self._label(proc), t.user + t.system)
+            except (self.psutil.NoSuchProcess, self.psutil.AccessDenied):
+                pass
+        return out
+
+    def snapshot(self):
+        t = self.psutil.cpu_times()
+        idle = t.idle + getattr(t, "iowait", 0.0)
+        busy = sum(t) - idle - getattr(t, "guest", 0.0) - getattr(t, "guest_nice", 0.0)
+        steal = getattr(t, "steal", 0.0)
+        return time.monotonic(), busy - steal, steal, self._ours()
+
+    def since(self, snap) -> dict:
+        now = self.snapshot()
+        wall = max(1e-9, now[0] - snap[0])
+        by_label: dict = {}
+        for pid, (label, cpu) in now[3].items():
+            by_label[label] = by_label.get(label, 0.0) + cpu - snap[3].get(pid, (label, 0.0))[1]
+        ours = sum(by_label.values())
+        foreign = max(0.0, (now[1] - snap[1]) - ours)
+        scale = wall * self.ncpu
+        return {"foreign_cpu_share": round(foreign / scale, 3),
+                "steal_share": round((now[2] - snap[2]) / scale, 3),
+                "own_cpu_share": round(ours / scale, 3),
+                "own_cpu_by_process": {k: round(v / scale, 3) for k, v in sorted(by_label.items()) if v > 0}}
+
+    budget = float("inf")  # seconds of waiting left for the whole run
+
+    def wait_quiet(self, max_wait: float, threshold: float = 0.10, window: float = 1.0) -> dict:
+        """Wait (up to ``max_wait`` s, and what is left of ``budget``) for a ``window`` in which other
+        processes use < ``threshold`` of the CPUs."""
+        started = time.monotonic()
+        max_wait = max(0.0, min(max_wait, self.budget))
+        share = None
+        while True:
+            snap = self.snapshot()
+            time.sleep(window)
+            share = self.since(snap)["foreign_cpu_share"]
+            if share < threshold or time.monotonic() - started >= max_wait:
+                self.budget -= time.monotonic() - started
+                return {"waited_s": round(time.monotonic() - started, 1), "foreign_cpu_share_before": share,
+                        "quiet": share < threshold}

@@ -1,0 +1,454 @@
+"""Ratios, the JSON file, the Markdown table, the plots and docs/benchmarks.md from one run's results."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import List, Optional
+
+SERVED = "torchserve"
+INPROCESS = "inprocess"
+PEER_NAMES = ("llama.cpp", "vllm")
+PLOTS = ("ttft_vs_input.png", "throughput_vs_concurrency.png", "latency_percentiles.png", "poisson_latency.png")
+
+
+# -- ratios ------------------------------------------------------------------------------------
+
+def find(runs, system, scenario, **match) -> Optional[dict]:
+    for run in runs:
+        if run.get("system") == system and run.get("scenario") == scenario and run.get("ok") \
+                and all(run.get(k) == v for k, v in match.items()):
+            return run
+    return None
+
+
+def _ratio(value, goal_text, test, definition, **inputs) -> dict:
+    if value is None:
+        return {"value": None, "goal": goal_text, "met": None, "definition": definition, "inputs": inputs}
+    return {"value": round(value, 4), "goal": goal_text, "met": bool(test(value)), "definition": definition,
+            "inputs": inputs}
+
+
+def _ttft_growth(runs, system):
+    ttft_runs = sorted((r for r in runs if r.get("system") == system and r.get("scenario") == "ttft" and r.get("ok")),
+                       key=lambda r: r["input_tokens"])
+    if len(ttft_runs) < 2:
+        ttft_runs = sorted((r for r in runs if r.get("system") == system and r.get("scenario") == "length"
+                            and r.get("ok")), key=lambda r: r["input_tokens"])
+    if len(ttft_runs) < 2:
+        return None, {}
+    short, long_ = ttft_runs[0], ttft_runs[-1]
+    return (long_["ttft_ms"]["p50"] / short["ttft_ms"]["p50"],
+            {"short_input": short["input_tokens"], "long_input": long_["input_tokens"],
+             "ttft_short_ms": short["ttft_ms"]["p50"], "ttft_long_ms": long_["ttft_ms"]["p50"],
+             "scenario": short["scenario"]})
+
+
+def ratios(results: dict) -> dict:
+    runs = results["runs"]
+    plan = results["plan"]
+    c = 8 if 8 in plan["concurrency"] else max(plan["concurrency"])
+    out = {}
+
+    served = find(runs, SERVED, "concurrency", concurrency=c)
+    inproc = find(runs, INPROCESS, "concurrency", concurrency=c)
+    sweep_value = (served["output_tokens_per_s"] / inproc["output_tokens_per_s"]) if served and inproc else None
+    for key, conc in (("serving_overhead", c), ("serving_overhead_batch1", 1)):
+        pair = find(runs, SERVED, "paired", concurrency=conc)
+        if pair and pair.get("served_over_inprocess_median"):
+            out[key] = _ratio(
+                pair["served_over_inprocess_median"], ">= 0.90", lambda v: v >= 0.90,
+                f"served output tok/s at {conc} stream(s) / in-process at batch {conc}: median of "
+                f"{len(pair['served_over_inprocess'])} back-to-back A/B pairs of the same wave",
+                concurrency=conc, pairs=pair["served_over_inprocess"],
+                from_the_sweeps=round(sweep_value, 4) if sweep_value and conc == c else None)
+        elif key == "serving_overhead":
+            out[key] = _ratio(
+                sweep_value, ">= 0.90", lambda v: v >= 0.90,
+                f"served output tok/s at {c} streams / in-process output tok/s at batch {c} (the two sweeps)",
+                concurrency=c, served_tokens_per_s=served and served["output_tokens_per_s"],
+                inprocess_tokens_per_s=inproc and inproc["output_tokens_per_s"])
+
+    bw = results["decode_bound"]["bandwidth_gb_per_s"] * 1e9
+    nbytes = results["decode_bound"]["weight_bytes_per_token"]
+    for key, system in (("batch1_decode_efficiency", INPROCESS), ("batch1_decode_efficiency_served", SERVED)):
+        run = find(runs, system, "concurrency", concurrency=1) or next(
+            iter(sorted((r for r in runs if r.get("system") == system and r.get("scenario") == "length" and r.get("ok")),
+                        key=lambda r: r["input_tokens"])), None)
+        rate = run and run.get("decode_tokens_per_s_per_stream")
+        out[key] = _ratio(
+            rate * nbytes / bw if rate else None, ">= 0.50", lambda v: v >= 0.50,
+            f"{system} batch-1 decode tok/s x weight bytes per token / memory bandwidth "
+            f"({results['decode_bound']['threads']} threads)",
+            decode_tokens_per_s=rate, weight_bytes_per_token=nbytes,
+            bandwidth_gb_per_s=results["decode_bound"]["bandwidth_gb_per_s"],
+            input_tokens=run and run["input_tokens"], output_tokens=run and run["output_tokens"])
+    fp32 = results.get("extra", {}).get("fp32_batch1")
+    if fp32 and fp32.get("ok"):
+        rate = fp32["decode_tokens_per_s_per_stream"]
+        out["batch1_decode_efficiency_fp32"] = _ratio(
+            rate * fp32["weight_bytes_per_token"] / bw if rate else None, ">= 0.50", lambda v: v >= 0.50,
+            "the float32 variant, in-process: batch-1 decode tok/s x its weight bytes per token / memory bandwidth",
+            decode_tokens_per_s=rate, weight_bytes_per_token=fp32["weight_bytes_per_token"])
+
+    for key, system in (("ttft_growth", SERVED), ("ttft_growth_inprocess", INPROCESS)):
+        value, inputs = _ttft_growth(runs, system)
+        out[key] = _ratio(value, "<= 2.5", lambda v: v <= 2.5,
+                          f"{system} TTFT p50 at the longest input / at the shortest (768 / 256 in the full run)",
+                          **inputs)
+
+    peers = {}
+    for name in PEER_NAMES:
+        if results["systems"].get(name, {}).get("status") != "ok":
+            continue
+        peer = find(runs, name, "concurrency", concurrency=c)
+        if peer and served:
+            peers[name] = peer["output_tokens_per_s"]
+            out[f"peer_ratio_{name}"] = _ratio(
+                served["output_tokens_per_s"] / peer["output_tokens_per_s"], "report", lambda v: True,
+                f"served output tok/s / {name} output tok/s at {c} streams", concurrency=c)
+    if peers:
+        strongest = max(peers, key=peers.get)
+        out["peer_ratio_strongest"] = _ratio(
+            served["output_tokens_per_s"] / peers[strongest], ">= 1.0", lambda v: v >= 1.0,
+            f"served output tok/s / the strongest peer's ({strongest}) at {c} streams", peer=strongest)
+    else:
+        states = {n: results["systems"].get(n, {}).get("status", "not checked") for n in PEER_NAMES}
+        out["peer_ratio_strongest"] = _ratio(None, ">= 1.0", None,
+                                             "served output tok/s / the strongest peer's; no peer ran", **states)
+    return out
+
+
+def ratio_lines(rs: dict) -> List[str]:
+    lines = ["ratios (reported, never asserted):"]
+    for name, r in rs.items():
+        value = "n/a" if r["value"] is None else f"{r['value']:.3f}"
+        met = "" if r["met"] is None else ("  goal met" if r["met"] else "  goal NOT met")
+        lines.append(f"  {name:34s} {value:>8s}  (goal {r['goal']}){met}  {r['definition']}")
+    return lines
+
+
+# -- Markdown ------------------------------------------------------------------------------------
+
+def _f(x, digits=1):
+    return "-" if x is None else f"{x:,.{digits}f}"
+
+
+def _p(d, key, scale=1.0, digits=0):
+    return "-" if not d else _f(d[key] * scale, digits)
+
+
+def _share(run) -> str:
+    share = run.get("foreign_cpu_share")
+    if share is None:
+        return "-"
+    return f"**{100 * share:.0f}%**" if share >= 0.10 else f"{100 * share:.0f}%"
+
+
+def results_table(results: dict) -> str:
+    head = ("| system | scenario | input | output | conc. | ok/req | TTFT p50 / p90 / p99 (ms) | ITL p50 / p99 (ms) "
+            "| E2E p50 / p99 (s) | output tok/s | decode tok/s per stream | seq tok/s (conv.) | other CPU |\n"
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+    rows = []
+    for r in results["runs"]:
+        conc = r.get("concurrency")
+        conc = f"{r['rate_per_s']}/s" if r.get("scenario") == "poisson" else conc
+        if not r.get("ok"):
+            rows.append(f"| {r['system']} | {r['scenario']} | {r.get('input_tokens')} | {r.get('output_tokens')} | "
+                        f"{conc} | 0/{r['requests']} | failed: {(r.get('error_samples') or ['?'])[0][:60]} | | | | | | |")
+            continue
+        t, i, e = r["ttft_ms"], r["itl_ms"], r["e2e_ms"]
+        rows.append(
+            f"| {r['system']} | {r['scenario']} | {r['input_tokens']} | {r['output_tokens']} | {conc} | "
+            f"{r['ok']}/{r['requests']} | {_p(t, 'p50')} / {_p(t, 'p90')} / {_p(t, 'p99')} | "
+            f"{_p(i, 'p50', digits=1)} / {_p(i, 'p99', digits=1)} | {_p(e, 'p50', 1e-3, 2)} / {_p(e, 'p99', 1e-3, 2)} | "
+            f"{_f(r['output_tokens_per_s'])} | {_f(r.get('decode_tokens_per_s_per_stream'))} | "
+            f"{_f(r.get('throughput_seq_tokens_per_s'))} | {_share(r)} |")
+    return head + "\n".join(rows) + "\n"
+
+
+def ratios_table(rs: dict) -> str:
+    lines = ["| ratio | value | goal | met | definition |", "|---|---:|---|---|---|"]
+    for name, r in rs.items():
+        met = "-" if r["met"] is None else ("yes" if r["met"] else "**no**")
+        lines.append(f"| {name} | {_f(r['value'], 3)} | {r['goal']} | {met} | {r['definition']} |")
+    return "\n".join(lines) + "\n"
+
+
+def systems_table(results: dict) -> str:
+    lines = ["| system | status | detail |", "|---|---|---|"]
+    for name, s in results["systems"].items():
+        timings = ", ".join(f"{k} {v}" for k, v in (s.get("timings") or {}).items())
+        detail = s.get("detail", "") + (f" ({timings})" if timings else "")
+        lines.append(f"| {name} | {s['status']} | {detail.replace('|', '/')} |")
+    return "\n".join(lines) + "\n"
+
+
+def markdown(results: dict, plots: List[Path]) -> str:
+    m, v, model = results["machine"], results["versions"], results["model"]
+    bw = results["memory_bandwidth"]
+    bound = results["decode_bound"]
+    bw_text = ", ".join(f"{x['gb_per_s']:.1f} GB/s with {x['threads']} thread{'s' if x['threads'] > 1 else ''}"
+                        for x in bw.values())
+    extra = results.get("extra", {}).get("fp32_batch1")
+    fp32_line = ""
+    if extra and extra.get("ok"):
+        fp32_line = (f"\nThe float32 variant in-process at batch 1 ({extra['input_tokens']} + {extra['output_tokens']} "
+                     f"tokens): {_f(extra['decode_tokens_per_s_per_stream'])} decode tok/s, "
+                     f"{extra['weight_bytes_per_token'] / 1e6:.0f} MB of weights per token, bound "
+                     f"{bound['bandwidth_gb_per_s'] * 1e9 / extra['weight_bytes_per_token']:.1f} tok/s.\n")
+    steps = results.get("extra", {}).get("torchserve_micro_batches") or []
+    c = 8 if 8 in results["plan"]["concurrency"] else max(results["plan"]["concurrency"])
+    cpu_lines = []
+    for system in ("inprocess", "torchserve"):
+        run = find(results["runs"], system, "concurrency", concurrency=c)
+        if run and run.get("own_cpu_by_process"):
+            parts = ", ".join(f"{name} {100 * share:.0f}%" for name, share in run["own_cpu_by_process"].items())
+            cpu_lines.append(f"* {system} at {c} streams: {parts} (of {results['machine']['logical_cpus']} CPUs)")
+    poisson_text = "".join(
+        f"Poisson run, {r['system']}: {r['requests']} requests offered at {r['offered_rate_per_s']}/s, completed at "
+        f"{r['completed_rate_per_s']}/s; the last finished {r['drain_s']} s after the last arrival"
+        f"{' (the queue grew: the server could not keep up)' if r['completed_rate_per_s'] < 0.9 * r['offered_rate_per_s'] else ''}.\n\n"
+        for r in results["runs"] if r.get("scenario") == "poisson" and r.get("offered_rate_per_s"))
+    cpu_text = ("Where the CPU went (share of all the machine's CPU time, per process):\n\n" + "\n".join(cpu_lines) + "\n") \
+        if cpu_lines else ""
+    return f"""Mode `{results['mode']}`, {results['timestamp']}, `{results['command']}`, {results['phases_s']['total_s']:.0f} s.
+
+**Machine**: {m['cpu']}, {m['logical_cpus']} logical CPUs, {m.get('memory_gb', '?')} GB, {m.get('virtualization', 'bare metal or unknown')}; {m['platform']}; CPU features {', '.join(m.get('cpu_flags', []))}.
+**Versions**: Python {v['python']}, torch {v['torch']}, transformers {v['transformers']}, TorchServe {v['torchserve']}, {v.get('java')}, git {v.get('git')}.
+**Model**: {model['name']}: {model['parameters']:,} parameters ({model['hidden_size']} hidden, {model['num_hidden_layers']} layers, {model['num_attention_heads']} heads, {model['num_key_value_heads']} KV heads, intermediate {model['intermediate_size']}, vocab {model['vocab_size']}), {model['dtype']}; EOS suppressed (its tokenizer declares no EOS token).
+**Config**: `{results['config']['base']}` with dtype {model['dtype']}: batchSize {results['config']['frontend']['batchSize']}, maxBatchDelay {results['config']['frontend']['maxBatchDelay']} ms, micro_batch_size {results['config']['micro_batching']['micro_batch_size']}, max_length {results['config']['handler']['max_length']}, torch_threads {results['config']['threads']}.
+
+**Memory bandwidth** (`x.sum()` over {list(bw.values())[0]['bytes'] / 1e9:.2f} GB of float32, best of 5 passes and of the samples at the start and the end): {bw_text}.
+Batch-1 decode bound = {bound['bandwidth_gb_per_s']:.1f} GB/s / {bound['weight_bytes_per_token'] / 1e6:.1f} MB of weights per token = **{bound['tokens_per_s']:.1f} tok/s** (the KV cache adds {model['kv_cache_bytes_per_position'] / 1e3:.1f} kB per position of context).
+{fp32_line}
+### Ratios
+
+{ratios_table(results['ratios'])}
+### Systems
+
+{systems_table(results)}
+### Results
+
+{results_table(results)}
+"other CPU": the share of the machine's CPU time that processes outside this benchmark used while the
+row was measured (bold from 10%: that row's figures are skewed by them). Memory bandwidth (the best of
+{len(results.get('memory_bandwidth_samples', []))} samples, at the start and the end of the run) was measured with
+{' and '.join(f"{100 * s['foreign_cpu_share']:.0f}%" for s in results.get('memory_bandwidth_samples', []))} of the CPUs taken by others.
+
+{poisson_text}{cpu_text}
+{f"TorchServe's own log: {len(steps)} micro-batches, median {sorted(s['ms_per_step'] for s in steps)[len(steps) // 2]:.1f} ms per decode step (generate() time / steps, prefill included)." if steps else ""}
+
+Plots: {', '.join(f'`{p}`' for p in plots)}.
+"""
+
+
+# -- plots -------------------------------------------------------------------------------------
+
+def _systems(results):
+    return [s for s in results["systems"] if any(r.get("system") == s and r.get("ok") for r in results["runs"])]
+
+
+def plot_all(results: dict, out: Path) -> List[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs, systems = results["runs"], _systems(results)
+    colors = {s: f"C{i}" for i, s in enumerate(results["systems"])}
+    title = f"{results['model']['name']}, {results['model']['dtype']}, {results['machine']['logical_cpus']} CPUs"
+    paths = []
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for s in systems:
+        rs = [r for r in runs if r["system"] == s and r["scenario"] == "ttft" and r.get("ok")] or \
+             [r for r in runs if r["system"] == s and r["scenario"] == "length" and r.get("ok")]
+        rs.sort(key=lambda r: r["input_tokens"])
+        if rs:
+            x = [r["input_tokens"] for r in rs]
+            ax.plot(x, [r["ttft_ms"]["p50"] for r in rs], "o-", color=colors[s], label=f"{s} p50")
+            ax.plot(x, [r["ttft_ms"]["p90"] for r in rs], "x--", color=colors[s], alpha=0.6, label=f"{s} p90")
+    ax.set(xlabel="input tokens", ylabel="TTFT (ms)", title=f"TTFT vs input length (concurrency 1)\n{title}")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    paths.append(_save(fig, out / PLOTS[0], plt))
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for s in systems:
+        rs = sorted((r for r in runs if r["system"] == s and r["scenario"] == "concurrency" and r.get("ok")),
+                    key=lambda r: r["concurrency"])
+        if rs:
+            ax.plot([r["concurrency"] for r in rs], [r["output_tokens_per_s"] for r in rs], "o-", color=colors[s], label=s)
+    bound = results.get("decode_bound", {}).get("tokens_per_s")
+    if bound:
+        ax.axhline(bound, color="grey", linestyle=":", label=f"batch-1 decode bound {bound:.0f} tok/s")
+    ax.set_xscale("log", base=2)
+    ax.set(xlabel="concurrent streams (in-process: batch size)", ylabel="output tokens/s (aggregate)",
+           title=f"Throughput vs concurrency\n{title}")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    paths.append(_save(fig, out / PLOTS[1], plt))
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    for ax, (key, label, scale) in zip(axes, (("ttft_ms", "TTFT (ms)", 1), ("itl_ms", "inter-token latency (ms)", 1),
+                                              ("e2e_ms", "end-to-end latency (s)", 1e-3))):
+        for s in systems:
+            rs = sorted((r for r in runs if r["system"] == s and r["scenario"] == "concurrency" and r.get("ok")
+                         and r.get(key)), key=lambda r: r["concurrency"])
+            if not rs:
+                continue
+            x = [r["concurrency"] for r in rs]
+            for pct, style in (("p50", "o-"), ("p90", "s:"), ("p99", "x--")):
+                ax.plot(x, [r[key][pct] * scale for r in rs], style, color=colors[s], label=f"{s} {pct}",
+                        alpha=1.0 if pct == "p50" else 0.6)
+        ax.set_xscale("log", base=2)
+        ax.set(xlabel="concurrent streams", ylabel=label)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"Latency percentiles vs concurrency: {title}")
+    paths.append(_save(fig, out / PLOTS[2], plt))
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    poisson = [r for r in runs if r["scenario"] == "poisson" and r.get("ok")]
+    for ax, (key, label, scale) in zip(axes, (("ttft_ms", "TTFT (ms)", 1), ("itl_ms", "inter-token latency (ms)", 1),
+                                              ("e2e_ms", "end-to-end latency (s)", 1e-3))):
+        width = 0.8 / max(1, len(poisson))
+        for i, r in enumerate(poisson):
+            if r.get(key):
+                ax.bar([j + i * width for j in range(3)], [r[key][p] * scale for p in ("p50", "p90", "p99")], width,
+                       color=colors.get(r["system"]), label=r["system"])
+        ax.set_xticks([j + width * (len(poisson) - 1) / 2 for j in range(3)], ["p50", "p90", "p99"])
+        ax.set(ylabel=label)
+        ax.grid(alpha=0.3, axis="y")
+    if poisson:
+        axes[0].legend()
+        p = poisson[0]
+        fig.suptitle(f"Poisson arrivals, {p['rate_per_s']}/s for {p['duration_s']} s, mixed lengths: {title}")
+    else:
+        fig.suptitle("Poisson arrivals: no run")
+    paths.append(_save(fig, out / PLOTS[3], plt))
+    return paths
+
+
+def _save(fig, path: Path, plt) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+# -- docs and files ----------------------------------------------------------------------------
+
+DOCS_HEAD = """# Benchmarks
+
+This page is rewritten by the benchmark suite on every full or quick run; edit
+`scripts/bench/report.py`, not this file. Speeds are reported, never asserted.
+
+## How to run
+
+```bash
+.venv/bin/python -m scripts.bench --quick   # about 2 minutes on 2 cores: shorter sweeps
+.venv/bin/python -m scripts.bench           # about 15 minutes: the full sweeps (this page's default)
+.venv/bin/python -m scripts.bench --smoke --out /tmp/bench   # seconds, the tiny model (tests/unit/test_bench_smoke.py)
+```
+
+Needs `build/tiny-llama` (its tokenizer; `make build` or `python scripts/build_tiny_llama.py --out build/tiny-llama`)
+and matplotlib. Outputs go to `build/bench/`: `results-<timestamp>.json` and `latest.json` (every
+figure, the machine, versions, config and plan), `results.md` (this section's tables), and
+`ttft_vs_input.png`, `throughput_vs_concurrency.png`, `latency_percentiles.png`, `poisson_latency.png`.
+Options: `--dtype float32`, `--threads N`, `--no-peers`, `--llama-gguf PATH`, `--max-minutes M`, `--out DIR`,
+`--docs PATH`/`--no-docs`.
+
+## What one run does
+
+1. **The benchmark model** (`build/bench-model-bf16`, `build/bench-model-fp32`, built once, seed 0):
+   a Llama with **random weights**, 116M parameters (hidden 768, 12 layers, 12 heads, intermediate 3072),
+   the tokenizer of `build/tiny-llama` (2048 tokens), safetensors in bfloat16 and float32. Its config is
+   `model-config/bench-llama.yaml` (torch backend, batchSize 8, micro_batch_size 8, max_length 1024,
+   torch_threads 2), with `handler.dtype` set to the variant served.
+2. **EOS is suppressed without touching the handler**: the bench model's tokenizer declares no EOS token
+   (`eos_token: null`; `</s>` stays in the vocabulary as an ordinary token) and its `config.json` and
+   `generation_config.json` have no `eos_token_id`. The engine stops a row only on the tokenizer's
+   `eos_token_id`, so every request runs to its `max_new_tokens` (`finish_reason: length`); the client checks
+   the count. Peers get `ignore_eos: true`.
+3. **Prompts of exact token lengths**: `<s>` plus words that are single tokens, drawn with a seeded RNG,
+   each prompt checked by encoding it again; every system gets the same prompts (peers as token ids).
+4. **Memory bandwidth**: `x.sum()` over a large float32 tensor with 1 and 2 threads (GB/s, best of 5);
+   the batch-1 decode bound is bandwidth / bytes of weights read per token (every weight except the input
+   embedding, which is read one row per token).
+5. **Systems, one at a time on the machine, same prompts, same client** (only the "paired" rows run
+   the engine in-process and the served handler back to back, each idle while the other runs): (1) the engine in-process
+   (`Engine.generate`, micro-batches of 8, no HTTP), (2) the handler served by TorchServe (archive built by
+   `scripts/build_model.py` into `build/bench/work`, started with `scripts/tsctl.py` on free loopback ports,
+   stopped by PID), (3) peers when installed: llama.cpp's `llama-server` (`POST /completion`, `stream: true`,
+   `n_predict`, `ignore_eos: true`) and vLLM's OpenAI server (`POST /v1/completions`, `stream: true`,
+   `ignore_eos: true`). Peers are detected, never installed: a `llama-server` on PATH, in `build/peers/` or
+   `build/peers/llama.cpp/build/bin/` plus a GGUF at `build/peers/bench-model-bf16.gguf`; a virtual
+   environment at `build/peers/vllm-venv` that imports vllm (it serves `build/bench-model-<dtype>` itself).
+   They run with the same batch and thread budget: `llama-server -np 8 -t 2 -c 8192`, vLLM
+   `--max-num-seqs 8 --max-model-len 1024`. Converting the bench model to GGUF (llama.cpp's
+   `convert_hf_to_gguf.py`) is left to whoever installs llama.cpp; prompts go to peers as token ids, so
+   only the weights and the vocabulary size matter.
+6. **Sweeps**: input length at concurrency 1 (full run: 256/512/768 input tokens with output to 1024 in all,
+   plus 4 TTFT probes of 8 output tokens per length); concurrency 1, 2, 4, 8, 16 (full run: 256 input + 128
+   output tokens, 2 rounds); a Poisson arrival run at a fixed request rate with mixed lengths (full run:
+   0.5 requests/s for 75 s, inputs 128–768, outputs 32–256). The in-process engine has no scheduler, so it
+   does not run the Poisson load.
+
+### Definitions
+
+* TTFT: request sent → first token line. ITL: gaps between a stream's consecutive token lines, pooled.
+  E2E: request sent → the request's last line. Percentiles p50/p90/p99 over requests (ITL: over gaps).
+* Output tok/s: every output token of a round / the round's wall time (first send → last completion).
+* Decode tok/s per stream: median over streams of (tokens − 1) / (last token − first token).
+* Seq tok/s (conv.): the Neuron samples' convention (seed 003), batch_size × sequence_length / end-to-end
+  latency, with sequence_length = prompt + generated tokens and the round's wall time as the latency.
+* Other CPU: (busy CPU time of the whole machine − CPU time of the benchmark and its servers) /
+  (wall time × logical CPUs) while a row was measured. Before each row the suite waits (up to 30 s per row and
+  300 s per run in the full run; 10 s and 60 s in `--quick`) for a second in which other processes use
+  under 10% of the CPUs.
+* Serving overhead: served output tok/s at 8 streams / in-process at batch 8, the median over
+  back-to-back A/B pairs of the same wave (the "paired" rows: the in-process engine stays loaded while
+  the idle server is up, and the order alternates), because the machine's speed drifts by tens of
+  percent between minutes; `serving_overhead_batch1` is the same at 1 stream. Batch-1 decode efficiency:
+  decode tok/s × weight bytes per token / bandwidth. TTFT growth: TTFT(768) / TTFT(256). Peer ratio:
+  served / peer output tok/s at 8 streams.
+
+### Caveats
+
+* Random weights: the figures measure compute and memory traffic, not the quality of any answer.
+* The client, TorchServe's Java frontend and the worker share the machine's cores; on 2 cores that is
+  part of what the served figures measure.
+* TorchServe batches statically: a frontend batch of up to 8 requests runs to its end before the next
+  batch starts, so at 16 streams the second 8 wait for the first, and under Poisson arrivals a request
+  that arrives during a batch waits for it.
+
+## Latest results
+
+"""
+
+
+def render_docs(results: dict, plots: List[Path]) -> str:
+    return DOCS_HEAD + markdown(results, [Path("build/bench") / p.name for p in plots])
+
+
+def write_all(results: dict, out: Path, docs: Optional[Path]) -> List[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    plots = plot_all(results, out)
+    md_path = out / "results.md"
+    json_path = out / f"results-{results['timestamp']}.json"
+    results["outputs"] = {"json": str(json_path), "latest": str(out / "latest.json"), "markdown": str(md_path),
+                          "plots": [str(p) for p in plots], "docs": str(docs) if docs else None}
+    md_path.write_text("# Benchmark results\n\n" + markdown(results, plots))
+    json_path.write_text(json.dumps(results, indent=1, default=str))
+    shutil.copyfile(json_path, out / "latest.json")
+    written = [json_path, out / "latest.json", md_path, *plots]
+    if docs is not None:
+        docs.parent.mkdir(parents=True, exist_ok=True)
+        docs.write_text(render_docs(results, plots))
+        written.append(docs)
+    return written

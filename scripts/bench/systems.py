@@ -1,0 +1,211 @@
+"""The servers under test: this project's TorchServe, and peers when their environments exist.
+
+Every server listens on 127.0.0.1 on free ports, runs in its own process group with its own
+log file under the run's work directory, and is stopped by the PID of that group (SIGTERM,
+then SIGKILL). Peers are never installed or built here; they are detected:
+
+* llama.cpp: a ``llama-server`` binary on PATH, in ``build/peers/`` or in
+  ``build/peers/llama.cpp/build/bin/``, and a GGUF of the bench model at
+  ``build/peers/bench-model-<bf16|fp32>.gguf`` (or ``--llama-gguf``);
+* vLLM: a virtual environment at ``build/peers/vllm-venv`` whose Python imports vllm; it
+  serves the bench model's safetensors directory directly.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+import requests
+
+from .clients import Adapter, LlamaServerAdapter, OpenAICompletionsAdapter, TorchServeAdapter
+
+ROOT = Path(__file__).resolve().parents[2]
+PEERS = ROOT / "build" / "peers"
+STEP_LINE = re.compile(r"micro-batch of (\d+): (\d+) tokens in (\d+) ms \(([\d.]+) ms/step\)")
+
+
+class TorchServeSystem:
+    name = "torchserve"
+
+    def __init__(self, work: Path, config: Path, checkpoint: Path, model_name: str = "bench-llama"):
+        self.work = Path(work)
+        self.config = Path(config)
+        self.checkpoint = Path(checkpoint)
+        self.model_name = model_name
+        self.store = self.work / "model_store"
+        self.server = None
+        self.timings: Dict[str, float] = {}
+
+    def build(self) -> None:
+        import build_model  # scripts/build_model.py
+
+        started = time.perf_counter()
+        code = build_model.main(["--config", str(self.config), "--checkpoint", str(self.checkpoint),
+                                 "--name", self.model_name, "--build-dir", str(self.work / "models" / self.model_name),
+                                 "--export-path", str(self.store)])
+        if code:
+            raise RuntimeError(f"build_model failed with {code}")
+        self.timings["archive_s"] = round(time.perf_counter() - started, 2)
+
+    def start(self, timeout: float) -> Adapter:
+        from tsctl import TorchServe, free_port
+
+        workdir = self.work / "torchserve"
+        shutil.rmtree(workdir, ignore_errors=True)
+        workdir.mkdir(parents=True)
+        ports = {"inference": free_port(), "management": free_port(), "metrics": free_port()}
+        self.server = TorchServe(workdir, self.store, models=self.model_name, ports=ports)
+        started = time.perf_counter()
+        self.server.start()
+        self.timings["ready_s"] = round(self.server.wait_ready(timeout), 2)
+        self.timings["start_to_ready_s"] = round(time.perf_counter() - started, 2)
+        return TorchServeAdapter(self.server.url(), self.model_name, self.server.auth_headers())
+
+    @property
+    def pid(self) -> Optional[int]:
+        return None if self.server is None or self.server.process is None else self.server.process.pid
+
+    def step_log(self) -> List[dict]:
+        """The handler's own per-micro-batch lines: rows, tokens, ms and ms per decode step."""
+        if self.server is None:
+            return []
+        return [{"rows": int(m[1]), "tokens": int(m[2]), "ms": int(m[3]), "ms_per_step": float(m[4])}
+                for m in STEP_LINE.finditer(self.server.model_log())]
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+
+
+class PeerSystem:
+    """A peer server started from its own environment; subclasses say how."""
+
+    name = "?"
+    health_path = "/health"
+
+    def __init__(self, work: Path):
+        self.work = Path(work)
+        self.process: Optional[subprocess.Popen] = None
+        self.port: Optional[int] = None
+        self.timings: Dict[str, float] = {}
+
+    def detect(self) -> Tuple[bool, str]:
+        raise NotImplementedError
+
+    def command(self) -> List[str]:
+        raise NotImplementedError
+
+    def env(self) -> Dict[str, str]:
+        return dict(os.environ)
+
+    def adapter(self) -> Adapter:
+        raise NotImplementedError
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> Optional[int]:
+        return None if self.process is None else self.process.pid
+
+    def start(self, timeout: float) -> Adapter:
+        from tsctl import free_port
+
+        self.port = free_port()
+        self.work.mkdir(parents=True, exist_ok=True)
+        log = open(self.work / f"{self.name}.log", "wb")
+        started = time.perf_counter()
+        self.process = subprocess.Popen(self.command(), cwd=self.work, env=self.env(), stdout=log,
+                                        stderr=subprocess.STDOUT, start_new_session=True)
+        while time.perf_counter() - started < timeout:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.process.returncode}; see {self.work / (self.name + '.log')}")
+            try:
+                if requests.get(self.base_url + self.health_path, timeout=2).status_code == 200:
+                    self.timings["start_to_ready_s"] = round(time.perf_counter() - started, 2)
+                    return self.adapter()
+            except requests.RequestException:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"{self.name} not ready after {timeout:.0f} s")
+
+    def stop(self) -> None:
+        from tsctl import stop_group
+
+        if self.process is not None and self.process.poll() is None:
+            stop_group(self.process.pid, 30, reap=self.process.poll)
+            self.process.wait(timeout=5)
+
+
+class LlamaCppSystem(PeerSystem):
+    name = "llama.cpp"
+
+    def __init__(self, work: Path, dtype: str, threads: int, parallel: int, max_length: int,
+                 gguf: Optional[Path] = None):
+        super().__init__(work)
+        self.dtype, self.threads, self.parallel, self.max_length = dtype, threads, parallel, max_length
+        suffix = {"bfloat16": "bf16", "float32": "fp32"}.get(dtype, dtype)
+        self.gguf = Path(gguf) if gguf else PEERS / f"bench-model-{suffix}.gguf"
+        self.binary: Optional[str] = None
+
+    def detect(self):
+        candidates = [shutil.which("llama-server"), PEERS / "llama-server",
+                      PEERS / "llama.cpp" / "build" / "bin" / "llama-server"]
+        self.binary = next((str(c) for c in candidates if c and os.access(str(c), os.X_OK)), None)
+        if self.binary is None:
+            return False, "not installed (no llama-server on PATH, in build/peers/ or build/peers/llama.cpp/build/bin/)"
+        if not self.gguf.exists():
+            return False, (f"not installed: llama-server at {self.binary}, but no GGUF of the bench model at "
+                           f"{self.gguf} (convert_hf_to_gguf.py build/bench-model-* --outfile {self.gguf})")
+        return True, f"{self.binary} with {self.gguf}"
+
+    def command(self):
+        return [self.binary, "-m", str(self.gguf), "--host", "127.0.0.1", "--port", str(self.port),
+                "-c", str(self.max_length * self.parallel), "-np", str(self.parallel),
+                "-t", str(self.threads), "-tb", str(self.threads), "-b", str(self.max_length)]
+
+    def adapter(self):
+        return LlamaServerAdapter(self.base_url)
+
+
+class VllmSystem(PeerSystem):
+    name = "vllm"
+
+    def __init__(self, work: Path, checkpoint: Path, dtype: str, max_num_seqs: int, max_length: int,
+                 venv: Path = PEERS / "vllm-venv"):
+        super().__init__(work)
+        self.checkpoint, self.dtype, self.max_num_seqs, self.max_length = Path(checkpoint), dtype, max_num_seqs, max_length
+        self.venv = Path(venv)
+        self.served_name = "bench-llama"
+
+    def detect(self):
+        python = self.venv / "bin" / "python"
+        if not python.exists():
+            return False, f"not installed (no virtual environment at {self.venv})"
+        probe = subprocess.run([str(python), "-c", "import vllm, sys; sys.stdout.write(vllm.__version__)"],
+                               capture_output=True, text=True, timeout=300)
+        if probe.returncode != 0:
+            return False, f"not installed: {python} cannot import vllm ({probe.stderr.strip()[-200:]})"
+        return True, f"vllm {probe.stdout.strip()} in {self.venv}"
+
+    def command(self):
+        return [str(self.venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
+                "--model", str(self.checkpoint), "--served-model-name", self.served_name,
+                "--host", "127.0.0.1", "--port", str(self.port), "--dtype", self.dtype,
+                "--max-model-len", str(self.max_length), "--max-num-seqs", str(self.max_num_seqs),
+                "--disable-log-requests"]
+
+    def env(self):
+        env = dict(os.environ)
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")  # GiB of KV cache on CPU
+        env["PATH"] = f"{self.venv / 'bin'}:{env.get('PATH', '')}"
+        return env
+
+    def adapter(self):
+        return OpenAICompletionsAdapter(self.base_url, self.served_name)

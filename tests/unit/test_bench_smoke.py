@@ -1,0 +1,241 @@
+"""The benchmark suite (scripts/bench): a --smoke run end to end, and the peer client adapters.
+
+The smoke run uses the embedded tiny model through a real TorchServe for a few seconds and
+checks that every output is well-formed. Speeds are never asserted, only that figures exist
+and are positive.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from bench.clients import (LlamaServerAdapter, OpenAICompletionsAdapter, TorchServeAdapter, run_schedule,
+                           run_wave)
+from bench.prompts import Prompt, PromptFactory
+
+ROOT = Path(__file__).resolve().parents[2]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+PLOTS = ("ttft_vs_input.png", "throughput_vs_concurrency.png", "latency_percentiles.png", "poisson_latency.png")
+RATIOS = ("serving_overhead", "batch1_decode_efficiency", "ttft_growth", "peer_ratio_strongest")
+FIGURES = ("output_tokens_per_s", "decode_tokens_per_s_per_stream", "throughput_seq_tokens_per_s", "wall_s")
+
+
+@pytest.fixture(scope="module")
+def smoke(tiny_model_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "scripts.bench", "--smoke", "--out", str(out),
+                           "--tiny", str(tiny_model_dir)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return out, json.loads((out / "latest.json").read_text()), proc.stdout, time.monotonic() - started
+
+
+def test_smoke_json_has_every_section_and_positive_figures(smoke):
+    out, results, _, _ = smoke
+    for key in ("timestamp", "mode", "command", "machine", "versions", "model", "config", "plan",
+                "memory_bandwidth", "decode_bound", "systems", "runs", "ratios", "phases_s", "outputs"):
+        assert key in results, key
+    assert results["mode"] == "smoke"
+    assert results["versions"]["torch"] and results["versions"]["torchserve"]
+    assert results["machine"]["logical_cpus"] >= 1
+    assert results["model"]["weight_bytes_per_token"] > 0
+    assert all(bw["gb_per_s"] > 0 for bw in results["memory_bandwidth"].values())
+    assert results["decode_bound"]["tokens_per_s"] > 0
+    assert results["systems"]["inprocess"]["status"] == "ok"
+    assert results["systems"]["torchserve"]["status"] == "ok"
+    for peer in ("llama.cpp", "vllm"):
+        assert results["systems"][peer]["status"] in ("ok", "not installed", "skipped")
+    assert (out / f"results-{results['timestamp']}.json").exists()
+
+
+def test_smoke_runs_cover_each_scenario_with_full_length_streams(smoke):
+    _, results, _, _ = smoke
+    runs = results["runs"]
+    seen = {(r["system"], r["scenario"]) for r in runs}
+    for system in ("inprocess", "torchserve"):
+        assert {(system, "length"), (system, "concurrency")} <= seen
+    assert ("torchserve", "poisson") in seen
+    for run in runs:
+        assert run["ok"] == run["requests"] > 0, run
+        assert run["short_streams"] == 0, run  # EOS is suppressed: every stream has its max_new_tokens
+        assert set(run["finish_reasons"]) == {"length"}, run
+        for figure in FIGURES:
+            assert isinstance(run[figure], (int, float)) and run[figure] > 0, (figure, run)
+        for metric in ("ttft_ms", "itl_ms", "e2e_ms"):
+            pct = run[metric]
+            assert 0 < pct["p50"] <= pct["p90"] <= pct["p99"], (metric, run)
+        assert run["ttft_ms"]["p50"] <= run["e2e_ms"]["p50"]
+
+
+def test_smoke_ratios_markdown_and_plots(smoke):
+    out, results, stdout, seconds = smoke
+    for name in RATIOS:
+        ratio = results["ratios"][name]
+        assert {"value", "goal", "met", "definition"} <= set(ratio), name
+        if name != "peer_ratio_strongest":
+            assert ratio["value"] > 0, name
+    assert "ratios (reported, never asserted)" in stdout
+    table = (out / "results.md").read_text()
+    assert "| system | scenario |" in table and "| torchserve | concurrency |" in table
+    assert "| serving_overhead |" in table
+    for name in PLOTS:
+        data = (out / name).read_bytes()
+        assert data[:8] == PNG_MAGIC and data[12:16] == b"IHDR", name
+        width, height = struct.unpack(">II", data[16:24])
+        assert width > 100 and height > 100, name
+    assert results["outputs"]["docs"] is None  # --smoke never rewrites docs/benchmarks.md
+    assert seconds < 120
+
+
+def test_prompts_have_exact_token_lengths(tokenizer):
+    factory = PromptFactory(tokenizer, seed=3)
+    for n in (2, 17, 256, 768):
+        prompt = factory.make(n)
+        assert len(prompt) == n == len(tokenizer(prompt.text)["input_ids"])
+        assert prompt.ids == tokenizer(prompt.text)["input_ids"]
+    assert factory.make(64).text != factory.make(64).text
+
+
+# -- the client adapters against a fake server speaking each protocol ---------------------------
+
+class FakeServer(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    bodies = []
+
+    def log_message(self, *args):
+        pass
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        FakeServer.bodies.append((self.path, body))
+        self.send_response(200)
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        if self.path.startswith("/predictions/"):
+            n = body["parameters"]["max_new_tokens"]
+            events = [{"token": {"id": 5, "text": "a", "logprob": 0.0, "special": False}} for _ in range(n)]
+            events[-1].update(generated_text="a" * n, details={"finish_reason": "length", "generated_tokens": n})
+            lines = [json.dumps(e) + "\n" for e in events]
+        elif self.path == "/completion":
+            n = body["n_predict"]
+            assert body["stream"] is True and body["ignore_eos"] is True and isinstance(body["prompt"], list)
+            lines = [f"data: {json.dumps({'content': 'a', 'stop': False})}\n\n" for _ in range(n)]
+            lines.append(f"data: {json.dumps({'content': '', 'stop': True, 'tokens_predicted': n, 'stop_type': 'limit'})}\n\n")
+        else:
+            n = body["max_tokens"]
+            assert body["stream"] is True and body["ignore_eos"] is True and isinstance(body["prompt"], list)
+            lines = [f"data: {json.dumps({'choices': [{'index': 0, 'text': 'a', 'finish_reason': None}]})}\n\n"
+                     for _ in range(n - 1)]
+            lines.append(f"data: {json.dumps({'choices': [{'index': 0, 'text': 'a', 'finish_reason': 'length'}]})}\n\n")
+            lines.append(f"data: {json.dumps({'choices': [], 'usage': {'completion_tokens': n}})}\n\n")
+            lines.append("data: [DONE]\n\n")
+        for line in lines:
+            data = line.encode()
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+            self.wfile.flush()
+            time.sleep(0.005)
+        self.wfile.write(b"0\r\n\r\n")
+
+
+@pytest.fixture(scope="module")
+def fake_server():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), FakeServer)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.mark.parametrize("make", [lambda url: TorchServeAdapter(url, "m", {"Authorization": "Bearer k"}),
+                                  LlamaServerAdapter, lambda url: OpenAICompletionsAdapter(url, "m")],
+                         ids=["torchserve", "llama-server", "vllm"])
+def test_adapters_time_every_token_of_a_stream(fake_server, make):
+    adapter = make(fake_server)
+    prompts = [Prompt(" a b c", [1, 5, 6, 7]) for _ in range(3)]
+    records = run_wave(adapter, prompts, 6, timeout=30)
+    for r in records:
+        assert r.ok, r.error
+        assert r.output_tokens == 6 and len(r.token_times) == 6
+        assert r.finish_reason in ("length", "limit")
+        assert 0 < r.ttft < r.e2e and len(r.itls()) == 5 and all(g >= 0 for g in r.itls())
+        assert r.e2e - r.ttft >= 0.015  # tokens were timed as they arrived, not all at the end
+    records = run_schedule(adapter, [(0.0, prompts[0], 2), (0.05, prompts[1], 3)], timeout=30)
+    assert [r.output_tokens for r in records] == [2, 3] and all(r.ok for r in records)
+
+
+FAKE_LLAMA_SERVER = '''#!{python}
+"""A stand-in for llama.cpp's llama-server: /health and a streaming /completion."""
+import json, sys, time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+class H(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    def log_message(self, *a):
+        pass
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.send_response(200)
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        n = body["n_predict"]
+        events = [{{"content": "x", "stop": False}}] * n + [{{"content": "", "stop": True, "tokens_predicted": n}}]
+        for e in events:
+            data = ("data: " + json.dumps(e) + "\\n\\n").encode()
+            self.wfile.write(b"%x\\r\\n%s\\r\\n" % (len(data), data))
+            self.wfile.flush()
+            time.sleep(0.002)
+        self.wfile.write(b"0\\r\\n\\r\\n")
+
+port = int(sys.argv[sys.argv.index("--port") + 1])
+assert "-m" in sys.argv and "-np" in sys.argv
+ThreadingHTTPServer(("127.0.0.1", port), H).serve_forever()
+'''
+
+
+def test_peer_is_detected_started_driven_and_stopped_by_pid(tmp_path, monkeypatch):
+    from bench.systems import LlamaCppSystem, VllmSystem
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    server = bin_dir / "llama-server"
+    server.write_text(FAKE_LLAMA_SERVER.format(python=sys.executable))
+    server.chmod(0o755)
+    gguf = tmp_path / "bench.gguf"
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+
+    missing = LlamaCppSystem(tmp_path / "w0", "bfloat16", 2, 8, 1024, gguf=gguf)
+    found, detail = missing.detect()
+    assert not found and detail.startswith("not installed") and str(gguf) in detail
+
+    gguf.write_bytes(b"GGUF")
+    peer = LlamaCppSystem(tmp_path / "w1", "bfloat16", 2, 8, 1024, gguf=gguf)
+    assert peer.detect()[0]
+    adapter = peer.start(timeout=30)
+    try:
+        records = run_wave(adapter, [Prompt(" a", [1, 5])] * 2, 5, timeout=30)
+        assert all(r.ok and r.output_tokens == 5 and len(r.token_times) == 5 for r in records)
+    finally:
+        pid = peer.pid
+        peer.stop()
+    with pytest.raises(ProcessLookupError):
+        os.killpg(pid, 0)
+
+    vllm = VllmSystem(tmp_path / "w2", tmp_path, "bfloat16", 8, 1024, venv=tmp_path / "no-venv")
+    found, detail = vllm.detect()
+    assert not found and detail.startswith("not installed")
