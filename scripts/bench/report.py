@@ -184,6 +184,14 @@ def systems_table(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _rel(path) -> str:
+    root = Path(__file__).resolve().parents[2]
+    try:
+        return str(Path(path).resolve().relative_to(root))
+    except ValueError:
+        return str(path)
+
+
 def markdown(results: dict, plots: List[Path]) -> str:
     m, v, model = results["machine"], results["versions"], results["model"]
     bw = results["memory_bandwidth"]
@@ -217,7 +225,7 @@ def markdown(results: dict, plots: List[Path]) -> str:
 **Machine**: {m['cpu']}, {m['logical_cpus']} logical CPUs, {m.get('memory_gb', '?')} GB, {m.get('virtualization', 'bare metal or unknown')}; {m['platform']}; CPU features {', '.join(m.get('cpu_flags', []))}.
 **Versions**: Python {v['python']}, torch {v['torch']}, transformers {v['transformers']}, TorchServe {v['torchserve']}, {v.get('java')}, git {v.get('git')}.
 **Model**: {model['name']}: {model['parameters']:,} parameters ({model['hidden_size']} hidden, {model['num_hidden_layers']} layers, {model['num_attention_heads']} heads, {model['num_key_value_heads']} KV heads, intermediate {model['intermediate_size']}, vocab {model['vocab_size']}), {model['dtype']}; EOS suppressed (its tokenizer declares no EOS token).
-**Config**: `{results['config']['base']}` with dtype {model['dtype']}: batchSize {results['config']['frontend']['batchSize']}, maxBatchDelay {results['config']['frontend']['maxBatchDelay']} ms, micro_batch_size {results['config']['micro_batching']['micro_batch_size']}, max_length {results['config']['handler']['max_length']}, torch_threads {results['config']['threads']}.
+**Config**: `{_rel(results['config']['base'])}` with dtype {model['dtype']}: batchSize {results['config']['frontend']['batchSize']}, maxBatchDelay {results['config']['frontend']['maxBatchDelay']} ms, micro_batch_size {results['config']['micro_batching']['micro_batch_size']}, max_length {results['config']['handler']['max_length']}, torch_threads {results['config']['threads']}.
 
 **Memory bandwidth** (`x.sum()` over {list(bw.values())[0]['bytes'] / 1e9:.2f} GB of float32, best of 5 passes and of the samples at the start and the end): {bw_text}.
 Batch-1 decode bound = {bound['bandwidth_gb_per_s']:.1f} GB/s / {bound['weight_bytes_per_token'] / 1e6:.1f} MB of weights per token = **{bound['tokens_per_s']:.1f} tok/s** (the KV cache adds {model['kv_cache_bytes_per_position'] / 1e3:.1f} kB per position of context).
@@ -423,6 +431,9 @@ Options: `--dtype float32`, `--threads N`, `--no-peers`, `--llama-gguf PATH`, `-
 * Random weights: the figures measure compute and memory traffic, not the quality of any answer.
 * The client, TorchServe's Java frontend and the worker share the machine's cores; on 2 cores that is
   part of what the served figures measure.
+* The speed of a small VM drifts: on the reference machine the same in-process batch-1 decode measured
+  30 ms per token in one run and 57 ms in another an hour later, with no other process running. Compare
+  systems through the paired rows and the ratios, and re-run before reading a difference under ~20%.
 * TorchServe batches statically: a frontend batch of up to 8 requests runs to its end before the next
   batch starts, so at 16 streams the second 8 wait for the first, and under Poisson arrivals a request
   that arrives during a batch waits for it.

@@ -189,6 +189,8 @@ def paired(inprocess_runner, served_runner, prompts: Prompts, plan: dict, runs: 
             if per_round:
                 run["output_tokens_per_s"] = round(sum(per_round) / len(per_round), 3)
                 run["output_tokens_per_s_rounds"] = per_round
+                # every request of a paired wave has the same lengths: the convention follows per round
+                run["throughput_seq_tokens_per_s"] = round(run["output_tokens_per_s"] * (plan["conc_input"] + n) / n, 3)
             run.update(contention, served_over_inprocess=ratios,
                        served_over_inprocess_median=sorted(ratios)[len(ratios) // 2] if ratios else None)
             runs.append(run)
@@ -272,7 +274,7 @@ def main(argv=None) -> int:
     phases: Dict[str, float] = {}
     results = {
         "schema": "llama-torchserve-bench/1", "timestamp": stamp, "mode": mode_name,
-        "command": "python -m scripts.bench " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
+        "command": " ".join(["python -m scripts.bench"] + [shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])]),
         "machine": {**machine.machine_info(), "load_average_at_start": os.getloadavg()}, "versions": machine.versions(),
         "plan": {k: v for k, v in plan.items() if k not in ("docs",)}, "systems": {}, "runs": [], "extra": {},
     }
