@@ -20,6 +20,7 @@ turns into the same ids.
 from __future__ import annotations
 
 import json
+from abc import ABC, abstractmethod
 import threading
 import time
 from dataclasses import dataclass, field
@@ -68,15 +69,16 @@ class RequestRecord:
         return (len(self.token_times) - 1) / span if len(self.token_times) > 1 and span > 0 else None
 
 
-class Adapter:
+class Adapter(ABC):
     name = "?"
 
+    @abstractmethod
     def request(self, prompt: Prompt, max_new_tokens: int) -> Tuple[str, Dict[str, str], dict]:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def parse(self, line: bytes, record: RequestRecord, now: float) -> bool:
         """Read one line into ``record``; True when the request is complete."""
-        raise NotImplementedError
 
 
 class TorchServeAdapter(Adapter):

@@ -13,6 +13,7 @@ then SIGKILL). Peers are never installed or built here; they are detected:
 from __future__ import annotations
 
 import os
+from abc import ABC, abstractmethod
 import re
 import shutil
 import subprocess
@@ -82,7 +83,7 @@ class TorchServeSystem:
             self.server.stop()
 
 
-class PeerSystem:
+class PeerSystem(ABC):
     """A peer server started from its own environment; subclasses say how."""
 
     name = "?"
@@ -94,17 +95,20 @@ class PeerSystem:
         self.port: Optional[int] = None
         self.timings: Dict[str, float] = {}
 
+    @abstractmethod
     def detect(self) -> Tuple[bool, str]:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def command(self) -> List[str]:
-        raise NotImplementedError
+        ...
 
     def env(self) -> Dict[str, str]:
         return dict(os.environ)
 
+    @abstractmethod
     def adapter(self) -> Adapter:
-        raise NotImplementedError
+        ...
 
     @property
     def base_url(self) -> str:
