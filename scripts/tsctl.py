@@ -10,6 +10,7 @@ the shared /tmp. The server is stopped by the PID of its process group.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -31,6 +32,10 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_ports() -> Dict[str, int]:
+    return {"inference": free_port(), "management": free_port(), "metrics": free_port()}
 
 
 def read_properties(path: Path) -> Dict[str, str]:
@@ -160,6 +165,18 @@ class TorchServe:
             return
         stop_group(self.process.pid, timeout, reap=self.process.poll)
         self.process.wait(timeout=5)
+
+
+@contextlib.contextmanager
+def running(workdir: Path, model_store: Path, models: Optional[str] = None, timeout: float = 300.0, **kwargs):
+    """A TorchServe on free loopback ports, ready when entered and stopped by PID on exit."""
+    server = TorchServe(workdir, model_store, models=models, ports=free_ports(), **kwargs)
+    server.start()
+    try:
+        server.ready_seconds = server.wait_ready(timeout)
+        yield server
+    finally:
+        server.stop()
 
 
 def stop_group(pid: int, timeout: float = 30.0, reap=None) -> None:

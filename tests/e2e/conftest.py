@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import build_model  # noqa: E402
-from tsctl import TorchServe, free_port  # noqa: E402
+from tsctl import TorchServe, running  # noqa: E402
 
 MODEL = "tiny-llama"
 
@@ -60,14 +60,8 @@ def model_store(tiny_model_dir, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def server(model_store, tmp_path_factory):
-    ports = {"inference": free_port(), "management": free_port(), "metrics": free_port()}
-    ts = TorchServe(tmp_path_factory.mktemp("torchserve"), model_store, models=MODEL, ports=ports)
-    ts.start()
-    try:
-        ts.ready_seconds = ts.wait_ready(timeout=300)
+    with running(tmp_path_factory.mktemp("torchserve"), model_store, models=MODEL) as ts:
         yield ts
-    finally:
-        ts.stop()
 
 
 @pytest.fixture(scope="session")

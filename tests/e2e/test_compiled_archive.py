@@ -10,7 +10,7 @@ import requests
 
 from conftest import ROOT, build_model
 from readonly import read_only_view, snapshot
-from tsctl import TorchServe, free_port
+from tsctl import running
 
 MODEL = "tiny-llama-compiled"
 
@@ -27,15 +27,9 @@ def compiled_store(tiny_model_dir, tmp_path_factory):
 def compiled_server(compiled_store, tmp_path_factory):
     before = snapshot(compiled_store)
     with read_only_view(compiled_store, tmp_path_factory.mktemp("ro") / "store") as (store, mounted):
-        ports = {"inference": free_port(), "management": free_port(), "metrics": free_port()}
-        ts = TorchServe(tmp_path_factory.mktemp("ts-compiled"), store, models=MODEL, ports=ports)
-        ts.start()
-        try:
-            ts.wait_ready(timeout=600)
+        with running(tmp_path_factory.mktemp("ts-compiled"), store, models=MODEL, timeout=600) as ts:
             ts.read_only_mount = mounted
             yield ts
-        finally:
-            ts.stop()
     assert snapshot(compiled_store) == before, "something wrote into the model directory"
 
 

@@ -14,7 +14,7 @@ import requests
 from conftest import ROOT, build_model
 from neuron_env import neuron_double, subprocess_env
 from readonly import read_only_view, snapshot
-from tsctl import TorchServe, free_port
+from tsctl import TorchServe, free_ports, running
 
 MODEL = "tiny-llama-neuron"
 CONFIG = ROOT / "model-config" / f"{MODEL}.yaml"
@@ -33,16 +33,10 @@ def neuron_store(tiny_model_dir, tmp_path_factory):
 def neuron_server(neuron_store, tmp_path_factory):
     before = snapshot(neuron_store)
     with read_only_view(neuron_store, tmp_path_factory.mktemp("ro") / "store") as (store, _):
-        ports = {"inference": free_port(), "management": free_port(), "metrics": free_port()}
         # A compile at load would take 5 s per graph here, and fail the readiness deadline below.
-        ts = TorchServe(tmp_path_factory.mktemp("ts-neuron"), store, models=MODEL, ports=ports,
-                        env=subprocess_env(FAKE_NEURON_COMPILE_SECONDS=5))
-        ts.start()
-        try:
-            ts.wait_ready(timeout=120)
+        with running(tmp_path_factory.mktemp("ts-neuron"), store, models=MODEL, timeout=120,
+                     env=subprocess_env(FAKE_NEURON_COMPILE_SECONDS=5)) as ts:
             yield ts
-        finally:
-            ts.stop()
     assert snapshot(neuron_store) == before, "something wrote into the model directory"
 
 
@@ -87,8 +81,7 @@ def test_neuron_smoke_script_passes_against_the_double(tiny_model_dir, tmp_path)
 
 
 def test_a_changed_compiler_version_fails_the_load_fast_with_the_reason(neuron_store, tmp_path):
-    ports = {"inference": free_port(), "management": free_port(), "metrics": free_port()}
-    ts = TorchServe(tmp_path / "ts", neuron_store, models=MODEL, ports=ports,
+    ts = TorchServe(tmp_path / "ts", neuron_store, models=MODEL, ports=free_ports(),
                     env=subprocess_env(FAKE_NEURONXCC_VERSION="2.16.0.0"))
     ts.start()
     try:

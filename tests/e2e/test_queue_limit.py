@@ -8,7 +8,7 @@ import requests
 import yaml
 
 from conftest import MODEL, ROOT, build_model
-from tsctl import TorchServe, free_port
+from tsctl import running
 
 QUEUE = 2
 
@@ -23,14 +23,8 @@ def small_queue_server(tiny_model_dir, tmp_path_factory):
     config.write_text(yaml.safe_dump(data))
     build_model.main(["--config", str(config), "--checkpoint", str(tiny_model_dir), "--name", MODEL,
                       "--build-dir", str(work / "build"), "--export-path", str(work / "store")])
-    ports = {"inference": free_port(), "management": free_port(), "metrics": free_port()}
-    ts = TorchServe(work / "ts", work / "store", models=MODEL, ports=ports)
-    ts.start()
-    try:
-        ts.wait_ready(timeout=300)
+    with running(work / "ts", work / "store", models=MODEL) as ts:
         yield ts
-    finally:
-        ts.stop()
 
 
 def test_requests_beyond_the_queue_get_503(small_queue_server):
