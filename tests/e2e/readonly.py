@@ -39,3 +39,12 @@ def read_only_view(source: Path, mount_point: Path):
     finally:
         if mounted:
             subprocess.run(["umount", str(mount_point)], capture_output=True)
+
+
+@contextlib.contextmanager
+def guarded_read_only_view(source: Path, mount_point: Path, what: str = "something"):
+    """``read_only_view``, and afterwards a check that nothing in ``source`` changed."""
+    before = snapshot(source)
+    with read_only_view(source, mount_point) as view:
+        yield view
+    assert snapshot(source) == before, f"{what} wrote into the model directory"
