@@ -11,17 +11,25 @@ from pathlib import Path
 from typing import Optional, Tuple
 
 from .. import compile_cache
-from .base import Backend
+from .base import Backend, SlotBackend
 
 
-def cache_kind_and_settings(cfg, batch_size: int) -> Optional[Tuple[compile_cache.CacheKind, dict]]:
-    """What the compiled artifacts depend on, for the manifest; None if nothing is compiled."""
+def cache_kind_and_settings(cfg, batch_size: int,
+                            continuous: bool = False) -> Optional[Tuple[compile_cache.CacheKind, dict]]:
+    """What the compiled artifacts depend on, for the manifest; None if nothing is compiled.
+
+    ``continuous`` marks a continuous-batching build (``batch_size`` is then the slot count),
+    whose Neuron graphs differ from a static build's of the same batch size.
+    """
     if cfg.backend == "neuron":
-        return compile_cache.NEURON, {
+        settings = {
             "tp_degree": cfg.tp_degree, "amp": cfg.amp, "batch_size": batch_size,
             "n_positions": list(cfg.n_positions), "context_length_estimate": list(cfg.context_length_estimate),
             "neuron_cc_flags": cfg.neuron_cc_flags, "gqa": cfg.gqa,
         }
+        if continuous:
+            settings["continuous_batching"] = True
+        return compile_cache.NEURON, settings
     if cfg.backend == "torch" and cfg.compile:
         return compile_cache.INDUCTOR, {
             "dtype": cfg.dtype, "batch_size": batch_size, "max_length": cfg.max_length, "device": cfg.device,
@@ -29,9 +37,9 @@ def cache_kind_and_settings(cfg, batch_size: int) -> Optional[Tuple[compile_cach
     return None
 
 
-def prepare_cache(cfg, model_dir: str, batch_size: int,
-                  build_cache_dir: Optional[str] = None) -> Optional[compile_cache.CacheSession]:
-    compiled = cache_kind_and_settings(cfg, batch_size)
+def prepare_cache(cfg, model_dir: str, batch_size: int, build_cache_dir: Optional[str] = None,
+                  continuous: bool = False) -> Optional[compile_cache.CacheSession]:
+    compiled = cache_kind_and_settings(cfg, batch_size, continuous)
     if compiled is None:
         return None
     kind, settings = compiled
@@ -64,4 +72,25 @@ def _load(cfg, model_dir: str, batch_size: int) -> Backend:
     return TorchBackend(model_path, dtype=cfg.dtype, device=cfg.device, max_length=cfg.max_length)
 
 
-__all__ = ["Backend", "cache_kind_and_settings", "create_backend", "prepare_cache"]
+def create_slot_backend(cfg, model_dir: str, max_slots: int, build_cache_dir: Optional[str] = None) -> SlotBackend:
+    """A backend with ``max_slots`` independent sequences, for continuous batching."""
+    model_path = os.path.join(model_dir, cfg.model_path)
+    if cfg.backend == "torch" and cfg.compile:
+        raise ValueError("handler.compile is not supported with continuous batching yet; set compile: false "
+                         "or use micro-batching")
+    session = prepare_cache(cfg, model_dir, max_slots, build_cache_dir, continuous=True)
+    if cfg.backend == "neuron":
+        from .neuron_backend import NeuronSlotBackend
+
+        backend = NeuronSlotBackend(model_path, cfg, max_slots)
+    else:
+        from .torch_backend import TorchSlotBackend
+
+        backend = TorchSlotBackend.from_pretrained(model_path, max_slots, max_length=cfg.max_length,
+                                                   dtype=cfg.dtype, device=cfg.device)
+    backend.compile_session = session
+    return backend
+
+
+__all__ = ["Backend", "SlotBackend", "cache_kind_and_settings", "create_backend", "create_slot_backend",
+           "prepare_cache"]

@@ -64,6 +64,11 @@ class SlotBackend(ABC):
     max_slots: int
     #: The most positions (prompt + generated) one slot may occupy.
     max_length: int
+    #: The longest prompt chunk one ``prefill_slot`` call may encode (None: any length).
+    #: Neuron compiles prefill for fixed ``context_length_estimate`` buckets.
+    max_prefill_chunk: Optional[int] = None
+    #: The compile cache this backend loaded through (None when nothing is compiled).
+    compile_session = None
 
     @abstractmethod
     def prefill_slot(self, slot: int, prompt_ids: Sequence[int], start: int = 0) -> torch.Tensor:
