@@ -1,13 +1,22 @@
 """TorchServe entry: translates between TorchServe and the ``llama_engine`` package.
 
-Requests are split into micro-batches by TorchServe's ``MicroBatching``; each request is
-tagged with its index in the frontend batch before the split, so every intermediate
-response is addressed to the right request id even when the frontend batch holds several
-micro-batches (the upstream example addressed them by their index inside the micro-batch).
+Two modes, chosen by the model-config:
 
-Every stage catches its own errors and routes them to the requests they belong to: an
-exception escaping a ``MicroBatching`` stage thread would kill the thread and leave
-``handle()`` waiting forever.
+* **Micro-batching** (default, :class:`LlamaHandler`). Requests are split into micro-batches
+  by TorchServe's ``MicroBatching``; each request is tagged with its index in the frontend
+  batch before the split, so every intermediate response is addressed to the right request
+  id even when the frontend batch holds several micro-batches (the upstream example
+  addressed them by their index inside the micro-batch). Every stage catches its own errors
+  and routes them to the requests they belong to: an exception escaping a ``MicroBatching``
+  stage thread would kill the thread and leave ``handle()`` waiting forever.
+* **Continuous batching** (``continuousBatching: true``, :class:`ContinuousHandler`).
+  TorchServe's frontend calls the handler again and again with every request in flight (at
+  most ``batchSize``, the slot count), new ones with their body and running ones by id only.
+  Each call admits the new requests, runs ``steps_per_call`` steps of the engine's
+  :class:`~llama_engine.continuous.ContinuousScheduler` and returns each request's output of
+  those steps; ``context.stopping_criteria`` tells the frontend which responses are a
+  stream's last. A request missing from a call is one whose client went away (the frontend
+  drops it), so its slot is freed at once.
 """
 from __future__ import annotations
 
@@ -16,7 +25,7 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any, Dict, List, Optional
 
@@ -25,12 +34,39 @@ from ts.handler_utils.micro_batching import MicroBatching
 from ts.handler_utils.utils import send_intermediate_predict_response
 
 from llama_engine import Engine, RequestError, load_model_config, parse_request
+from llama_engine.continuous import ContinuousScheduler, RequestHandle
 from llama_engine.engine import PreparedRequest
 from llama_engine.formatting import CONTENT_TYPES, JSON, full_response, stream_chunk, stream_error
 from llama_engine.request import describe_form_error
 from llama_engine.streamer import GenerationResult
 
 logger = logging.getLogger(__name__)
+
+
+def read_request(context, idx: int, raw: Any, max_input_bytes: int):
+    """Parse request ``idx`` of the frontend batch (body, content type, Accept, User-Agent)."""
+    if not isinstance(raw, dict):
+        raise RequestError("unexpected request layout from the frontend", "inputs")
+    body_key = "body" if "body" in raw else "data" if "data" in raw else None
+    if body_key is None:
+        raise describe_form_error()
+    header = context.get_request_header(idx, body_key) or {}
+    content_type = header.get("content-type") if isinstance(header, dict) else None
+    return parse_request(raw[body_key], content_type, max_input_bytes,
+                         accept=_header(context, idx, "accept"), user_agent=_header(context, idx, "user-agent"))
+
+
+def _header(context, idx: int, name: str) -> Optional[str]:
+    for key, value in (context.get_all_request_header(idx) or {}).items():
+        if isinstance(key, str) and key.lower() == name and isinstance(value, str):
+            return value
+    return None
+
+
+def set_torch_threads(config) -> int:
+    threads = config.handler.torch_threads or os.cpu_count() or 1
+    torch.set_num_threads(threads)
+    return threads
 
 
 @dataclass
@@ -95,8 +131,7 @@ class LlamaHandler:
     def initialize(self, context) -> None:
         started = time.perf_counter()
         self.config = load_model_config(context.model_yaml_config)
-        threads = self.config.handler.torch_threads or os.cpu_count() or 1
-        torch.set_num_threads(threads)
+        threads = set_torch_threads(self.config)
         model_dir = context.system_properties.get("model_dir")
         micro = self.config.micro_batching
         self.engine = Engine.from_config(self.config.handler, model_dir, batch_size=micro.micro_batch_size)
@@ -170,23 +205,7 @@ class LlamaHandler:
     # -- helpers -----------------------------------------------------------------------------
 
     def _parse(self, slot: Slot):
-        raw = slot.raw
-        if not isinstance(raw, dict):
-            raise RequestError("unexpected request layout from the frontend", "inputs")
-        body_key = "body" if "body" in raw else "data" if "data" in raw else None
-        if body_key is None:
-            raise describe_form_error()
-        header = self.context.get_request_header(slot.index, body_key) or {}
-        content_type = header.get("content-type") if isinstance(header, dict) else None
-        return parse_request(raw[body_key], content_type, self.config.handler.max_input_bytes,
-                             accept=self._header(slot.index, "accept"),
-                             user_agent=self._header(slot.index, "user-agent"))
-
-    def _header(self, idx: int, name: str) -> Optional[str]:
-        for key, value in (self.context.get_all_request_header(idx) or {}).items():
-            if isinstance(key, str) and key.lower() == name and isinstance(value, str):
-                return value
-        return None
+        return read_request(self.context, slot.index, slot.raw, self.config.handler.max_input_bytes)
 
     def _send_events(self, slots: List[Slot], events) -> None:
         bodies = {}
@@ -218,11 +237,188 @@ class LlamaHandler:
         return error.to_json()
 
 
-_service = LlamaHandler()
+@dataclass
+class LiveRequest:
+    """A request the frontend keeps handing back until its last response."""
+
+    prepared: PreparedRequest
+    handle: Optional[RequestHandle] = None
+    chunks: List[str] = field(default_factory=list)
+    responded: bool = False
+
+    @property
+    def stream(self) -> bool:
+        return self.prepared.request.stream
+
+
+class ContinuousHandler:
+    """Continuous batching through TorchServe's ``continuousBatching`` frontend mode."""
+
+    def __init__(self):
+        self.initialized = False
+        self.live: Dict[str, LiveRequest] = {}
+        self.round_trips = RoundTrips()
+
+    def initialize(self, context) -> None:
+        started = time.perf_counter()
+        self.config = load_model_config(context.model_yaml_config)
+        threads = set_torch_threads(self.config)
+        settings = self.config.continuous_batching
+        self.steps_per_call = settings.steps_per_call
+        self.scheduler = ContinuousScheduler.from_config(
+            self.config.handler, context.system_properties.get("model_dir"), self.config.slots,
+            settings.max_prefill_tokens_per_step)
+        loaded = time.perf_counter()
+        if self.config.handler.warmup:
+            self.scheduler.warmup()
+        logger.info("load %.1f s, warm-up %.1f s", loaded - started, time.perf_counter() - loaded)
+        if self.scheduler.backend.compile_session is not None:
+            self.scheduler.backend.compile_session.report()
+        self.initialized = True
+        logger.info("model ready in %.1f s (torch threads %d, continuous batching: %d slots, %d prompt tokens "
+                    "per step, %d steps per call)", time.perf_counter() - started, threads, self.config.slots,
+                    settings.max_prefill_tokens_per_step, self.steps_per_call)
+
+    def handle(self, data: List[Any], context) -> List[str]:
+        started = time.perf_counter()
+        bodies = self._handle(data, context)
+        self.round_trips.record(started, time.perf_counter(), busy=bool(self.live))
+        return bodies
+
+    def _handle(self, data: List[Any], context) -> List[str]:
+        ids = [context.request_ids[i] for i in range(len(data))]
+        self._drop_departed(set(ids))
+        rejected = {i: self._admit(context, i, rid, raw) for i, (rid, raw) in enumerate(zip(ids, data))
+                    if rid not in self.live}
+        self._run()
+        bodies, last = [], []
+        for idx, rid in enumerate(ids):
+            error = rejected.get(idx)
+            body, final = (self._error_response(context, idx, error) if error is not None
+                           else self._response(context, idx, rid))
+            bodies.append(body)
+            last.append(final)
+        context.stopping_criteria = [functools.partial(_is_last, flag) for flag in last]
+        return bodies
+
+    def _drop_departed(self, present) -> None:
+        for rid in [r for r in self.live if r not in present]:
+            logger.info("request %s left (client gone); freeing its slot", rid)
+            self.scheduler.cancel(rid)
+            del self.live[rid]
+
+    def _admit(self, context, idx: int, rid: str, raw: Any) -> Optional[RequestError]:
+        """Parse and submit a new request; return its error instead of raising."""
+        try:
+            live = LiveRequest(self.scheduler.prepare(read_request(context, idx, raw,
+                                                                   self.config.handler.max_input_bytes)))
+            live.handle = self.scheduler.submit(live.prepared, functools.partial(self._on_event, live),
+                                                request_id=rid)
+        except RequestError as exc:
+            return exc
+        except Exception as exc:  # noqa: BLE001 - a bug on one input fails that request only
+            logger.exception("admitting request %s failed", rid)
+            return RequestError(f"internal error: {exc}", status=500)
+        self.live[rid] = live
+        return None
+
+    def _on_event(self, live: LiveRequest, event) -> None:
+        if not live.stream:
+            return
+        if live.handle.error is not None:
+            live.chunks.append(stream_error(live.prepared.request, _as_request_error(live.handle.error)))
+        else:
+            live.chunks.append(stream_chunk(live.prepared.request, event))
+
+    def _run(self) -> None:
+        """Up to ``steps_per_call`` steps; return early when a request ends, so its slot refills."""
+        for _ in range(self.steps_per_call):
+            if not self.scheduler.step() or any(live.handle.done for live in self.live.values()):
+                return
+
+    def _response(self, context, idx: int, rid: str):
+        live = self.live[rid]
+        done = live.handle.done
+        first = not live.responded
+        body = "".join(live.chunks)
+        live.chunks.clear()
+        status = 200
+        if done and not live.stream:
+            error = live.handle.error
+            if error is None:
+                body = full_response(live.prepared.request, live.handle.result)
+            else:
+                error = _as_request_error(error)
+                body, status = error.to_json(), error.status
+        if first:
+            content_type = CONTENT_TYPES[live.prepared.request.output] if live.stream else JSON
+            if status != 200 and done:
+                content_type = JSON
+            context.set_response_status(status, HTTPStatus(status).phrase, idx)
+            context.set_response_content_type(idx, content_type)
+        live.responded = True
+        if done:
+            del self.live[rid]
+        # A request whose first response is also its last goes out as one plain response.
+        return body, (None if first and done else done)
+
+    @staticmethod
+    def _error_response(context, idx: int, error: RequestError):
+        context.set_response_status(error.status, HTTPStatus(error.status).phrase, idx)
+        context.set_response_content_type(idx, JSON)
+        return error.to_json(), None
+
+
+class RoundTrips:
+    """Time inside the handler against time between calls (the frontend's round trip).
+
+    Logged every ``every`` seconds of traffic, so the cost of one frontend round trip per
+    step is visible in the model log instead of guessed.
+    """
+
+    def __init__(self, every: float = 30.0):
+        self.every = every
+        self._reset(None)
+
+    def _reset(self, now: Optional[float]) -> None:
+        self.calls, self.inside, self.between, self.since = 0, 0.0, 0.0, now
+        self.last_end: Optional[float] = None
+
+    def record(self, start: float, end: float, busy: bool) -> None:
+        if self.since is None:
+            self.since = start
+        self.calls += 1
+        self.inside += end - start
+        if self.last_end is not None:
+            self.between += start - self.last_end
+        self.last_end = end if busy else None  # an idle gap is waiting for traffic, not a round trip
+        if end - self.since >= self.every:
+            logger.info("continuous batching: %d calls, %.2f ms in the handler and %.2f ms in the frontend round "
+                        "trip per call (%.0f%% of the time)", self.calls, 1000 * self.inside / self.calls,
+                        1000 * self.between / self.calls, 100 * self.between / max(self.inside + self.between, 1e-9))
+            self._reset(end)
+
+
+def _is_last(flag: Optional[bool], _body) -> Optional[bool]:
+    """TorchServe's per-request stopping criterion: True last, False more to come, None not a stream."""
+    return flag
+
+
+def _as_request_error(error: BaseException) -> RequestError:
+    if isinstance(error, RequestError):
+        return error
+    return RequestError(f"generation failed: {error}", status=500)
+
+
+_service = None
 
 
 def handle(data, context):
     """Module-level entry point, as TorchServe calls a handler module."""
+    global _service
+    if _service is None:
+        continuous = load_model_config(context.model_yaml_config).continuous
+        _service = ContinuousHandler() if continuous else LlamaHandler()
     if not _service.initialized:
         _service.initialize(context)
     if data is None:

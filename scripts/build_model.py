@@ -41,16 +41,23 @@ def compile_and_manifest(cfg, model_root: Path) -> Path:
     from llama_engine import Engine
     from llama_engine.backends import cache_kind_and_settings
     from llama_engine.compile_cache import write_manifest
+    from llama_engine.continuous import ContinuousScheduler
 
-    batch_size = cfg.micro_batching.micro_batch_size
-    kind, settings = cache_kind_and_settings(cfg.handler, batch_size)
+    kind, settings = cache_kind_and_settings(cfg.handler, cfg.slots, cfg.continuous)
     cache = model_root / "compile_cache"
     partial = model_root / "compile_cache.partial"
     shutil.rmtree(partial, ignore_errors=True)
-    engine = Engine.from_config(cfg.handler, str(model_root), batch_size=batch_size, build_cache_dir=str(partial))
     buckets = list(cfg.handler.context_length_estimate or []) if cfg.handler.backend == "neuron" else []
-    for length in tqdm([None] + buckets, desc="warm-up graphs", unit="graph"):
-        engine.warmup(batch_size=batch_size, prompt_lengths=() if length is None else (length,))
+    if cfg.continuous:
+        scheduler = ContinuousScheduler.from_config(
+            cfg.handler, str(model_root), cfg.slots, cfg.continuous_batching.max_prefill_tokens_per_step,
+            build_cache_dir=str(partial))
+        for length in tqdm([None] + buckets, desc="warm-up graphs", unit="graph"):
+            scheduler.warmup(prompt_lengths=() if length is None else (length,))
+    else:
+        engine = Engine.from_config(cfg.handler, str(model_root), batch_size=cfg.slots, build_cache_dir=str(partial))
+        for length in tqdm([None] + buckets, desc="warm-up graphs", unit="graph"):
+            engine.warmup(batch_size=cfg.slots, prompt_lengths=() if length is None else (length,))
     manifest = write_manifest(partial, kind, settings)
     shutil.rmtree(cache, ignore_errors=True)
     partial.rename(cache)
@@ -75,7 +82,7 @@ def main(argv=None) -> int:
     cfg = load_model_config_file(str(args.config))
     name = args.name or args.config.stem
     model_root = args.build_dir or ROOT / "build" / "models" / name
-    compiles = cache_kind_and_settings(cfg.handler, cfg.micro_batching.micro_batch_size) is not None
+    compiles = cache_kind_and_settings(cfg.handler, cfg.slots, cfg.continuous) is not None
     total = 4 if compiles else 2
 
     started = step(1, total, f"prepare checkpoint {args.checkpoint} -> {model_root / cfg.handler.model_path}")

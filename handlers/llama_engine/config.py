@@ -5,7 +5,9 @@ The file has three parts, as in TorchServe's own model-config:
 * top-level frontend keys (``batchSize``, ``startupTimeout``, ...) that TorchServe's Java
   frontend reads; their names are TorchServe's;
 * ``handler:`` for this project's handler (backend, model path, lengths, ...);
-* ``micro_batching:`` for TorchServe's ``MicroBatching`` helper.
+* ``micro_batching:`` for TorchServe's ``MicroBatching`` helper, or, with TorchServe's
+  ``continuousBatching: true``, ``continuous_batching:`` for the continuous scheduler (its
+  slot count is ``batchSize``, so no second key can disagree with it).
 
 Unknown keys, wrong types and contradictions raise :class:`ConfigError` with a message that
 names the key and says how to fix it.
@@ -242,6 +244,26 @@ class MicroBatchingConfig:
 
 
 @dataclass
+class ContinuousBatchingConfig:
+    """The ``continuous_batching:`` section. The slot count is the frontend's ``batchSize``."""
+
+    #: Prompt tokens prefilled per scheduler step, over all admissions: a longer prompt is
+    #: prefilled in chunks, so that it stalls the running streams by one chunk per step.
+    max_prefill_tokens_per_step: int = 256
+    #: Scheduler steps per round trip through TorchServe's frontend. The frontend hands new
+    #: requests to the handler only between calls, so more steps per call trade admission
+    #: latency for fewer round trips. A call also ends as soon as a request finishes.
+    steps_per_call: int = 1
+
+    _TYPES = {"max_prefill_tokens_per_step": (int, False), "steps_per_call": (int, False)}
+
+    def __post_init__(self):
+        _check_fields(self, "continuous_batching.", self._TYPES)
+        for key in self._TYPES:
+            _check_positive("continuous_batching.", key, getattr(self, key))
+
+
+@dataclass
 class SageMakerConfig:
     """The ``sagemaker:`` section: what `make deploy` needs to size an endpoint for this model."""
 
@@ -274,8 +296,22 @@ class ModelConfig:
     handler: HandlerConfig
     micro_batching: MicroBatchingConfig
     sagemaker: SageMakerConfig = field(default_factory=SageMakerConfig)
+    #: Set when TorchServe's ``continuousBatching: true`` selects continuous batching.
+    continuous_batching: Optional[ContinuousBatchingConfig] = None
+
+    @property
+    def continuous(self) -> bool:
+        return self.continuous_batching is not None
+
+    @property
+    def slots(self) -> int:
+        """Sequences generated at once: the continuous slots, else one micro-batch."""
+        return self.frontend.batchSize if self.continuous else self.micro_batching.micro_batch_size
 
     def __post_init__(self):
+        if self.continuous and self.handler.backend == "torch" and self.handler.compile:
+            raise ConfigError("handler.compile: not supported with continuousBatching yet; set compile: false, "
+                              "or continuousBatching: false to use micro-batching")
         if self.handler.backend == "neuron" and self.frontend.maxWorkers > 1:
             raise ConfigError(
                 f"maxWorkers ({self.frontend.maxWorkers}): each Neuron worker holds its tp_degree NeuronCores "
@@ -313,17 +349,35 @@ def _reject_other_backend_keys(data: Mapping) -> None:
 def load_model_config(data: Optional[Mapping]) -> ModelConfig:
     """Validate a parsed model-config mapping (as TorchServe hands it to the handler)."""
     data = dict(data or {})
+    has_micro, has_continuous = "micro_batching" in data, "continuous_batching" in data
     handler = _section(HandlerConfig, data.pop("handler", None), "handler")
     micro = _section(MicroBatchingConfig, data.pop("micro_batching", None), "micro_batching")
+    continuous = _section(ContinuousBatchingConfig, data.pop("continuous_batching", None), "continuous_batching")
     sagemaker = _section(SageMakerConfig, data.pop("sagemaker", None), "sagemaker")
     frontend_keys = [f.name for f in dataclasses.fields(FrontendConfig)]
     passthrough = {k: data.pop(k) for k in list(data) if k in PASSTHROUGH_FRONTEND_KEYS}
-    _reject_unknown("", data, frontend_keys + ["handler", "micro_batching", "sagemaker"] + sorted(passthrough))
-    if passthrough.get("continuousBatching"):
-        raise ConfigError(
-            "continuousBatching: this handler uses micro-batching; remove continuousBatching or set it to false"
-        )
-    return ModelConfig(frontend=FrontendConfig(**data), handler=handler, micro_batching=micro, sagemaker=sagemaker)
+    _reject_unknown("", data, frontend_keys + ["handler", "micro_batching", "continuous_batching", "sagemaker"]
+                    + sorted(passthrough))
+    mode = _batching_mode(passthrough, has_micro, has_continuous)
+    return ModelConfig(frontend=FrontendConfig(**data), handler=handler, micro_batching=micro, sagemaker=sagemaker,
+                       continuous_batching=continuous if mode == "continuous" else None)
+
+
+def _batching_mode(passthrough: Mapping, has_micro: bool, has_continuous: bool) -> str:
+    """``continuous`` when TorchServe's ``continuousBatching`` is on, else ``micro``; sections must agree."""
+    flag = passthrough.get("continuousBatching", False)
+    _check_type("", "continuousBatching", flag, bool)
+    for key in ("asyncCommunication", "sequenceBatching"):
+        if passthrough.get(key):
+            raise ConfigError(f"{key}: this handler does not support it; use continuousBatching: true for "
+                              "continuous batching, or remove the key for micro-batching")
+    if flag and has_micro:
+        raise ConfigError("micro_batching: applies to micro-batching, but continuousBatching is true; remove the "
+                          "micro_batching section (the slot count is batchSize) or set continuousBatching: false")
+    if not flag and has_continuous:
+        raise ConfigError("continuous_batching: applies only with continuousBatching: true at the top level; "
+                          "add it, or remove the continuous_batching section")
+    return "continuous" if flag else "micro"
 
 
 def load_model_config_file(path: str) -> ModelConfig:

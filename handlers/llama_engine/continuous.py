@@ -28,11 +28,11 @@ import itertools
 import logging
 import threading
 from collections import deque
-from typing import Callable, Deque, Dict, List, Optional
+from typing import Callable, Deque, Dict, List, Optional, Sequence
 
 from .backends.base import SlotBackend
 from .detokenizer import IncrementalDetokenizer
-from .engine import PreparedRequest
+from .engine import PreparedRequest, prepare_request
 from .errors import RequestError
 from .selection import TokenSelector, select_tokens
 from .stopping import StoppingCriteria, StopSequences
@@ -96,6 +96,7 @@ class ContinuousScheduler:
         self.eos_token_ids = frozenset(eos_token_ids if eos_token_ids is not None else ([] if eos is None else [eos]))
         self.special_ids = frozenset(tokenizer.all_special_ids)
         self.steps = 0
+        self.default_max_new_tokens = 64
         self._free: List[int] = list(range(max_slots))  # a heap: admission takes the lowest free slot
         self._active: Dict[int, RequestHandle] = {}  # slot -> request (prefilling or running)
         self._waiting: Deque[RequestHandle] = deque()
@@ -105,6 +106,51 @@ class ContinuousScheduler:
         self._lock = threading.Condition()
         self._thread: Optional[threading.Thread] = None
         self._stopping = False
+
+    @classmethod
+    def from_config(cls, handler_cfg, model_dir: str, max_slots: int, max_prefill_tokens_per_step: int,
+                    max_queue: Optional[int] = None, build_cache_dir: Optional[str] = None) -> "ContinuousScheduler":
+        """The tokenizer and a slot backend of ``max_slots`` slots, as ``handler:`` describes them."""
+        import os
+
+        from transformers import AutoTokenizer
+
+        from .backends import create_slot_backend
+
+        tokenizer = AutoTokenizer.from_pretrained(os.path.join(model_dir, handler_cfg.model_path))
+        backend = create_slot_backend(handler_cfg, model_dir, max_slots, build_cache_dir)
+        scheduler = cls(backend, tokenizer, max_slots=max_slots,
+                        max_queue=max_slots if max_queue is None else max_queue,
+                        max_prefill_tokens_per_step=max_prefill_tokens_per_step)
+        scheduler.default_max_new_tokens = handler_cfg.max_new_tokens
+        return scheduler
+
+    def prepare(self, request) -> PreparedRequest:
+        """Tokenize ``request`` and check it against the slots' limits (RequestError if over)."""
+        return prepare_request(self.tokenizer, request, self.backend.max_length, self.backend.max_prompt_length,
+                               self.default_max_new_tokens)
+
+    def warmup(self, max_new_tokens: int = 2, prompt_lengths: Sequence[int] = ()) -> None:
+        """Fill every slot with a short request and run them to the end, stepping here.
+
+        The first full decode step and the prefill of each slot pay their one-off costs now
+        (allocation, kernel selection, compiled graphs) instead of on a user's request.
+        ``prompt_lengths`` adds one request per length, so that a compiling backend builds
+        the graph of every context bucket now.
+        """
+        from .params import SamplingParams
+        from .request import GenerationRequest
+
+        request = GenerationRequest("Warm-up", SamplingParams(max_new_tokens=max_new_tokens))
+        prepared = [self.prepare(request)] * min(self.max_slots, max(self.max_queue, 1))
+        filler = self.tokenizer(" the", add_special_tokens=False)["input_ids"][-1]
+        for length in prompt_lengths:
+            ids = (self.tokenizer("")["input_ids"] + [filler] * length)[:length]
+            prepared.append(PreparedRequest(request, ids, min(max_new_tokens, self.backend.max_length - length)))
+        for start in range(0, len(prepared), max(self.max_queue, 1)):
+            handles = [self.submit(p) for p in prepared[start:start + max(self.max_queue, 1)]]
+            while not all(h.done for h in handles):
+                self.step()
 
     # ----- submission, cancellation, inspection (any thread)
 
@@ -269,7 +315,7 @@ class ContinuousScheduler:
     def _prefill_chunk(self, handle: RequestHandle, budget: int) -> int:
         """Prefill up to ``budget`` more prompt tokens of ``handle``; return how many it took."""
         prompt = handle.prepared.prompt_ids
-        chunk = prompt[handle.prefilled:handle.prefilled + budget]
+        chunk = prompt[handle.prefilled:handle.prefilled + self._chunk_size(len(prompt) - handle.prefilled, budget)]
         try:
             logits = self.backend.prefill_slot(handle.slot, chunk, start=handle.prefilled)
             handle.prefilled += len(chunk)
@@ -282,6 +328,16 @@ class ContinuousScheduler:
         handle.state = RUNNING
         self._deliver(handle, int(tokens[0]), logprobs[0])
         return len(chunk)
+
+    def _chunk_size(self, remaining: int, budget: int) -> int:
+        """Prompt tokens to prefill now: within the budget, unless the backend cannot append.
+
+        A backend without incremental prefill re-encodes the whole prompt on every call, so
+        its prompts go in one call (up to ``max_prefill_chunk``), budget or not.
+        """
+        limit = self.backend.max_prefill_chunk
+        size = remaining if not self.backend.incremental_prefill else min(remaining, budget)
+        return size if limit is None else min(size, limit)
 
     def _decode(self, handles: List[RequestHandle]) -> None:
         if not handles:

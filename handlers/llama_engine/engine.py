@@ -56,31 +56,8 @@ class Engine:
 
     def prepare(self, request: GenerationRequest) -> PreparedRequest:
         """Tokenize and check the request against the model's limits (RequestError if over)."""
-        if request.messages is not None:
-            request.prompt = render_chat(self.tokenizer, request.messages)
-            prompt_ids = self.tokenizer(request.prompt, add_special_tokens=False)["input_ids"]
-        else:
-            prompt_ids = self.tokenizer(request.prompt)["input_ids"]
-        bucket = self.backend.max_prompt_length
-        if bucket is not None and len(prompt_ids) > bucket:
-            raise RequestError(
-                f"the prompt is {len(prompt_ids)} tokens; the limit is {bucket} tokens "
-                "(the largest compiled context bucket, handler.context_length_estimate)", "inputs")
-        if len(prompt_ids) >= self.max_length:
-            raise RequestError(
-                f"the prompt is {len(prompt_ids)} tokens; the limit is {self.max_length - 1} tokens "
-                f"(handler.max_length {self.max_length} holds the prompt and the answer)", "inputs")
-        room = self.max_length - len(prompt_ids)
-        requested = request.params.max_new_tokens
-        if requested is None:
-            max_new = min(self.default_max_new_tokens, room)
-        elif requested > room:
-            raise RequestError(
-                f"max_new_tokens is {requested}, but the prompt ({len(prompt_ids)} tokens) leaves room "
-                f"for only {room} of handler.max_length {self.max_length}", "max_new_tokens")
-        else:
-            max_new = requested
-        return PreparedRequest(request, prompt_ids, max_new)
+        return prepare_request(self.tokenizer, request, self.max_length, self.backend.max_prompt_length,
+                               self.default_max_new_tokens)
 
     def _row_state(self, prepared: PreparedRequest, seed: Optional[int] = None) -> RowState:
         stops = prepared.request.params.stop
@@ -177,6 +154,40 @@ class Engine:
             prepared.append(PreparedRequest(request, ids, min(max_new_tokens, self.max_length - length)))
         for item in prepared:
             self.generate([item] * batch_size)
+
+
+def prepare_request(tokenizer, request: GenerationRequest, max_length: int, max_prompt_length: Optional[int],
+                    default_max_new_tokens: int) -> PreparedRequest:
+    """Tokenize ``request`` and check it against the model's limits (RequestError if over).
+
+    ``max_length`` holds the prompt and the answer; ``max_prompt_length`` is the longest prompt
+    the backend encodes at full speed (None: no such limit).
+    """
+    if request.messages is not None:
+        request.prompt = render_chat(tokenizer, request.messages)
+        prompt_ids = tokenizer(request.prompt, add_special_tokens=False)["input_ids"]
+    else:
+        prompt_ids = tokenizer(request.prompt)["input_ids"]
+    bucket = max_prompt_length
+    if bucket is not None and len(prompt_ids) > bucket:
+        raise RequestError(
+            f"the prompt is {len(prompt_ids)} tokens; the limit is {bucket} tokens "
+            "(the largest compiled context bucket, handler.context_length_estimate)", "inputs")
+    if len(prompt_ids) >= max_length:
+        raise RequestError(
+            f"the prompt is {len(prompt_ids)} tokens; the limit is {max_length - 1} tokens "
+            f"(handler.max_length {max_length} holds the prompt and the answer)", "inputs")
+    room = max_length - len(prompt_ids)
+    requested = request.params.max_new_tokens
+    if requested is None:
+        max_new = min(default_max_new_tokens, room)
+    elif requested > room:
+        raise RequestError(
+            f"max_new_tokens is {requested}, but the prompt ({len(prompt_ids)} tokens) leaves room "
+            f"for only {room} of handler.max_length {max_length}", "max_new_tokens")
+    else:
+        max_new = requested
+    return PreparedRequest(request, prompt_ids, max_new)
 
 
 def _offset_sink(sink: Sink, offset: int) -> Sink:

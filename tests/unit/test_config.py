@@ -48,12 +48,50 @@ def mutate(section, key, value):
     ("micro_batching", "parallelism", {"inference": 2}, r"parallelism\.inference: must be 1"),
     ("micro_batching", "parallelism", {"decode": 1}, r"parallelism\.decode: unknown key"),
     ("", "minWorkers", 3, r"minWorkers \(3\) is larger than maxWorkers \(1\)"),
-    ("", "continuousBatching", True, r"continuousBatching: this handler uses micro-batching"),
+    ("", "continuousBatching", True, r"micro_batching: applies to micro-batching, but continuousBatching is true"),
+    ("", "continuousBatching", "yes", r"continuousBatching: expected bool"),
+    ("", "asyncCommunication", True, r"asyncCommunication: this handler does not support it"),
+    ("", "continuous_batching", {}, r"continuous_batching: applies only with continuousBatching: true"),
     ("", "startupTimeout", 0, r"startupTimeout: must be >= 1"),
 ])
 def test_bad_config_names_the_key(section, key, value, expected):
     with pytest.raises(ConfigError, match=expected):
         load_model_config(mutate(section, key, value))
+
+
+def continuous_base(**section):
+    data = base()
+    del data["micro_batching"]
+    data["continuousBatching"] = True
+    if section:
+        data["continuous_batching"] = section
+    return data
+
+
+def test_continuous_mode_takes_its_slot_count_from_batch_size():
+    cfg = load_model_config(continuous_base(max_prefill_tokens_per_step=64))
+    assert cfg.continuous and cfg.slots == 8
+    assert cfg.continuous_batching.max_prefill_tokens_per_step == 64
+    assert cfg.continuous_batching.steps_per_call == 1
+    micro = load_model_config(base())
+    assert not micro.continuous and micro.slots == micro.micro_batching.micro_batch_size
+
+
+@pytest.mark.parametrize("section,expected", [
+    ({"max_slots": 4}, r"continuous_batching\.max_slots: unknown key"),
+    ({"max_prefill_tokens_per_step": 0}, r"continuous_batching\.max_prefill_tokens_per_step: must be >= 1"),
+    ({"steps_per_call": "2"}, r"continuous_batching\.steps_per_call: expected int"),
+])
+def test_bad_continuous_section_names_the_key(section, expected):
+    with pytest.raises(ConfigError, match=expected):
+        load_model_config(continuous_base(**section))
+
+
+def test_continuous_mode_rejects_compile():
+    data = continuous_base()
+    data["handler"]["compile"] = True
+    with pytest.raises(ConfigError, match=r"handler\.compile: not supported with continuousBatching"):
+        load_model_config(data)
 
 
 def test_passthrough_frontend_keys_are_accepted():

@@ -67,6 +67,14 @@ class SlotBackend(ABC):
     #: The longest prompt chunk one ``prefill_slot`` call may encode (None: any length).
     #: Neuron compiles prefill for fixed ``context_length_estimate`` buckets.
     max_prefill_chunk: Optional[int] = None
+    #: The longest prompt one slot accepts (None: whatever fits ``max_length``). Neuron
+    #: encodes a whole prompt with one context graph, so its largest bucket caps prompts;
+    #: ``prefill_slot`` raises ``RequestError`` beyond it.
+    max_prompt_length: Optional[int] = None
+    #: False when ``prefill_slot(start > 0)`` cannot append to the slot and re-encodes the
+    #: first ``start`` tokens too (Neuron): splitting a prompt over steps then costs work
+    #: instead of saving it, so a scheduler should prefill such a prompt in one call.
+    incremental_prefill: bool = True
     #: The compile cache this backend loaded through (None when nothing is compiled).
     compile_session = None
 
