@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 import threading
 
 import pytest
 from ts.context import Context, RequestProcessor
 
 import llama_handler
+from ts_frontend import FakeMetrics, decode_message
 from llama_engine import GenerationRequest, SamplingParams
 
 CONFIG = {
@@ -33,45 +33,6 @@ class FakeSocket:
     def sendall(self, data):
         with self.lock:
             self.messages.append(bytes(data))
-
-
-class FakeMetrics:
-    def add_time(self, *args, **kwargs):
-        pass
-
-
-def decode_message(msg: bytes):
-    """Parse one predict response of TorchServe's worker protocol into per-request parts."""
-    pos = 0
-
-    def take_int():
-        nonlocal pos
-        (value,) = struct.unpack_from("!i", msg, pos)
-        pos += 4
-        return value
-
-    def take_bytes():
-        nonlocal pos
-        n = take_int()
-        data = msg[pos:pos + n]
-        pos += n
-        return data
-
-    take_int()  # batch code
-    take_bytes()  # message
-    parts = []
-    while True:
-        n = take_int()
-        if n == -1:
-            return parts
-        req_id = msg[pos:pos + n].decode()
-        pos += n
-        content_type = take_bytes().decode()
-        status = take_int()
-        take_bytes()  # phrase
-        headers = {take_bytes().decode(): take_bytes().decode() for _ in range(take_int())}
-        parts.append({"req_id": req_id, "content_type": content_type, "status": status,
-                      "headers": headers, "body": take_bytes().decode()})
 
 
 @pytest.fixture(scope="module")
