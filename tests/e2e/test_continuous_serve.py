@@ -1,0 +1,129 @@
+"""Continuous batching through a real TorchServe (``continuousBatching: true``, 2 slots)."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+import requests
+import yaml
+
+from conftest import ROOT, build_model
+from tsctl import running
+
+MODEL = "tiny-llama-continuous"
+SLOTS = 2
+QUEUE = 2
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):
+    work = tmp_path_factory.mktemp("continuous")
+    data = yaml.safe_load((ROOT / "model-config" / f"{MODEL}.yaml").read_text())
+    data.update(batchSize=SLOTS, jobQueueSize=QUEUE)
+    data["handler"]["torch_threads"] = 1
+    data["continuous_batching"]["max_prefill_tokens_per_step"] = 16
+    config = work / f"{MODEL}.yaml"
+    config.write_text(yaml.safe_dump(data))
+    build_model.main(["--config", str(config), "--checkpoint", str(tiny_model_dir), "--name", MODEL,
+                      "--build-dir", str(work / "build"), "--export-path", str(work / "store")])
+    with running(work / "ts", work / "store", models=MODEL) as ts:
+        yield ts
+
+
+class Stream:
+    """One streaming request in its own thread: token ids and when it ended."""
+
+    def __init__(self, server, prompt: str, n: int, start_after: float = 0.0):
+        self.url = f"{server.url()}/predictions/{MODEL}"
+        self.headers = {"Authorization": f"Bearer {server.key}"}
+        self.body = {"inputs": prompt, "parameters": {"max_new_tokens": n}}
+        self.start_after = start_after
+        self.ids, self.status, self.ended, self.first_line = [], None, None, threading.Event()
+        self.response = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> "Stream":
+        self.thread.start()
+        return self
+
+    def _run(self):
+        time.sleep(self.start_after)
+        self.response = requests.post(self.url, json=self.body, headers=self.headers, stream=True, timeout=300)
+        self.status = self.response.status_code
+        try:
+            for line in self.response.iter_lines():
+                if line:
+                    self.ids.append(json.loads(line)["token"]["id"])
+                    self.first_line.set()
+        except (requests.RequestException, AttributeError):  # closed by disconnect()
+            pass
+        self.ended = time.perf_counter()
+
+    def join(self, timeout: float = 300):
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "stream did not end"
+        return self
+
+    def disconnect(self):
+        self.response.close()
+
+
+PROMPTS = ["The function returns", "If the object is", "A list of", "The default value is"]
+
+
+def test_interleaved_requests_stream_exactly_their_solo_tokens(server):
+    lengths = [24, 6, 15, 9]
+    solo = [Stream(server, p, n).start().join().ids for p, n in zip(PROMPTS, lengths)]
+    together = [Stream(server, p, n, start_after=0.05 * i).start() for i, (p, n) in enumerate(zip(PROMPTS, lengths))]
+    for stream, expected in zip(together, solo):
+        stream.join()
+        assert stream.status == 200 and stream.ids == expected
+
+
+def test_a_short_request_finishes_before_a_long_one_that_started_earlier(server):
+    long = Stream(server, PROMPTS[0], 300).start()
+    assert long.first_line.wait(60)
+    short = Stream(server, PROMPTS[1], 4).start().join()
+    assert len(short.ids) == 4
+    assert long.ended is None, "the short answer waited for the long one"
+    long.join()
+    assert len(long.ids) == 300 and short.ended < long.ended
+
+
+def test_a_disconnect_frees_its_slot(server):
+    gone = Stream(server, PROMPTS[0], 400).start()
+    busy = Stream(server, PROMPTS[1], 400).start()
+    assert gone.first_line.wait(60) and busy.first_line.wait(60)
+    gone.disconnect()
+    # Both slots were taken; the next request can only run before `busy` ends if the
+    # departed request's slot was freed (it would otherwise generate its 400 tokens first).
+    newcomer = Stream(server, PROMPTS[2], 4).start().join()
+    assert newcomer.status == 200 and len(newcomer.ids) == 4
+    assert busy.ended is None, "the newcomer waited for a slot the departed client still held"
+    busy.join()
+    assert len(busy.ids) == 400
+    assert "left (client gone); freeing its slot" in server.model_log()
+
+
+def test_requests_beyond_the_queue_get_503(server):
+    url = f"{server.url()}/predictions/{MODEL}"
+    headers = {"Authorization": f"Bearer {server.key}"}
+    n = 10
+    statuses = [None] * n
+    barrier = threading.Barrier(n)
+
+    def worker(i):
+        barrier.wait()
+        r = requests.post(url, json={"inputs": PROMPTS[3], "stream": False, "parameters": {"max_new_tokens": 200}},
+                          headers=headers, timeout=300)
+        statuses[i] = r.status_code
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert statuses.count(503) >= 1 and statuses.count(200) >= SLOTS, statuses
+    assert set(statuses) <= {200, 503}, statuses
