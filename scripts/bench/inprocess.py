@@ -69,3 +69,58 @@ class InProcessEngine:
     def close(self) -> None:
         self.engine = None
         gc.collect()
+
+
+class InProcessScheduler:
+    """The continuous scheduler in this process: a wave is submitted at once and stepped to the end."""
+
+    name = "inprocess-continuous"
+
+    def __init__(self, handler_cfg, checkpoint: Path, slots: int, max_prefill_tokens_per_step: int, threads: int,
+                 warmup: bool = True):
+        import torch
+
+        from llama_engine.continuous import ContinuousScheduler
+
+        torch.set_num_threads(threads)
+        cfg = dataclasses.replace(handler_cfg, model_path=Path(checkpoint).name)
+        started = time.perf_counter()
+        self.scheduler = ContinuousScheduler.from_config(cfg, str(Path(checkpoint).parent), slots,
+                                                         max_prefill_tokens_per_step, max_queue=4096)
+        self.load_s = time.perf_counter() - started
+        started = time.perf_counter()
+        if warmup:
+            self.scheduler.warmup()
+        self.warmup_s = time.perf_counter() - started
+
+    def run_wave(self, prompts: List[Prompt], max_new_tokens: int) -> List[RequestRecord]:
+        from llama_engine import GenerationRequest, SamplingParams
+
+        records = [RequestRecord(self.name, len(p), max_new_tokens) for p in prompts]
+        t0 = time.perf_counter()
+        for record, prompt in zip(records, prompts):
+            record.start = t0
+            prepared = self.scheduler.prepare(GenerationRequest(prompt.text,
+                                                                SamplingParams(max_new_tokens=max_new_tokens)))
+            self.scheduler.submit(prepared, lambda event, record=record: _record(record, event))
+        try:
+            while self.scheduler.step():
+                pass
+        except Exception as exc:  # noqa: BLE001 - recorded, the run goes on
+            for record in records:
+                record.error = record.error or f"{type(exc).__name__}: {exc}"[:300]
+        return records
+
+    def close(self) -> None:
+        self.scheduler = None
+        gc.collect()
+
+
+def _record(record: RequestRecord, event) -> None:
+    now = time.perf_counter()
+    if event.token_id is not None:
+        record.token_times.append(now)
+    if event.result is not None:
+        record.end = now
+        record.reported_tokens = event.result.generated_tokens
+        record.finish_reason = event.result.finish_reason
