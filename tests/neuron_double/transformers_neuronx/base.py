@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from transformers_neuronx import compiler, module, sampling
+from transformers_neuronx import bucket, compiler, module, sampling
 from transformers_neuronx.decoder import HFDecoder
 
 #: NeuronConfig fields that do not change the compiled graphs.
@@ -224,21 +224,80 @@ class NeuronModelBase(module.PretrainedModel):
         return cache_ids.flatten()
 
     def _forward_continuous(self, input_ids, embeds, cache_ids, seq_ids):
+        """Continuous batching, as the real ``base.py`` runs it without paged attention (SBH cache).
+
+        Mirrors ``_prepare_for_continuous_batching``, ``_context_dynamic_batching`` and
+        ``_postprocess``:
+
+        * several tokens with ``cache_ids[0][0] == 0``: context encoding, one sequence at a
+          time (context batch size 1), each row right-padded to the context bucket that fits
+          it; the graph writes positions ``0..bucket-1`` of slot ``seq_ids[i]`` and returns the
+          logits at ``max(cache_ids[i])``; a row longer than the largest bucket is an
+          ``AssertionError``;
+        * several tokens at a position > 0: the speculative branch; without speculation
+          graphs the real code fails an assertion, so does the double;
+        * one token per row: token generation over the full ``max_num_seqs`` batch; rows are
+          scattered to their slot, every slot without a row gets token 0 at position 0
+          (which overwrites position 0 of that slot's cache), and the logits come back in
+          the order of ``seq_ids``.
+        """
         slots = self.neuron_config.continuous_batching.batch_size_for_shared_caches
-        seq_ids = seq_ids.flatten().long()
-        rows, length = input_ids.shape
-        if rows > slots or bool(((seq_ids < 0) | (seq_ids >= slots)).any()):
-            raise ValueError(f"continuous batching: {rows} rows with sequence ids {seq_ids.tolist()} "
+        seq_ids = torch.as_tensor(seq_ids)
+        flat = seq_ids.flatten().long()
+        n_seqs, n_active = input_ids.shape
+        if n_seqs > slots or bool(((flat < 0) | (flat >= slots)).any()):
+            raise ValueError(f"continuous batching: {n_seqs} rows with sequence ids {flat.tolist()} "
                              f"do not fit the {slots} compiled KV-cache slots")
         if cache_ids is None:
-            cache_ids = torch.arange(length).expand(rows, length)
-        cache_ids = torch.as_tensor(cache_ids).long()
-        if cache_ids.dim() == 1:
-            cache_ids = cache_ids.unsqueeze(0).expand(rows, -1)
-        if length > 1:
-            for row in cache_ids:
-                self._note_context(int(row.max()) + 1)
-        return self._decoder.run_continuous(input_ids, embeds, cache_ids, seq_ids)
+            # The real code reads cache_ids.flatten() here: an AttributeError on None.
+            raise TypeError("continuous batching needs cache_ids (2-D, one row per sequence)")
+        cache_ids = torch.as_tensor(cache_ids)
+        if embeds is not None:
+            raise ValueError("the Neuron test double does not emulate input_embeddings with continuous batching")
+        if n_active > 1 and int(cache_ids.flatten()[0]) == 0:
+            return self._continuous_context(input_ids, cache_ids, flat)
+        if n_active > 1:
+            n_positions = bucket.find(self.context_buckets, n_active)
+            assert n_active <= n_positions, f"invalid input prompt length ({n_active} <= {n_positions})"
+            assert False, (f"invalid batch size for speculative forward ({n_seqs} not in []): a multi-token "
+                           "forward() at a cache position > 0 needs speculation graphs")
+        return self._continuous_token(input_ids, cache_ids, seq_ids, flat, slots)
+
+    def _continuous_context(self, input_ids, cache_ids, seq_ids):
+        n_seqs, n_active = input_ids.shape
+        size = bucket.find(self.context_buckets, n_active)
+        if size is None:
+            raise TypeError("'<=' not supported between instances of 'int' and 'NoneType' (no context buckets)")
+        assert n_seqs == cache_ids.shape[0], f"invalid n_active_seqs ({n_seqs} vs {cache_ids.shape[0]})"
+        assert n_active <= size, f"invalid input prompt length ({n_active} <= {size})"
+        if cache_ids.dim() != 2:
+            raise ValueError(f"continuous batching needs 2-D cache_ids [n_seqs, n_tokens], got {tuple(cache_ids.shape)}")
+        out = []
+        for row in range(n_seqs):
+            last = int(cache_ids[row, :n_active].max())  # the real last_token_id
+            positions = cache_ids[row, :last + 1].long()
+            if not torch.equal(positions, torch.arange(last + 1)):
+                raise ValueError("the context graph writes positions 0..bucket-1 in order; cache_ids must be "
+                                 f"0..n-1 then padding, got {cache_ids[row].tolist()}")
+            out.append(self._decoder.encode_slot(int(seq_ids[row]), input_ids[row:row + 1, :last + 1], size))
+        return torch.cat(out, dim=0)
+
+    def _continuous_token(self, input_ids, cache_ids, seq_ids, flat, slots):
+        if len(set(flat.tolist())) != len(flat):
+            raise ValueError(f"sequence ids {flat.tolist()} repeat a slot: the real scatter would keep one "
+                             "row and silently drop the other")
+        # As the real code: zero-padded full batch, rows scattered by sequence id (scatter_
+        # needs cache_ids [n, 1] of input_ids' dtype).
+        full_input_ids = torch.zeros(slots, 1, dtype=input_ids.dtype)
+        full_cache_ids = torch.zeros(slots, 1, dtype=input_ids.dtype)
+        index = seq_ids.flatten().unsqueeze(-1).to(torch.int64)
+        full_input_ids.scatter_(dim=0, index=index, src=input_ids)
+        full_cache_ids.scatter_(dim=0, index=index, src=cache_ids)
+        logits = torch.cat([self._decoder.decode_slot(s, full_input_ids[s], int(full_cache_ids[s, 0]))
+                            for s in range(slots)], dim=0)
+        if torch.equal(flat, torch.arange(len(flat))):
+            return logits[:len(flat)]
+        return logits[flat]
 
     def _select_on_device(self, logits):
         """On-device generation: the graph returns the chosen tokens ``[B, 1]``."""

@@ -13,7 +13,8 @@ slots addressed by ``cache_ids``; the double keeps the filled prefix of it:
 Left padding (static batching): ``start_ids[b]`` is row b's first real token.  The
 attention mask hides positions ``< start_ids[b]`` and ``position_ids = cache_ids - start_ids``
 (clamped at 0), which is what HF ``generate`` does for a left-padded batch.
-Continuous batching keeps one cache per sequence slot.
+Continuous batching keeps one cache per sequence slot, written position by position (see
+``encode_slot`` / ``decode_slot``).
 """
 import torch
 from transformers import DynamicCache
@@ -76,19 +77,41 @@ class HFDecoder:
         self._cache, self._filled, self._rows = cache, int(positions[-1]) + 1, rows
         return logits
 
-    def run_continuous(self, input_ids, embeds, cache_ids, seq_ids):
-        """One call with 2-D ``cache_ids``; row i uses the cache slot ``seq_ids[i]``.
+    # ---- continuous batching: one fixed KV-cache row per slot -------------------------
+    #
+    # Each slot holds genuine keys/values for positions [0, valid) (a DynamicCache); a write
+    # at position p overwrites p only, as in the real fixed array, and a read of a position
+    # >= valid (never written, context-bucket padding, or a freed request's stale entries)
+    # is a ValueError.
 
-        A multi-token row is read up to its largest cache id (right padding after it).
-        """
-        out = []
-        for i, seq in enumerate(seq_ids.tolist()):
-            n = int(cache_ids[i].argmax()) + 1 if cache_ids.shape[1] > 1 else 1
-            positions = cache_ids[i, :n].long()
-            cache, filled = self._slots.get(seq, (None, 0))
-            first = self._check(positions, filled if cache is not None else 0)
-            cache = self._aligned(cache, first)
-            row_embeds = None if embeds is None else embeds[i:i + 1, :n]
-            out.append(self._step(cache, input_ids[i:i + 1, :n], row_embeds, positions, torch.zeros(1, dtype=torch.long)))
-            self._slots[seq] = (cache, int(positions[-1]) + 1)
-        return torch.cat(out, dim=0)
+    def encode_slot(self, seq, input_ids, bucket):
+        """The context graph: positions ``0..n-1`` of slot ``seq`` (``n <= bucket``); logits ``[1, vocab]``."""
+        n = input_ids.shape[1]
+        self._check(torch.arange(n), 0)
+        cache = DynamicCache()
+        logits = self._step(cache, input_ids, None, torch.arange(n), torch.zeros(1, dtype=torch.long))
+        self._slots[seq] = (cache, n)
+        return logits
+
+    def decode_slot(self, seq, token, position):
+        """The token graph for one row: ``token`` at ``position`` of slot ``seq``; logits ``[1, vocab]``."""
+        cache, valid = self._slots.get(seq, (None, 0))
+        self._check(torch.tensor([position]), valid)
+        ids = torch.as_tensor(token).long().view(1, 1)
+        zero = torch.zeros(1, dtype=torch.long)
+        if cache is None or position == 0 and valid <= 1:
+            cache = DynamicCache()
+        if position == valid or position == 0 and valid <= 1:
+            logits = self._step(cache, ids, None, torch.tensor([position]), zero)
+            self._slots[seq] = (cache, max(valid, position + 1))
+            return logits
+        # Overwrite one position and keep the later ones, as the real scatter does.
+        tails = [(k[:, :, position + 1:valid].clone(), v[:, :, position + 1:valid].clone())
+                 for k, v in zip(cache.key_cache, cache.value_cache)]
+        cache.crop(position)
+        logits = self._step(cache, ids, None, torch.tensor([position]), zero)
+        for layer, (k, v) in enumerate(tails):
+            cache.key_cache[layer] = torch.cat([cache.key_cache[layer], k], dim=-2)
+            cache.value_cache[layer] = torch.cat([cache.value_cache[layer], v], dim=-2)
+        cache._seen_tokens = valid
+        return logits
