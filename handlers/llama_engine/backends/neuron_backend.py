@@ -10,6 +10,11 @@ left-padded prompts with ``start_ids`` (each row's first real token), then one `
 per token with a 1-D ``cache_ids`` holding the shared position. All rows of a batch share
 cache positions, so the longest prompt plus the longest answer must fit ``n_positions``
 (``shared_positions``; the engine plans batches accordingly).
+
+:class:`NeuronSlotBackend` serves continuous batching the way vLLM's Neuron worker drives
+transformers-neuronx: ``NeuronConfig(continuous_batching=...)`` (right padding, 2-D
+``cache_ids``, ``start_ids`` = the sequence's KV-cache slot), one context graph per prompt
+and one token graph for the whole slot batch.
 """
 from __future__ import annotations
 
@@ -19,11 +24,12 @@ import logging
 import os
 import shutil
 import subprocess
-from typing import Optional
+from typing import List, Optional, Sequence
 
 import torch
 
-from .base import Backend
+from ..errors import RequestError
+from .base import Backend, SlotBackend
 
 logger = logging.getLogger(__name__)
 
@@ -69,20 +75,35 @@ def configure_runtime(tp_degree: int, visible_cores: Optional[str], cc_flags: st
     os.environ.setdefault("NEURON_CC_FLAGS", cc_flags)
 
 
+def load_neuron_model(model_path: str, cfg, batch_size: int, continuous_batching: bool = False,
+                      padding_side: str = "left"):
+    """Configure the runtime, then build and ``to_neuron()`` the model for ``cfg``'s buckets.
+
+    ``continuous_batching`` builds a KV cache of ``batch_size`` independent sequences
+    (``ContinuousBatchingConfig``); the SDK then forces right padding.
+    """
+    configure_runtime(cfg.tp_degree, cfg.visible_cores, cfg.neuron_cc_flags)
+    from transformers_neuronx import NeuronAutoModelForCausalLM, NeuronConfig
+    from transformers_neuronx.config import ContinuousBatchingConfig
+    from transformers_neuronx.constants import GQA
+
+    extra = {}
+    if continuous_batching:
+        extra["continuous_batching"] = ContinuousBatchingConfig(batch_size_for_shared_caches=batch_size)
+    neuron_config = NeuronConfig(group_query_attention=GQA(cfg.gqa), padding_side=padding_side, **extra)
+    model = NeuronAutoModelForCausalLM.from_pretrained(
+        model_path, batch_size=batch_size, tp_degree=cfg.tp_degree, amp=cfg.amp,
+        n_positions=list(cfg.n_positions), context_length_estimate=list(cfg.context_length_estimate),
+        neuron_config=neuron_config)
+    model.to_neuron()
+    return model
+
+
 class NeuronBackend(Backend):
     shared_positions = True
 
     def __init__(self, model_path: str, cfg, batch_size: int):
-        configure_runtime(cfg.tp_degree, cfg.visible_cores, cfg.neuron_cc_flags)
-        from transformers_neuronx import NeuronAutoModelForCausalLM, NeuronConfig
-        from transformers_neuronx.constants import GQA
-
-        neuron_config = NeuronConfig(group_query_attention=GQA(cfg.gqa), padding_side="left")
-        self.model = NeuronAutoModelForCausalLM.from_pretrained(
-            model_path, batch_size=batch_size, tp_degree=cfg.tp_degree, amp=cfg.amp,
-            n_positions=list(cfg.n_positions), context_length_estimate=list(cfg.context_length_estimate),
-            neuron_config=neuron_config)
-        self.model.to_neuron()
+        self.model = load_neuron_model(model_path, cfg, batch_size, padding_side="left")
         self.batch_sizes = (batch_size,)
         self.max_length = max(cfg.n_positions)
         self.max_prompt_length = max(cfg.context_length_estimate)
@@ -106,3 +127,110 @@ class NeuronBackend(Backend):
     def release(self) -> None:
         self._start_ids = None
         self._position = 0
+
+
+class NeuronSlotBackend(SlotBackend):
+    """Continuous batching on transformers-neuronx: ``max_slots`` sequences, one KV-cache slot each.
+
+    The model is compiled with ``ContinuousBatchingConfig(batch_size_for_shared_caches=max_slots)``
+    and ``batch_size=max_slots``: one context graph per ``context_length_estimate`` bucket at
+    batch 1, and token graphs at batch ``max_slots``. Calls follow vLLM's Neuron worker:
+
+    * prefill: ``forward(ids [1, bucket], cache_ids [1, bucket], start_ids=[slot])``, the prompt
+      right-padded with 0 to its context bucket and ``cache_ids`` = positions ``0..n-1`` then 0
+      (the SDK's own padding). The SDK reads the last logits at ``max(cache_ids)``. Padding to
+      the bucket here also keeps a one-token prompt on the context graph: unpadded, it would
+      run the token graph, which writes a padding row into every other slot (below).
+    * decode: ``forward(ids [k, 1], cache_ids [k, 1], start_ids [k])``, each row at its slot's
+      own position; the SDK scatters the rows into a full ``max_slots`` batch and returns the
+      logits in the order of ``start_ids``.
+
+    Two limits of the SDK (``base.py`` ``_prepare_for_continuous_batching``) shape this class:
+
+    * The token graph always runs all ``max_slots`` rows; a slot missing from the call gets a
+      padding row, token 0 at position 0, which overwrites position 0 of that slot's cache.
+      So every occupied slot that is not decoded is sent along with its own first token at
+      position 0 (rewriting the same keys/values), and its logits are dropped.
+    * A context graph always encodes from position 0 (a multi-token call at a position > 0
+      is taken for speculative decoding, for which no graph is compiled), and no prompt may
+      exceed the largest context bucket. ``prefill_slot(start > 0)`` therefore re-encodes the
+      slot's tokens from position 0 (``incremental_prefill = False``), and a prompt longer than
+      the largest bucket is refused (``max_prompt_length``).
+    """
+
+    incremental_prefill = False
+
+    def __init__(self, model_path: str, cfg, max_slots: int):
+        if max_slots < 1:
+            raise ValueError(f"max_slots must be >= 1, got {max_slots}")
+        self.context_buckets = sorted(cfg.context_length_estimate)
+        if not self.context_buckets or self.context_buckets[0] < 2:
+            raise ValueError("continuous batching on Neuron needs context_length_estimate buckets of at least 2 "
+                             f"tokens, got {list(cfg.context_length_estimate)}")
+        self.model = load_neuron_model(model_path, cfg, max_slots, continuous_batching=True, padding_side="right")
+        self.max_slots = max_slots
+        self.max_length = max(cfg.n_positions)
+        self.max_prefill_chunk = self.max_prompt_length = max(self.context_buckets)
+        self._tokens: List[List[int]] = [[] for _ in range(max_slots)]  # what each slot's cache holds
+
+    def slot_length(self, slot: int) -> int:
+        return len(self._tokens[slot])
+
+    def free_slot(self, slot: int) -> None:
+        self._tokens[slot] = []
+
+    def _bucket(self, length: int) -> int:
+        return next(b for b in self.context_buckets if b >= length)
+
+    def prefill_slot(self, slot: int, prompt_ids: Sequence[int], start: int = 0) -> torch.Tensor:
+        n = len(prompt_ids)
+        if n == 0:
+            raise ValueError("prefill_slot needs at least one token")
+        self._check_slot(slot)
+        if start != self.slot_length(slot):
+            raise ValueError(f"slot {slot} holds {self.slot_length(slot)} positions; cannot prefill from {start}")
+        total = start + n
+        if total > self.max_prompt_length:
+            raise RequestError(
+                f"the prompt has {total} tokens; this Neuron model encodes prompts of at most "
+                f"{self.max_prompt_length} tokens with continuous batching (the largest context_length_estimate "
+                "bucket); shorten the prompt or compile a larger bucket", "inputs")
+        if total > self.max_length:
+            raise ValueError(f"the prompt needs {total} positions; the slot holds {self.max_length}")
+        tokens = self._tokens[slot][:start] + [int(t) for t in prompt_ids]
+        bucket = self._bucket(total)
+        input_ids = torch.zeros(1, bucket, dtype=torch.long)
+        input_ids[0, :total] = torch.tensor(tokens, dtype=torch.long)
+        cache_ids = torch.zeros(1, bucket, dtype=torch.long)
+        cache_ids[0, :total] = torch.arange(total, dtype=torch.long)
+        logits = self.model.forward(input_ids, cache_ids=cache_ids, start_ids=torch.tensor([slot], dtype=torch.long))
+        self._tokens[slot] = tokens
+        return logits[0].float()
+
+    def decode_slots(self, slots: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
+        slots, tokens = [int(s) for s in slots], [int(t) for t in tokens]
+        if len(slots) != len(tokens):
+            raise ValueError(f"{len(slots)} slots but {len(tokens)} tokens")
+        if not slots:
+            raise ValueError("decode_slots needs at least one slot")
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"a slot appears twice in {slots}")
+        for slot in slots:
+            self._check_slot(slot)
+            if not self._tokens[slot]:
+                raise ValueError(f"decode on an empty slot ({slot}); prefill it first")
+            if len(self._tokens[slot]) >= self.max_length:
+                raise ValueError(f"slot {slot} reached max_length ({self.max_length}) positions")
+        # Occupied slots outside this step: their first token again at position 0 (see the class doc).
+        keep = [s for s in range(self.max_slots) if self._tokens[s] and s not in slots]
+        rows = slots + keep
+        input_ids = torch.tensor([[t] for t in tokens] + [[self._tokens[s][0]] for s in keep], dtype=torch.long)
+        cache_ids = torch.tensor([[len(self._tokens[s])] for s in slots] + [[0] for _ in keep], dtype=torch.long)
+        logits = self.model.forward(input_ids, cache_ids=cache_ids, start_ids=torch.tensor(rows, dtype=torch.long))
+        for slot, token in zip(slots, tokens):
+            self._tokens[slot].append(token)
+        return logits[:len(slots)].float()
+
+    def _check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.max_slots:
+            raise ValueError(f"slot {slot} is out of range: the model has {self.max_slots} slots")
