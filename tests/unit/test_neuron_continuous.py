@@ -218,7 +218,10 @@ def test_backend_prefill_checks(engine, fresh):
 
 
 def test_interleaved_arrivals_equal_each_request_alone(engine, fresh):
-    """Arrivals at different steps, chunked prefills (8 tokens a step) and partial decodes."""
+    """Arrivals at different steps; new prompts are prefilled while only the older slots decode.
+
+    The scheduler prefills each Neuron prompt in one call (``incremental_prefill`` is False);
+    the torch run chunks them 8 tokens a step."""
     lengths = [14, 6, 10, 12, 3, 9]
     arrivals = {0: [0, 1], 2: [2], 5: [3, 4], 9: [5]}
     handles = run_interleaved(engine, fresh, arrivals, lengths, max_slots=3, max_prefill_tokens_per_step=8)
@@ -250,6 +253,10 @@ def test_a_freed_slot_is_reused(engine, fresh):
 
 def test_a_prompt_longer_than_the_largest_bucket_fails_alone(engine, fresh):
     sched = ContinuousScheduler(fresh, engine.tokenizer, max_prefill_tokens_per_step=32)
+    with pytest.raises(RequestError, match="limit is 64 tokens") as info:  # the scheduler reads max_prompt_length
+        sched.prepare(GenerationRequest(LONG_PROMPT, SamplingParams(max_new_tokens=4)))
+    assert info.value.status == 400
+    # one that got past the check anyway (prepared elsewhere) fails alone with the backend's error
     ok = sched.submit(prepare(engine, PROMPTS[0], 8))
     too_long = sched.submit(prepare(engine, LONG_PROMPT, 4))
     drain(sched)
