@@ -90,3 +90,42 @@ def test_a_changed_compiler_version_fails_the_load_fast_with_the_reason(neuron_s
     message = str(info.value)
     assert "neuronx-cc: compiled with 2.15.143.0, installed 2.16.0.0" in message
     assert "make build MODEL=" in message
+
+
+CONTINUOUS = "tiny-llama-neuron-continuous"
+
+
+@pytest.fixture(scope="module")
+def continuous_server(tiny_model_dir, tmp_path_factory):
+    """The continuous-batching Neuron artifact, built and then served read-only with the double."""
+    work = tmp_path_factory.mktemp("neuron-cb")
+    with neuron_double(NEURON_COMPILE_CACHE_URL=str(work / "unused-cache")):
+        build_model.main(["--config", str(ROOT / "model-config" / f"{CONTINUOUS}.yaml"), "--checkpoint",
+                          str(tiny_model_dir), "--name", CONTINUOUS, "--build-dir", str(work / "build"),
+                          "--export-path", str(work / "store")])
+    with guarded_read_only_view(work / "store", work / "ro" / "store") as (store, _):
+        with running(work / "ts", store, models=CONTINUOUS, timeout=120,
+                     env=subprocess_env(FAKE_NEURON_COMPILE_SECONDS=5)) as ts:
+            yield ts
+
+
+def test_continuous_batching_on_the_double_streams_each_request_its_solo_tokens(continuous_server):
+    url = f"{continuous_server.url()}/predictions/{CONTINUOUS}"
+    headers = {"Authorization": f"Bearer {continuous_server.key}"}
+    prompts = [("The function returns", 12), ("If the object is", 4), ("A list of", 9), ("When the file", 6),
+               ("This module provides", 7)]
+
+    def ids(prompt, n):
+        r = requests.post(url, json={"inputs": prompt, "parameters": {"max_new_tokens": n}}, headers=headers,
+                          stream=True, timeout=120)
+        assert r.status_code == 200
+        return [json.loads(line)["token"]["id"] for line in r.iter_lines() if line]
+
+    solo = [ids(p, n) for p, n in prompts]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(prompts)) as pool:  # 5 requests over 4 slots: one waits, then takes a freed slot
+        together = list(pool.map(lambda pn: ids(*pn), prompts))
+    assert together == solo
+    reports = re.findall(r"compile cache: (\{.*\})", continuous_server.model_log())
+    assert json.loads(reports[-1])["new_entries"] == 0
