@@ -4,6 +4,7 @@
     python -m scripts.bench --quick        # about 2 minutes on 2 cores
     python -m scripts.bench                # about 15 minutes: the full sweeps
     python -m scripts.bench --smoke --out /tmp/b   # seconds, the embedded tiny model (the test's mode)
+    python -m scripts.bench --quick --systems llama.cpp,vllm   # only the peers (built by make bench-peers)
     python scripts/bench/run.py --quick    # the same, as a script
 
 One run: build (or reuse) the benchmark model, measure the memory bandwidth, run the sweeps
@@ -210,6 +211,18 @@ def _brief(run: dict) -> str:
             f"other processes {100 * run.get('foreign_cpu_share', 0):.0f}% of the CPUs")
 
 
+SYSTEMS = ("inprocess", "torchserve", "llama.cpp", "vllm")
+
+
+def parse_systems(value: str) -> List[str]:
+    """``--systems``: a comma-separated subset of SYSTEMS, in SYSTEMS' order."""
+    names = [n.strip() for n in value.split(",") if n.strip()]
+    unknown = [n for n in names if n not in SYSTEMS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown system(s) {', '.join(unknown) or '(none)'}; choose from {', '.join(SYSTEMS)}")
+    return [n for n in SYSTEMS if n in names]
+
+
 def derived_config(base: Path, out: Path, dtype: str, threads: Optional[int], overrides: dict) -> Path:
     import yaml
 
@@ -241,6 +254,9 @@ def main(argv=None) -> int:
     parser.add_argument("--docs", type=Path, help="Markdown page to rewrite (default docs/benchmarks.md, not in --smoke)")
     parser.add_argument("--no-docs", action="store_true")
     parser.add_argument("--no-peers", action="store_true", help="do not start installed peers")
+    parser.add_argument("--systems", type=parse_systems, default=list(SYSTEMS), metavar="A,B",
+                        help=f"run only these ({', '.join(SYSTEMS)}; default all); a subset does not "
+                             "rewrite the docs page unless --docs names it")
     parser.add_argument("--llama-gguf", type=Path, help="GGUF of the bench model for llama-server")
     parser.add_argument("--max-minutes", type=float, help="time budget; later phases are skipped past it")
     parser.add_argument("--seed", type=int, default=0)
@@ -345,7 +361,10 @@ def main(argv=None) -> int:
 
     t = time.perf_counter()
     status = results["systems"]["inprocess"] = {"status": "ok", "detail": f"Engine in this process, {threads} torch threads"}
+    engine = None
     try:
+        if "inprocess" not in args.systems:
+            raise _NotSelected()
         engine = InProcessEngine(cfg.handler, checkpoint, micro, threads, warmup=cfg.handler.warmup)
         status["timings"] = {"load_s": round(engine.load_s, 2), "warmup_s": round(engine.warmup_s, 2)}
         sweep("inprocess", engine.run_wave, prompts, plan, budget, runs, monitor)
@@ -365,6 +384,8 @@ def main(argv=None) -> int:
             fp32_run["weight_bytes_per_token"] = fp32_model["weight_bytes_per_token"]
             results["extra"]["fp32_batch1"] = fp32_run
             log(f"inprocess fp32 batch 1: {_brief(fp32_run)}")
+    except _NotSelected:
+        status.update(status="skipped", detail="not selected (--systems)")
     except Exception as exc:  # noqa: BLE001 - reported, the other systems still run
         traceback.print_exc()
         status.update(status="failed", detail=f"{type(exc).__name__}: {exc}")
@@ -378,6 +399,8 @@ def main(argv=None) -> int:
     ts = TorchServeSystem(work, config, checkpoint)
     status = results["systems"]["torchserve"] = {"status": "ok"}
     try:
+        if "torchserve" not in args.systems:
+            raise _NotSelected()
         ts.build()
         adapter = ts.start(timeout=min(600, max(60, budget.left())))
         status["detail"] = f"TorchServe {results['versions'].get('torchserve')} pid {ts.pid} at {adapter.url}"
@@ -391,6 +414,8 @@ def main(argv=None) -> int:
             t_paired = time.perf_counter()
             paired(engine.run_wave, lambda ps, n: run_wave(adapter, ps, n, timeout), prompts, plan, runs, monitor)
             phases["paired_s"] = time.perf_counter() - t_paired
+    except _NotSelected:
+        status.update(status="skipped", detail="not selected (--systems)")
     except Exception as exc:  # noqa: BLE001
         traceback.print_exc()
         status.update(status="failed", detail=f"{type(exc).__name__}: {exc}"[:2000])
@@ -414,6 +439,8 @@ def main(argv=None) -> int:
         status = results["systems"][peer.name] = {"status": "ok" if found else "not installed", "detail": detail}
         if found and (not plan["peers"] or args.no_peers):
             status.update(status="skipped", detail=f"installed ({detail}) but skipped in this mode")
+        elif found and peer.name not in args.systems:
+            status.update(status="skipped", detail=f"installed ({detail}) but not selected (--systems)")
         if status["status"] != "ok":
             log(f"{peer.name}: {status['detail']}")
             continue
@@ -440,7 +467,8 @@ def main(argv=None) -> int:
     results["ratios"] = report.ratios(results)
     phases["total_s"] = time.perf_counter() - started
     results["phases_s"] = {k: round(v, 2) for k, v in phases.items()}
-    docs = None if args.no_docs else (args.docs or (ROOT / "docs" / "benchmarks.md" if plan["docs"] else None))
+    everything = list(args.systems) == list(SYSTEMS)
+    docs = None if args.no_docs else (args.docs or (ROOT / "docs" / "benchmarks.md" if plan["docs"] and everything else None))
     written = report.write_all(results, out, docs)
     for line in report.ratio_lines(results["ratios"]):
         print(line)
@@ -449,6 +477,10 @@ def main(argv=None) -> int:
     if failed:
         log(f"systems that failed: {', '.join(failed)} (see the JSON for the reason)")
     return 1 if results["systems"].get("torchserve", {}).get("status") == "failed" else 0
+
+
+class _NotSelected(Exception):
+    """A system left out by --systems."""
 
 
 if __name__ == "__main__":
