@@ -7,6 +7,7 @@ from typing import List, Sequence
 import torch
 
 from .base import Backend, SlotBackend
+from .fast_linear import pack_linears
 
 logger = logging.getLogger(__name__)
 
@@ -22,6 +23,9 @@ def resolve_device(device: str) -> torch.device:
 
 
 class TorchBackend(Backend):
+    #: Swap the model's linears for oneDNN packed ones (:mod:`.fast_linear`) where that pays.
+    packed_linears = True
+
     def __init__(self, model_path: str, dtype: str = "float32", device: str = "auto",
                  max_length: int = 512):
         from transformers import AutoModelForCausalLM
@@ -30,6 +34,8 @@ class TorchBackend(Backend):
         self.model = AutoModelForCausalLM.from_pretrained(
             model_path, torch_dtype=DTYPES[dtype], use_safetensors=True)
         self.model.to(self.device).eval()
+        if self.packed_linears:
+            pack_linears(self.model)
         limit = getattr(self.model.config, "max_position_embeddings", max_length)
         if max_length > limit:
             raise ValueError(f"handler.max_length ({max_length}) exceeds the model's "
@@ -83,6 +89,8 @@ class CompiledTorchBackend(TorchBackend):
     engine pads every batch to ``batch_size`` as it does for Neuron. Prefill runs eagerly
     (its length varies) and writes into the same static cache.
     """
+    #: Inductor packs the weights itself (and its compile cache depends on the plain graph).
+    packed_linears = False
 
     def __init__(self, model_path: str, batch_size: int, dtype: str = "float32", device: str = "auto",
                  max_length: int = 512):
@@ -175,7 +183,9 @@ class TorchSlotBackend(SlotBackend):
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=DTYPES[dtype], use_safetensors=True)
-        return cls(model.to(resolve_device(device)), max_slots, max_length)
+        model = model.to(resolve_device(device)).eval()
+        pack_linears(model)
+        return cls(model, max_slots, max_length)
 
     @torch.inference_mode()
     def _rope_tables(self):

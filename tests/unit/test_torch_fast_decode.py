@@ -1,0 +1,125 @@
+"""The CPU decode speedups of the torch backends keep the model's numbers.
+
+* :func:`pack_linears` (oneDNN packed linears, bfloat16): logits of prefill and decode match
+  the plain HF model within bfloat16 rounding, for TorchBackend and TorchSlotBackend.
+"""
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache
+
+from llama_engine.backends import fast_linear
+from llama_engine.backends.fast_linear import PackedLinear, pack_linears, packing_supported
+from llama_engine.backends.torch_backend import TorchBackend, TorchSlotBackend
+
+BF16 = pytest.mark.skipif(not packing_supported(torch.bfloat16, torch.device("cpu")),
+                          reason="no oneDNN bfloat16 support on this CPU")
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def load(tiny_model_dir, dtype):
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=dtype, use_safetensors=True).eval()
+
+
+def prompts(batch=2, length=9, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 2000, (batch, length), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # left padding on the first row
+    return ids, mask
+
+
+@torch.inference_mode()
+def reference_logits(model, ids, mask, steps):
+    """The plain HF model: prefill then greedy decode with a DynamicCache; logits of every step."""
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                past_key_values=DynamicCache(), use_cache=True)
+    logits = [out.logits[:, -1, :].float()]
+    cache, position = out.past_key_values, positions[:, -1:] + 1
+    for _ in range(steps):
+        token = logits[-1].argmax(-1, keepdim=True)
+        mask = torch.cat([mask, torch.ones_like(token)], dim=1)
+        out = model(input_ids=token, attention_mask=mask, position_ids=position, past_key_values=cache, use_cache=True)
+        logits.append(out.logits[:, -1, :].float())
+        position = position + 1
+    return logits
+
+
+def backend_logits(backend, ids, mask, steps):
+    logits = [backend.prefill(ids, mask)]
+    for _ in range(steps):
+        logits.append(backend.decode(logits[-1].argmax(-1)))
+    return logits
+
+
+def assert_close_bf16(got, want):
+    """bf16 rounding of the activations differs between the kernels; the logits stay close."""
+    scale = want.abs().max().item()
+    assert (got - want).abs().max().item() <= 0.01 * scale + 0.01, (got - want).abs().max()
+
+
+@BF16
+def test_packed_linear_matches_nn_linear():
+    torch.manual_seed(0)
+    for bias in (False, True):
+        linear = torch.nn.Linear(96, 80, bias=bias).to(torch.bfloat16)
+        packed = PackedLinear(linear)
+        for shape in ((1, 96), (3, 1, 96), (2, 7, 96), (300, 96)):
+            x = torch.randn(shape, dtype=torch.bfloat16)
+            with torch.inference_mode():
+                want = torch.nn.functional.linear(x.float(), linear.weight.float(),
+                                                  None if linear.bias is None else linear.bias.float())
+                got = packed(x)
+            assert got.shape == want.shape and got.dtype == torch.bfloat16
+            torch.testing.assert_close(got.float(), want, atol=0.05, rtol=0.02)
+
+
+@BF16
+def test_pack_linears_swaps_every_linear_and_keeps_logits(tiny_model_dir):
+    plain, packed = load(tiny_model_dir, torch.bfloat16), load(tiny_model_dir, torch.bfloat16)
+    linears = sum(type(m) is torch.nn.Linear for m in plain.modules())
+    assert pack_linears(packed) == linears
+    assert not any(type(m) is torch.nn.Linear for m in packed.modules())
+    ids, mask = prompts()
+    for got, want in zip(reference_logits(packed, ids, mask, 6), reference_logits(plain, ids, mask, 6)):
+        assert_close_bf16(got, want)
+
+
+def test_pack_linears_leaves_float32_and_honours_the_switch(tiny_model_dir, monkeypatch):
+    assert pack_linears(load(tiny_model_dir, torch.float32)) == 0
+    monkeypatch.setenv(fast_linear.ENV, "0")
+    model = load(tiny_model_dir, torch.bfloat16)
+    assert pack_linears(model) == 0
+    assert any(type(m) is torch.nn.Linear for m in model.modules())
+
+
+@BF16
+def test_torch_backend_bf16_packed_matches_plain_model(tiny_model_dir):
+    backend = TorchBackend(str(tiny_model_dir), dtype="bfloat16", device="cpu", max_length=64)
+    assert not any(type(m) is torch.nn.Linear for m in backend.model.modules())
+    ids, mask = prompts()
+    plain = load(tiny_model_dir, torch.bfloat16)
+    for got, want in zip(backend_logits(backend, ids, mask, 6), reference_logits(plain, ids, mask, 6)):
+        assert_close_bf16(got, want)
+
+
+@BF16
+def test_slot_backend_bf16_packed_matches_plain_model(tiny_model_dir):
+    backend = TorchSlotBackend.from_pretrained(str(tiny_model_dir), max_slots=2, max_length=64, dtype="bfloat16",
+                                               device="cpu")
+    assert not any(type(m) is torch.nn.Linear for m in backend.model.modules())
+    plain = load(tiny_model_dir, torch.bfloat16)
+    ids = prompts(batch=1)[0]
+    want = reference_logits(plain, ids, torch.ones_like(ids), 5)
+    got = [backend.prefill_slot(0, ids[0].tolist())]
+    for _ in range(5):
+        got.append(backend.decode_slots([0], [int(got[-1].argmax())])[0])
+    for g, w in zip(got, want):
+        assert_close_bf16(g, w[0])
