@@ -2,6 +2,8 @@
 
 * :func:`pack_linears` (oneDNN packed linears, bfloat16): logits of prefill and decode match
   the plain HF model within bfloat16 rounding, for TorchBackend and TorchSlotBackend.
+* :class:`GrowingCache` (TorchBackend's preallocated KV cache): decode logits equal those of
+  HF's DynamicCache, across buffer growth and after ``retain``.
 """
 import pytest
 import torch
@@ -9,7 +11,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from llama_engine.backends import fast_linear
 from llama_engine.backends.fast_linear import PackedLinear, pack_linears, packing_supported
-from llama_engine.backends.torch_backend import TorchBackend, TorchSlotBackend
+from llama_engine.backends.torch_backend import GrowingCache, TorchBackend, TorchSlotBackend
 
 BF16 = pytest.mark.skipif(not packing_supported(torch.bfloat16, torch.device("cpu")),
                           reason="no oneDNN bfloat16 support on this CPU")
@@ -36,11 +38,11 @@ def prompts(batch=2, length=9, seed=0):
 
 
 @torch.inference_mode()
-def reference_logits(model, ids, mask, steps):
+def reference_logits(model, ids, mask, steps, cache=None):
     """The plain HF model: prefill then greedy decode with a DynamicCache; logits of every step."""
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     out = model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                past_key_values=DynamicCache(), use_cache=True)
+                past_key_values=cache if cache is not None else DynamicCache(), use_cache=True)
     logits = [out.logits[:, -1, :].float()]
     cache, position = out.past_key_values, positions[:, -1:] + 1
     for _ in range(steps):
@@ -123,3 +125,28 @@ def test_slot_backend_bf16_packed_matches_plain_model(tiny_model_dir):
         got.append(backend.decode_slots([0], [int(got[-1].argmax())])[0])
     for g, w in zip(got, want):
         assert_close_bf16(g, w[0])
+
+
+def test_growing_cache_equals_dynamic_cache_across_growth(tiny_model_dir):
+    model = load(tiny_model_dir, torch.float32)
+    ids, mask = prompts()
+    cache = GrowingCache(max_length=40, headroom=2)  # grows several times over 20 steps, then past max_length
+    got = reference_logits(model, ids, mask, 40, cache=cache)
+    want = reference_logits(model, ids, mask, 40)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+    assert cache.get_seq_length() == ids.shape[1] + 40
+    assert cache.key_cache[0].shape[-2] == ids.shape[1] + 40
+
+
+def test_torch_backend_retain_matches_a_fresh_batch(tiny_model_dir):
+    """Rows kept by retain() decode as they would have in the full batch (the cache rows follow)."""
+    backend = TorchBackend(str(tiny_model_dir), dtype="float32", device="cpu", max_length=64)
+    ids, mask = prompts(batch=3)
+    full = backend_logits(backend, ids, mask, 8)
+    backend.release()
+    logits = backend_logits(backend, ids, mask, 3)
+    assert backend.retain([0, 2])
+    for step in range(4, 9):
+        logits.append(backend.decode(full[step - 1][[0, 2]].argmax(-1)))
+        torch.testing.assert_close(logits[-1], full[step][[0, 2]], atol=1e-5, rtol=1e-5)
