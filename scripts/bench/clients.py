@@ -8,10 +8,12 @@ sent, one timestamp per token as its line arrives, ``end`` when the request's la
   token; the last line adds ``details`` with ``generated_tokens`` and ``finish_reason``).
 * :class:`LlamaServerAdapter`: llama.cpp's ``llama-server`` ``POST /completion`` with
   ``stream: true``: SSE ``data: {"content", "stop", ...}`` events, the last with
-  ``stop: true`` and ``tokens_predicted``; ``n_predict`` and ``ignore_eos: true``.
+  ``stop: true`` and ``tokens_predicted``; ``n_predict`` and ``ignore_eos: true``. A token is
+  counted per id in an event's ``tokens`` (its text may be empty while UTF-8 is incomplete).
 * :class:`OpenAICompletionsAdapter`: vLLM's OpenAI server, ``POST /v1/completions`` with
   ``stream: true``: SSE ``data: {"choices": [{"text"}]}`` chunks, a usage chunk
-  (``stream_options.include_usage``) and ``data: [DONE]``; ``max_tokens`` and ``ignore_eos``.
+  (``stream_options.include_usage``) and ``data: [DONE]``; ``max_tokens`` and ``ignore_eos``;
+  ``return_token_ids`` makes each chunk name its tokens (``token_ids``), which are counted.
 
 Peers get the prompt as token ids (both servers accept a list of ints), so every system
 sees exactly the same number of prompt tokens; TorchServe gets the text, which its tokenizer
@@ -125,21 +127,31 @@ class LlamaServerAdapter(Adapter):
                 "cache_prompt": False, "top_k": 1, "temperature": 0.0}
         return self.url, {}, body
 
+    # llama-server's stop_type -> the finish reasons the other systems report
+    FINISH = {"limit": "length", "eos": "stop", "word": "stop"}
+
     def parse(self, line, record, now):
         payload = _sse_payload(line)
         if not payload:
             return False
         message = json.loads(payload)
+        if not isinstance(message, dict):
+            return False
         if "error" in message:
             record.error = json.dumps(message["error"])[:300]
             return True
+        if "prompt_progress" not in message:
+            # each partial event carries the token it streams in "tokens" (its text may be held
+            # back, "", while a UTF-8 sequence is incomplete); in stream mode the final event
+            # carries none: its content and tokens were in the last partial one
+            tokens = message.get("tokens")
+            n = len(tokens) if isinstance(tokens, list) else int(bool(message.get("content")))
+            record.token_times.extend([now] * n)
         if message.get("stop"):
-            if message.get("content"):
-                record.token_times.append(now)
             record.reported_tokens = message.get("tokens_predicted")
-            record.finish_reason = message.get("stop_type") or ("length" if message.get("stopped_limit") else None)
+            stop_type = message.get("stop_type") or ("limit" if message.get("stopped_limit") else None)
+            record.finish_reason = self.FINISH.get(stop_type, stop_type)
             return True
-        record.token_times.append(now)
         return False
 
 
@@ -152,7 +164,8 @@ class OpenAICompletionsAdapter(Adapter):
 
     def request(self, prompt, max_new_tokens):
         body = {"model": self.model, "prompt": prompt.ids, "max_tokens": max_new_tokens, "stream": True,
-                "ignore_eos": True, "temperature": 0.0, "stream_options": {"include_usage": True}}
+                "ignore_eos": True, "temperature": 0.0, "stream_options": {"include_usage": True},
+                "return_token_ids": True}
         return self.url, {}, body
 
     def parse(self, line, record, now):
@@ -166,7 +179,10 @@ class OpenAICompletionsAdapter(Adapter):
             record.error = json.dumps(message.get("error", message))[:300]
             return True
         for choice in message.get("choices") or []:
-            if "text" in choice:
+            ids = choice.get("token_ids")
+            if isinstance(ids, list):  # vLLM with return_token_ids: the chunk's own tokens
+                record.token_times.extend([now] * len(ids))
+            elif "text" in choice:
                 record.token_times.append(now)
             if choice.get("finish_reason"):
                 record.finish_reason = choice["finish_reason"]

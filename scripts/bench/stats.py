@@ -48,6 +48,8 @@ def summarize(records: List[RequestRecord], **labels) -> dict:
         wall_s=round(wall, 4),
         total_output_tokens=tokens,
         short_streams=sum(1 for r in ok if r.output_tokens != r.requested_tokens),
+        # the server's own token count differs from the tokens the client saw stream in
+        streamed_vs_reported=sum(1 for r in ok if r.reported_tokens is not None and r.reported_tokens != len(r.token_times)),
         finish_reasons=dict(Counter(str(r.finish_reason) for r in ok)),
         ttft_ms=percentiles(r.ttft for r in ok),
         itl_ms=percentiles(itls),

@@ -202,8 +202,8 @@ class VllmSystem(PeerSystem):
         return [str(self.venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
                 "--model", str(self.checkpoint), "--served-model-name", self.served_name,
                 "--host", "127.0.0.1", "--port", str(self.port), "--dtype", self.dtype,
-                "--max-model-len", str(self.max_length), "--max-num-seqs", str(self.max_num_seqs),
-                "--disable-log-requests"]
+                "--max-model-len", str(self.max_length), "--max-num-seqs", str(self.max_num_seqs)]
+        # (vLLM 0.32 logs no requests by default; --disable-log-requests is gone from its CLI)
 
     def env(self):
         env = dict(os.environ)

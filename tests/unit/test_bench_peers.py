@@ -1,0 +1,119 @@
+"""Peer plumbing of the benchmark suite: the GGUF converter's pre-tokenizer check and the
+llama-server stream as the real server sends it."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from bench.clients import LlamaServerAdapter, RequestRecord
+from bench.convert_gguf import gpt2_pretokenizer
+
+ROOT = Path(__file__).resolve().parents[2]
+
+BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+
+
+def tokenizer_json(**overrides):
+    data = {"model": {"type": "BPE"}, "normalizer": None, "pre_tokenizer": dict(BYTE_LEVEL)}
+    data.update(overrides)
+    return data
+
+
+def test_gpt2_pretokenizer_accepts_the_projects_byte_level_bpe():
+    assert gpt2_pretokenizer(tokenizer_json())[0]
+    assert gpt2_pretokenizer(tokenizer_json(pre_tokenizer={"type": "Sequence", "pretokenizers": [BYTE_LEVEL]}))[0]
+    tiny = ROOT / "build" / "tiny-llama" / "tokenizer.json"
+    if tiny.exists():  # the tokenizer the bench model carries
+        assert gpt2_pretokenizer(json.loads(tiny.read_text())) == (
+            True, "ByteLevel with GPT-2's regex, no prefix space, no normalizer")
+
+
+def test_gpt2_pretokenizer_rejects_anything_else():
+    rejected = [
+        tokenizer_json(model={"type": "Unigram"}),
+        tokenizer_json(normalizer={"type": "NFC"}),
+        tokenizer_json(pre_tokenizer={**BYTE_LEVEL, "add_prefix_space": True}),
+        tokenizer_json(pre_tokenizer={**BYTE_LEVEL, "use_regex": False}),
+        tokenizer_json(pre_tokenizer={"type": "Metaspace"}),
+        tokenizer_json(pre_tokenizer={"type": "Sequence", "pretokenizers": [{"type": "Split"}, BYTE_LEVEL]}),
+    ]
+    for data in rejected:
+        ok, why = gpt2_pretokenizer(data)
+        assert not ok and why
+
+
+def sse(message) -> bytes:
+    return b"data: " + json.dumps(message).encode()
+
+
+def test_llama_server_stream_counts_tokens_not_text_events():
+    """llama-server (b7xxx) streams one event per token with the token id in "tokens"; a token's
+    text is "" while its UTF-8 is incomplete; the final event repeats no token and says
+    stop_type "limit" when n_predict was reached."""
+    adapter = LlamaServerAdapter("http://x")
+    record = RequestRecord("llama.cpp", 4, 4)
+    lines = [
+        b": keep-alive comment",
+        sse(None),  # the begin marker, should it ever reach the wire
+        sse({"content": "a", "tokens": [7], "stop": False, "tokens_predicted": 1}),
+        sse({"content": "", "tokens": [200], "stop": False, "tokens_predicted": 2}),  # half a UTF-8 char
+        sse({"content": "\u00e9", "tokens": [201], "stop": False, "tokens_predicted": 3}),
+        sse({"content": "b", "tokens": [8], "stop": False, "tokens_predicted": 4}),
+        sse({"content": "", "tokens": [], "stop": True, "tokens_predicted": 4, "stop_type": "limit"}),
+    ]
+    done = [adapter.parse(line, record, float(i)) for i, line in enumerate(lines)]
+    assert done == [False] * 6 + [True]
+    assert record.token_times == [2.0, 3.0, 4.0, 5.0]
+    assert record.reported_tokens == 4 and record.output_tokens == 4
+    assert record.finish_reason == "length"
+
+
+def test_llama_server_error_and_older_events_without_token_ids():
+    adapter = LlamaServerAdapter("http://x")
+    record = RequestRecord("llama.cpp", 4, 2)
+    assert not adapter.parse(sse({"content": "a", "stop": False}), record, 1.0)
+    assert adapter.parse(sse({"content": "", "stop": True, "tokens_predicted": 1, "stop_type": "eos"}), record, 2.0)
+    assert record.token_times == [1.0] and record.finish_reason == "stop"
+    failed = RequestRecord("llama.cpp", 4, 2)
+    assert adapter.parse(sse({"error": {"code": 400, "message": "bad"}}), failed, 1.0)
+    assert "bad" in failed.error
+
+
+def test_systems_filter_keeps_the_suites_order_and_rejects_unknown_names():
+    import argparse
+
+    import pytest
+
+    from bench.run import SYSTEMS, parse_systems
+
+    assert parse_systems("vllm, llama.cpp") == ["llama.cpp", "vllm"]
+    assert parse_systems(",".join(SYSTEMS)) == list(SYSTEMS)
+    for bad in ("", "llama", "torchserve,tgi"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_systems(bad)
+
+
+def test_vllm_stream_counts_the_token_ids_of_each_chunk():
+    from bench.clients import OpenAICompletionsAdapter
+
+    adapter = OpenAICompletionsAdapter("http://x", "m")
+    assert adapter.request(type("P", (), {"ids": [1, 5]})(), 3)[2]["return_token_ids"] is True
+    record = RequestRecord("vllm", 2, 3)
+    lines = [
+        sse({"choices": [{"index": 0, "text": " a", "finish_reason": None, "prompt_token_ids": [1, 5], "token_ids": [9]}]}),
+        sse({"choices": [{"index": 0, "text": "", "finish_reason": None, "token_ids": [200, 201]}]}),
+        sse({"choices": [], "usage": {"completion_tokens": 3}}),
+        b"data: [DONE]",
+    ]
+    assert [adapter.parse(line, record, float(i)) for i, line in enumerate(lines)] == [False, False, False, True]
+    assert record.token_times == [0.0, 1.0, 1.0] and record.reported_tokens == 3
+
+
+def test_summary_counts_streams_whose_server_count_differs_from_what_streamed():
+    from bench.stats import summarize
+
+    good = RequestRecord("x", 4, 3, start=0.0, token_times=[1.0, 2.0, 3.0], end=3.0, reported_tokens=3)
+    off = RequestRecord("x", 4, 3, start=0.0, token_times=[1.0, 2.0], end=3.0, reported_tokens=3)
+    silent = RequestRecord("x", 4, 3, start=0.0, token_times=[1.0, 2.0, 3.0], end=3.0)
+    run = summarize([good, off, silent])
+    assert run["streamed_vs_reported"] == 1 and run["short_streams"] == 0
