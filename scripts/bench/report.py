@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import List, Optional
 
 SERVED = "torchserve"
+CONTINUOUS = "torchserve-continuous"
 INPROCESS = "inprocess"
 PEER_NAMES = ("llama.cpp", "vllm")
 PLOTS = ("ttft_vs_input.png", "throughput_vs_concurrency.png", "latency_percentiles.png", "poisson_latency.png")
@@ -97,6 +98,10 @@ def ratios(results: dict) -> dict:
                           f"{system} TTFT p50 at the longest input / at the shortest (768 / 256 in the full run)",
                           **inputs)
 
+    out.update(continuous_ratios(runs))
+    best = max((r for r in (served, find(runs, CONTINUOUS, "concurrency", concurrency=c)) if r),
+               key=lambda r: r["output_tokens_per_s"], default=None)
+    served = best
     peers = {}
     for name in PEER_NAMES:
         if results["systems"].get(name, {}).get("status") != "ok":
@@ -106,17 +111,35 @@ def ratios(results: dict) -> dict:
             peers[name] = peer["output_tokens_per_s"]
             out[f"peer_ratio_{name}"] = _ratio(
                 served["output_tokens_per_s"] / peer["output_tokens_per_s"], "report", lambda v: True,
-                f"served output tok/s / {name} output tok/s at {c} streams", concurrency=c)
+                f"served output tok/s ({served['system']}) / {name} output tok/s at {c} streams", concurrency=c)
     if peers:
         strongest = max(peers, key=peers.get)
         out["peer_ratio_strongest"] = _ratio(
             served["output_tokens_per_s"] / peers[strongest], ">= 1.0", lambda v: v >= 1.0,
-            f"served output tok/s / the strongest peer's ({strongest}) at {c} streams", peer=strongest)
+            f"served output tok/s ({served['system']}) / the strongest peer's ({strongest}) at {c} streams",
+            peer=strongest, served_system=served["system"])
     else:
         states = {n: results["systems"].get(n, {}).get("status", "not checked") for n in PEER_NAMES}
         out["peer_ratio_strongest"] = _ratio(None, ">= 1.0", None,
                                              "served output tok/s / the strongest peer's; no peer ran", **states)
     return out
+
+
+def continuous_ratios(runs) -> dict:
+    """Continuous batching against micro-batching, both served, on the same Poisson schedule."""
+    micro, cont = find(runs, SERVED, "poisson"), find(runs, CONTINUOUS, "poisson")
+    if not (micro and cont):
+        return {}
+    return {
+        "continuous_throughput_vs_micro": _ratio(
+            cont["output_tokens_per_s"] / micro["output_tokens_per_s"], ">= 2.0", lambda v: v >= 2.0,
+            "Poisson run: continuous-batching output tok/s / micro-batching output tok/s (same schedule, same slots)",
+            continuous=cont["output_tokens_per_s"], micro=micro["output_tokens_per_s"]),
+        "continuous_p99_ttft_vs_micro": _ratio(
+            cont["ttft_ms"]["p99"] / micro["ttft_ms"]["p99"], "<= 0.5", lambda v: v <= 0.5,
+            "Poisson run: continuous-batching TTFT p99 / micro-batching TTFT p99",
+            continuous_ms=cont["ttft_ms"]["p99"], micro_ms=micro["ttft_ms"]["p99"]),
+    }
 
 
 def ratio_lines(rs: dict) -> List[str]:

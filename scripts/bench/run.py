@@ -20,6 +20,7 @@ import argparse
 import datetime as _dt
 import os
 import random
+import re
 import shlex
 import sys
 import time
@@ -211,7 +212,7 @@ def _brief(run: dict) -> str:
             f"other processes {100 * run.get('foreign_cpu_share', 0):.0f}% of the CPUs")
 
 
-SYSTEMS = ("inprocess", "torchserve", "llama.cpp", "vllm")
+SYSTEMS = ("inprocess", "torchserve", "torchserve-continuous", "llama.cpp", "vllm")
 
 
 def parse_systems(value: str) -> List[str]:
@@ -247,6 +248,8 @@ def main(argv=None) -> int:
     mode.add_argument("--smoke", action="store_true", help="the tiny model, seconds of load (used by the tests)")
     parser.add_argument("--out", type=Path, default=ROOT / "build" / "bench", help="results directory")
     parser.add_argument("--config", type=Path, default=ROOT / "model-config" / "bench-llama.yaml")
+    parser.add_argument("--continuous-config", type=Path, default=ROOT / "model-config" / "bench-llama-continuous.yaml",
+                        help="the continuous-batching variant served as torchserve-continuous")
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], help="variant to serve (default: the mode's)")
     parser.add_argument("--threads", type=int, help="torch threads (default: the config's handler.torch_threads)")
     parser.add_argument("--tiny", type=Path, default=ROOT / "build" / "tiny-llama",
@@ -427,6 +430,37 @@ def main(argv=None) -> int:
             engine = None
     phases["torchserve_s"] = time.perf_counter() - t
 
+    # -- 2b. the served handler with continuous batching --------------------------------------
+    t = time.perf_counter()
+    status = results["systems"]["torchserve-continuous"] = {"status": "ok"}
+    cb = None
+    try:
+        if "torchserve-continuous" not in args.systems:
+            raise _NotSelected()
+        cb_config = derived_config(args.continuous_config.resolve(), work / "bench-llama-continuous.yaml", dtype,
+                                   args.threads, {})
+        cb = TorchServeSystem(work / "continuous", cb_config, checkpoint, model_name="bench-llama-continuous")
+        cb.name = "torchserve-continuous"
+        cb.build()
+        adapter = cb.start(timeout=min(600, max(60, budget.left())))
+        status["detail"] = (f"TorchServe {results['versions'].get('torchserve')} continuousBatching, "
+                            f"{load_model_config_file(str(cb_config)).slots} slots, pid {cb.pid} at {adapter.url}")
+        log(f"torchserve-continuous ready in {cb.timings['start_to_ready_s']} s (pid {cb.pid})")
+        run_wave(adapter, [prompts.warm], 4, timeout)
+        sweep("torchserve-continuous", lambda ps, n: run_wave(adapter, ps, n, timeout), prompts, plan, budget, runs,
+              monitor, schedule_runner=lambda s: run_schedule(adapter, s, timeout))
+        results["extra"]["torchserve_continuous_round_trips"] = round_trips(cb.server.model_log())
+    except _NotSelected as skip:
+        status.update(status="skipped", detail=str(skip) or "not selected (--systems)")
+    except Exception as exc:  # noqa: BLE001
+        traceback.print_exc()
+        status.update(status="failed", detail=f"{type(exc).__name__}: {exc}"[:2000])
+    finally:
+        if cb is not None:
+            cb.stop()
+            status["timings"] = cb.timings
+    phases["torchserve_continuous_s"] = time.perf_counter() - t
+
     # -- 3. peers, when installed -------------------------------------------------------------
     peers = [LlamaCppSystem(work / "llama.cpp", dtype, threads, micro, cfg.handler.max_length, args.llama_gguf),
              VllmSystem(work / "vllm", checkpoint, dtype, micro, cfg.handler.max_length)]
@@ -477,6 +511,16 @@ def main(argv=None) -> int:
     if failed:
         log(f"systems that failed: {', '.join(failed)} (see the JSON for the reason)")
     return 1 if results["systems"].get("torchserve", {}).get("status") == "failed" else 0
+
+
+ROUND_TRIP_LINE = re.compile(r"continuous batching: (\d+) calls, ([\d.]+) ms in the handler and ([\d.]+) ms in "
+                             r"the frontend round trip per call")
+
+
+def round_trips(model_log: str) -> List[dict]:
+    """The continuous handler's periodic lines: calls, ms per call inside it and between calls."""
+    return [{"calls": int(m[1]), "handler_ms": float(m[2]), "round_trip_ms": float(m[3])}
+            for m in ROUND_TRIP_LINE.finditer(model_log)]
 
 
 class _NotSelected(Exception):
