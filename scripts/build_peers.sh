@@ -69,7 +69,7 @@ build_llama() {
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON \
     $(command -v ninja >/dev/null && echo -G Ninja) >"$PEERS/llama-cmake.log" 2>&1 \
     || die "cmake configure, see $PEERS/llama-cmake.log: $(tail -5 "$PEERS/llama-cmake.log")"
-  say "llama.cpp: building llama-server with $JOBS jobs (about 6 minutes on 2 cores); log $PEERS/llama-build.log"
+  say "llama.cpp: building llama-server with $JOBS jobs (about 6 minutes on 2 idle cores, far longer on a busy machine); log $PEERS/llama-build.log"
   cmake --build "$LLAMA_TREE/build" --config Release --target llama-server -j "$JOBS" >"$PEERS/llama-build.log" 2>&1 \
     || die "building llama-server, see $PEERS/llama-build.log: $(tail -5 "$PEERS/llama-build.log")"
   [[ -x $LLAMA_BIN ]] || die "the build finished but left no $LLAMA_BIN"

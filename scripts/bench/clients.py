@@ -8,8 +8,9 @@ sent, one timestamp per token as its line arrives, ``end`` when the request's la
   token; the last line adds ``details`` with ``generated_tokens`` and ``finish_reason``).
 * :class:`LlamaServerAdapter`: llama.cpp's ``llama-server`` ``POST /completion`` with
   ``stream: true``: SSE ``data: {"content", "stop", ...}`` events, the last with
-  ``stop: true`` and ``tokens_predicted``; ``n_predict`` and ``ignore_eos: true``. A token is
-  counted per id in an event's ``tokens`` (its text may be empty while UTF-8 is incomplete).
+  ``stop: true`` and ``tokens_predicted``; ``n_predict`` and ``ignore_eos: true``. Tokens are
+  counted by each event's running ``tokens_predicted``: a token whose text ends mid-UTF-8
+  gets no event of its own and arrives with the next.
 * :class:`OpenAICompletionsAdapter`: vLLM's OpenAI server, ``POST /v1/completions`` with
   ``stream: true``: SSE ``data: {"choices": [{"text"}]}`` chunks, a usage chunk
   (``stream_options.include_usage``) and ``data: [DONE]``; ``max_tokens`` and ``ignore_eos``;
@@ -141,11 +142,17 @@ class LlamaServerAdapter(Adapter):
             record.error = json.dumps(message["error"])[:300]
             return True
         if "prompt_progress" not in message:
-            # each partial event carries the token it streams in "tokens" (its text may be held
-            # back, "", while a UTF-8 sequence is incomplete); in stream mode the final event
-            # carries none: its content and tokens were in the last partial one
-            tokens = message.get("tokens")
-            n = len(tokens) if isinstance(tokens, list) else int(bool(message.get("content")))
+            # Every event says how many tokens the server has generated so far
+            # ("tokens_predicted"). A token whose text ends inside a UTF-8 sequence gets no event
+            # of its own: it arrives with the next one (whose "tokens" names only that next id),
+            # and tokens still incomplete at the end arrive with the final event (which repeats
+            # no text). Each token is timed when the event that brings it arrives.
+            predicted = message.get("tokens_predicted")
+            if isinstance(predicted, int):
+                n = max(0, predicted - len(record.token_times))
+            else:
+                tokens = message.get("tokens")
+                n = len(tokens) if isinstance(tokens, list) else int(bool(message.get("content")))
             record.token_times.extend([now] * n)
         if message.get("stop"):
             record.reported_tokens = message.get("tokens_predicted")

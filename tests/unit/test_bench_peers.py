@@ -47,24 +47,26 @@ def sse(message) -> bytes:
 
 
 def test_llama_server_stream_counts_tokens_not_text_events():
-    """llama-server (b7xxx) streams one event per token with the token id in "tokens"; a token's
-    text is "" while its UTF-8 is incomplete; the final event repeats no token and says
-    stop_type "limit" when n_predict was reached."""
+    """llama-server streams one event per token whose text is complete, each with its running
+    tokens_predicted; a token ending inside a UTF-8 sequence gets no event and arrives with the
+    next (whose "tokens" names only that next id); the final event repeats no text, says
+    stop_type "limit" when n_predict was reached, and brings tokens never completed as text."""
     adapter = LlamaServerAdapter("http://x")
-    record = RequestRecord("llama.cpp", 4, 4)
+    record = RequestRecord("llama.cpp", 4, 6)
     lines = [
         b": keep-alive comment",
         sse(None),  # the begin marker, should it ever reach the wire
         sse({"content": "a", "tokens": [7], "stop": False, "tokens_predicted": 1}),
-        sse({"content": "", "tokens": [200], "stop": False, "tokens_predicted": 2}),  # half a UTF-8 char
+        # token 2 (half of a UTF-8 character) was held back: token 3 completes it
         sse({"content": "\u00e9", "tokens": [201], "stop": False, "tokens_predicted": 3}),
         sse({"content": "b", "tokens": [8], "stop": False, "tokens_predicted": 4}),
-        sse({"content": "", "tokens": [], "stop": True, "tokens_predicted": 4, "stop_type": "limit"}),
+        # tokens 5 and 6 end inside a 4-byte character: no event until the final one
+        sse({"content": "", "tokens": [], "stop": True, "tokens_predicted": 6, "stop_type": "limit"}),
     ]
     done = [adapter.parse(line, record, float(i)) for i, line in enumerate(lines)]
-    assert done == [False] * 6 + [True]
-    assert record.token_times == [2.0, 3.0, 4.0, 5.0]
-    assert record.reported_tokens == 4 and record.output_tokens == 4
+    assert done == [False] * 5 + [True]
+    assert record.token_times == [2.0, 3.0, 3.0, 4.0, 5.0, 5.0]
+    assert record.reported_tokens == 6 and record.output_tokens == 6
     assert record.finish_reason == "length"
 
 
