@@ -66,6 +66,11 @@ def _header(context, idx: int, name: str) -> Optional[str]:
 def set_torch_threads(config) -> int:
     threads = config.handler.torch_threads or os.cpu_count() or 1
     torch.set_num_threads(threads)
+    if threads > 1 and os.environ.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE":
+        logger.warning("OMP_WAIT_POLICY is not PASSIVE: %d OpenMP threads will spin between torch ops and take "
+                       "the CPU TorchServe's frontend needs (decode many times slower on small machines); start "
+                       "torchserve with OMP_WAIT_POLICY=PASSIVE in its environment, or set handler.torch_threads: 1",
+                       threads)
     return threads
 
 

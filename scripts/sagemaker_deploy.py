@@ -56,7 +56,8 @@ import s3_upload  # noqa: E402
 NAME_MAX = 63
 NAME_RE = re.compile(r"[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}")
 VARIANT_NAME = "AllTraffic"
-DEFAULT_ENV = {"TS_INSTALL_PY_DEP_PER_MODEL": "true"}
+# OMP_WAIT_POLICY: see scripts/tsctl.py (spinning OpenMP threads starve TorchServe's frontend).
+DEFAULT_ENV = {"TS_INSTALL_PY_DEP_PER_MODEL": "true", "OMP_WAIT_POLICY": "PASSIVE"}
 IN_PROGRESS = ("Creating", "Updating", "SystemUpdating", "RollingBack")
 # Instance families with NVMe instance storage: SageMaker rejects VolumeSizeInGB for them.
 INSTANCE_STORE_FAMILIES = frozenset({

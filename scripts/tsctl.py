@@ -53,6 +53,13 @@ def read_key(workdir: Path, kind: str = "inference") -> str:
         return json.load(f)[kind]["key"]
 
 
+# OpenMP threads that spin between torch ops take the cores TorchServe's frontend and the
+# clients need between steps; on a 2-core machine that slowed continuous batching's decode
+# 20-fold (docs/continuous-batching.md). libgomp reads this once, before torch is imported,
+# so it has to be in the worker's environment.
+OMP_WAIT_POLICY = "PASSIVE"
+
+
 class TorchServe:
     def __init__(self, workdir: Path, model_store: Path, models: Optional[str] = None,
                  ports: Optional[Dict[str, int]] = None, base_config: Path = ROOT / "config.properties",
@@ -91,6 +98,7 @@ class TorchServe:
         env = dict(os.environ)
         env.update(TMPDIR=str(self.tmpdir), LOG_LOCATION=str(self.workdir / "logs"),
                    METRICS_LOCATION=str(self.workdir / "logs"))
+        env.setdefault("OMP_WAIT_POLICY", OMP_WAIT_POLICY)
         env.update(self.extra_env)
         return env
 
