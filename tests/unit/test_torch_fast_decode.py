@@ -1,7 +1,8 @@
 """The CPU decode speedups of the torch backends keep the model's numbers.
 
-* :func:`pack_linears` (oneDNN packed linears, bfloat16): logits of prefill and decode match
-  the plain HF model within bfloat16 rounding, for TorchBackend and TorchSlotBackend.
+* :func:`pack_linears` (oneDNN packed linears in bfloat16, MKL packed sgemm in float32):
+  logits of prefill and decode match the plain HF model (within bfloat16 rounding; to float32
+  summation order), for TorchBackend and TorchSlotBackend.
 * :class:`GrowingCache` (TorchBackend's preallocated KV cache): decode logits equal those of
   HF's DynamicCache, across buffer growth and after ``retain``.
 """
@@ -10,11 +11,13 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from llama_engine.backends import fast_linear
-from llama_engine.backends.fast_linear import PackedLinear, pack_linears, packing_supported
+from llama_engine.backends.fast_linear import MklPackedLinear, PackedLinear, pack_linears, packing_supported
 from llama_engine.backends.torch_backend import GrowingCache, TorchBackend, TorchSlotBackend
 
 BF16 = pytest.mark.skipif(not packing_supported(torch.bfloat16, torch.device("cpu")),
                           reason="no oneDNN bfloat16 support on this CPU")
+FP32 = pytest.mark.skipif(not packing_supported(torch.float32, torch.device("cpu")), reason="torch built without MKL")
+DTYPES = [pytest.param("bfloat16", marks=BF16), pytest.param("float32", marks=FP32)]
 
 
 @pytest.fixture(autouse=True)
@@ -61,10 +64,11 @@ def backend_logits(backend, ids, mask, steps):
     return logits
 
 
-def assert_close_bf16(got, want):
-    """bf16 rounding of the activations differs between the kernels; the logits stay close."""
+def assert_close(got, want, dtype="bfloat16"):
+    """bf16: rounding of the activations may differ between kernels; fp32: only the summation order."""
     scale = want.abs().max().item()
-    assert (got - want).abs().max().item() <= 0.01 * scale + 0.01, (got - want).abs().max()
+    tol = 0.01 * scale + 0.01 if dtype == "bfloat16" else 1e-4 * scale + 1e-5
+    assert (got - want).abs().max().item() <= tol, (got - want).abs().max()
 
 
 @BF16
@@ -83,48 +87,60 @@ def test_packed_linear_matches_nn_linear():
             torch.testing.assert_close(got.float(), want, atol=0.05, rtol=0.02)
 
 
-@BF16
-def test_pack_linears_swaps_every_linear_and_keeps_logits(tiny_model_dir):
-    plain, packed = load(tiny_model_dir, torch.bfloat16), load(tiny_model_dir, torch.bfloat16)
+@FP32
+def test_mkl_packed_linear_matches_nn_linear():
+    torch.manual_seed(0)
+    for bias in (False, True):
+        linear = torch.nn.Linear(96, 80, bias=bias)
+        packed = MklPackedLinear(linear, batch_hint=8)
+        for shape in ((1, 96), (3, 1, 96), (8, 96), (2, 7, 96), (300, 96)):
+            x = torch.randn(shape)
+            with torch.inference_mode():
+                torch.testing.assert_close(packed(x), linear(x), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_pack_linears_swaps_every_linear_and_keeps_logits(tiny_model_dir, dtype):
+    plain, packed = load(tiny_model_dir, getattr(torch, dtype)), load(tiny_model_dir, getattr(torch, dtype))
     linears = sum(type(m) is torch.nn.Linear for m in plain.modules())
     assert pack_linears(packed) == linears
     assert not any(type(m) is torch.nn.Linear for m in packed.modules())
     ids, mask = prompts()
     for got, want in zip(reference_logits(packed, ids, mask, 6), reference_logits(plain, ids, mask, 6)):
-        assert_close_bf16(got, want)
+        assert_close(got, want, dtype)
 
 
-def test_pack_linears_leaves_float32_and_honours_the_switch(tiny_model_dir, monkeypatch):
-    assert pack_linears(load(tiny_model_dir, torch.float32)) == 0
+def test_pack_linears_honours_the_switch(tiny_model_dir, monkeypatch):
     monkeypatch.setenv(fast_linear.ENV, "0")
-    model = load(tiny_model_dir, torch.bfloat16)
-    assert pack_linears(model) == 0
-    assert any(type(m) is torch.nn.Linear for m in model.modules())
+    for dtype in (torch.bfloat16, torch.float32):
+        model = load(tiny_model_dir, dtype)
+        assert pack_linears(model) == 0
+        assert any(type(m) is torch.nn.Linear for m in model.modules())
 
 
-@BF16
-def test_torch_backend_bf16_packed_matches_plain_model(tiny_model_dir):
-    backend = TorchBackend(str(tiny_model_dir), dtype="bfloat16", device="cpu", max_length=64)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_torch_backend_packed_matches_plain_model(tiny_model_dir, dtype):
+    backend = TorchBackend(str(tiny_model_dir), dtype=dtype, device="cpu", max_length=64)
     assert not any(type(m) is torch.nn.Linear for m in backend.model.modules())
     ids, mask = prompts()
-    plain = load(tiny_model_dir, torch.bfloat16)
+    plain = load(tiny_model_dir, getattr(torch, dtype))
     for got, want in zip(backend_logits(backend, ids, mask, 6), reference_logits(plain, ids, mask, 6)):
-        assert_close_bf16(got, want)
+        assert_close(got, want, dtype)
 
 
-@BF16
-def test_slot_backend_bf16_packed_matches_plain_model(tiny_model_dir):
-    backend = TorchSlotBackend.from_pretrained(str(tiny_model_dir), max_slots=2, max_length=64, dtype="bfloat16",
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_slot_backend_packed_matches_plain_model(tiny_model_dir, dtype):
+    backend = TorchSlotBackend.from_pretrained(str(tiny_model_dir), max_slots=2, max_length=64, dtype=dtype,
                                                device="cpu")
     assert not any(type(m) is torch.nn.Linear for m in backend.model.modules())
-    plain = load(tiny_model_dir, torch.bfloat16)
+    plain = load(tiny_model_dir, getattr(torch, dtype))
     ids = prompts(batch=1)[0]
     want = reference_logits(plain, ids, torch.ones_like(ids), 5)
     got = [backend.prefill_slot(0, ids[0].tolist())]
     for _ in range(5):
         got.append(backend.decode_slots([0], [int(got[-1].argmax())])[0])
     for g, w in zip(got, want):
-        assert_close_bf16(g, w[0])
+        assert_close(g, w[0], dtype)
 
 
 def test_growing_cache_equals_dynamic_cache_across_growth(tiny_model_dir):

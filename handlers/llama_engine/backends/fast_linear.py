@@ -12,8 +12,14 @@ computes the same product (oneDNN accumulates in float32 and rounds the output o
 plain path does), so logits agree with the plain model to bfloat16 rounding.
 
 It is applied only where it pays: bfloat16 (and float16) weights on a CPU with mkldnn and
-native bf16 support. float32 keeps ``nn.Linear`` (MKL's sgemv already streams at the
-memory bandwidth for one row). ``LLAMA_PACKED_LINEAR=0`` turns it off.
+native bf16 support. float32 weights go to MKL's packed sgemm instead
+(``mkl._mkl_reorder_linear_weight`` / ``mkl._mkl_linear``, inductor's choice for fp32):
+as fast as ``nn.Linear`` for one row and about 1.8x faster for 8 rows. ``_mkl_linear``
+falls back to its ``orig_weight`` argument when the row count differs from the
+``batch_size`` it is given; :class:`MklPackedLinear` always passes the actual row count,
+so the original weight is never read and is not kept (a zero-stride stand-in is passed).
+Each fp32 layer is checked against ``nn.Linear`` once when it is packed and stays plain if
+they disagree. ``LLAMA_PACKED_LINEAR=0`` turns all of it off.
 """
 from __future__ import annotations
 
@@ -51,6 +57,44 @@ class PackedLinear(nn.Module):
                f"dtype={self.dtype}, packed=mkldnn"
 
 
+class MklPackedLinear(nn.Module):
+    """float32 ``y = x @ W.T + b`` through MKL's packed sgemm (inference only)."""
+
+    def __init__(self, linear: nn.Linear, batch_hint: int = 1):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        weight = linear.weight.detach()
+        self.register_buffer("packed_weight", torch.ops.mkl._mkl_reorder_linear_weight(weight, batch_hint),
+                             persistent=False)
+        bias = None if linear.bias is None else linear.bias.detach().clone()
+        self.register_buffer("bias", bias, persistent=False)
+        # Never read: forward always passes the actual row count as batch_size.
+        self._stand_in = weight.new_zeros(1).expand(self.out_features, self.in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        flat = x.reshape(rows, self.in_features)
+        out = torch.ops.mkl._mkl_linear(flat, self.packed_weight, self._stand_in, self.bias, rows)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, " \
+               f"dtype=torch.float32, packed=mkl"
+
+
+def _agrees(linear: nn.Linear, packed: nn.Module) -> bool:
+    """The packed layer computes the plain one's product (a few row counts, one random input each)."""
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for rows in (1, 3, 17):
+            x = torch.randn(rows, linear.in_features, generator=gen).to(linear.weight.dtype)
+            want = linear(x).float()
+            scale = want.abs().max().item() + 1e-6
+            if (packed(x).float() - want).abs().max().item() > 1e-3 * scale:
+                return False
+    return True
+
+
 def packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether oneDNN packed linears are expected to beat ``nn.Linear`` for ``dtype`` on ``device``."""
     if torch.device(device).type != "cpu" or not torch.backends.mkldnn.is_available():
@@ -61,6 +105,8 @@ def packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     if dtype == torch.float16:
         return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    if dtype == torch.float32:
+        return bool(torch._C.has_mkl) and hasattr(torch.ops.mkl, "_mkl_linear")
     return False
 
 
@@ -81,11 +127,16 @@ def pack_linears(model: nn.Module, batch_hint: int = 1) -> int:
     weight = targets[0][2].weight
     if not packing_supported(weight.dtype, weight.device):
         return 0
+    fp32 = weight.dtype == torch.float32
     swapped = 0
     for parent, name, child in targets:
         if child.weight.dtype != weight.dtype or child.weight.device.type != "cpu":
             continue
-        setattr(parent, name, PackedLinear(child, batch_hint))
+        packed = MklPackedLinear(child, batch_hint) if fp32 else PackedLinear(child, batch_hint)
+        if fp32 and not _agrees(child, packed):
+            logger.warning("MKL packed linear disagrees with nn.Linear; keeping nn.Linear")
+            return swapped
+        setattr(parent, name, packed)
         swapped += 1
-    logger.info("packed %d linear layers for oneDNN (%s)", swapped, weight.dtype)
+    logger.info("packed %d linear layers (%s, %s)", swapped, weight.dtype, "mkl" if fp32 else "onednn")
     return swapped
