@@ -21,6 +21,12 @@ DTYPES = [pytest.param("bfloat16", marks=BF16), pytest.param("float32", marks=FP
 
 
 @pytest.fixture(autouse=True)
+def fp32_packing_on(monkeypatch):
+    """float32 packing is opt-in; these tests check it keeps the logits."""
+    monkeypatch.setenv(fast_linear.ENV, "1")
+
+
+@pytest.fixture(autouse=True)
 def one_thread():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -108,6 +114,11 @@ def test_pack_linears_swaps_every_linear_and_keeps_logits(tiny_model_dir, dtype)
     ids, mask = prompts()
     for got, want in zip(reference_logits(packed, ids, mask, 6), reference_logits(plain, ids, mask, 6)):
         assert_close(got, want, dtype)
+
+
+def test_float32_packing_is_opt_in(tiny_model_dir, monkeypatch):
+    monkeypatch.delenv(fast_linear.ENV)
+    assert pack_linears(load(tiny_model_dir, torch.float32)) == 0
 
 
 def test_pack_linears_honours_the_switch(tiny_model_dir, monkeypatch):
