@@ -377,11 +377,11 @@ class ContinuousHandler:
 class RoundTrips:
     """Time inside the handler against time between calls (the frontend's round trip).
 
-    Logged every ``every`` seconds of traffic, so the cost of one frontend round trip per
+    Logged every ``every`` seconds, so the cost of one frontend round trip per
     step is visible in the model log instead of guessed.
     """
 
-    def __init__(self, every: float = 30.0):
+    def __init__(self, every: float = 10.0):
         self.every = every
         self._reset(None)
 
