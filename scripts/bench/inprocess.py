@@ -49,15 +49,8 @@ class InProcessEngine:
                         for p in prompts[first:first + self.micro_batch_size]]
 
             def sink(events, chunk=chunk):
-                now = time.perf_counter()
                 for event in events:
-                    record = chunk[event.row]
-                    if event.token_id is not None:
-                        record.token_times.append(now)
-                    if event.result is not None:
-                        record.end = now
-                        record.reported_tokens = event.result.generated_tokens
-                        record.finish_reason = event.result.finish_reason
+                    _record(chunk[event.row], event)
 
             try:
                 self.engine.generate(prepared, sink)

@@ -41,6 +41,29 @@ class Client:
 TEST_CONFIG = {"batchSize": 8, "maxBatchDelay": 200, "micro_batching": {"micro_batch_size": 4}}
 
 
+def burst_statuses(server: TorchServe, model: str, prompt: str, n: int = 10) -> list:
+    """Send ``n`` long non-streaming requests at the same instant; return their HTTP statuses."""
+    import threading
+
+    url = f"{server.url()}/predictions/{model}"
+    headers = {"Authorization": f"Bearer {server.key}"}
+    statuses = [None] * n
+    barrier = threading.Barrier(n)
+
+    def worker(i):
+        barrier.wait()
+        r = requests.post(url, json={"inputs": prompt, "stream": False, "parameters": {"max_new_tokens": 200}},
+                          headers=headers, timeout=300)
+        statuses[i] = r.status_code
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    return statuses
+
+
 def write_test_config(path: Path) -> Path:
     data = yaml.safe_load((ROOT / "model-config" / f"{MODEL}.yaml").read_text())
     data.update({k: v for k, v in TEST_CONFIG.items() if k != "micro_batching"})

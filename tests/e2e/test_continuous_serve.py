@@ -9,7 +9,7 @@ import pytest
 import requests
 import yaml
 
-from conftest import ROOT, build_model
+from conftest import ROOT, build_model, burst_statuses
 from tsctl import running
 
 MODEL = "tiny-llama-continuous"
@@ -108,22 +108,6 @@ def test_a_disconnect_frees_its_slot(server):
 
 
 def test_requests_beyond_the_queue_get_503(server):
-    url = f"{server.url()}/predictions/{MODEL}"
-    headers = {"Authorization": f"Bearer {server.key}"}
-    n = 10
-    statuses = [None] * n
-    barrier = threading.Barrier(n)
-
-    def worker(i):
-        barrier.wait()
-        r = requests.post(url, json={"inputs": PROMPTS[3], "stream": False, "parameters": {"max_new_tokens": 200}},
-                          headers=headers, timeout=300)
-        statuses[i] = r.status_code
-
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
+    statuses = burst_statuses(server, MODEL, PROMPTS[3])
     assert statuses.count(503) >= 1 and statuses.count(200) >= SLOTS, statuses
     assert set(statuses) <= {200, 503}, statuses

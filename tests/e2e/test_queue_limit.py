@@ -1,13 +1,11 @@
 """A full job queue answers 503 at once, and the requests already admitted still complete."""
 from __future__ import annotations
 
-import threading
-
 import pytest
 import requests
 import yaml
 
-from conftest import MODEL, ROOT, build_model
+from conftest import MODEL, ROOT, build_model, burst_statuses
 from tsctl import running
 
 QUEUE = 2
@@ -30,21 +28,7 @@ def small_queue_server(tiny_model_dir, tmp_path_factory):
 def test_requests_beyond_the_queue_get_503(small_queue_server):
     url = f"{small_queue_server.url()}/predictions/{MODEL}"
     headers = {"Authorization": f"Bearer {small_queue_server.key}"}
-    n = 10
-    statuses = [None] * n
-    barrier = threading.Barrier(n)
-
-    def worker(i):
-        barrier.wait()
-        r = requests.post(url, json={"inputs": "The function returns", "stream": False,
-                                     "parameters": {"max_new_tokens": 200}}, headers=headers, timeout=300)
-        statuses[i] = r.status_code
-
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
+    statuses = burst_statuses(small_queue_server, MODEL, "The function returns")
     assert statuses.count(503) >= 1, statuses
     assert statuses.count(200) >= 1 and set(statuses) <= {200, 503}, statuses
     ok = requests.post(url, json={"inputs": "Hi", "stream": False, "parameters": {"max_new_tokens": 2}},
