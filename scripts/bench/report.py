@@ -382,8 +382,8 @@ This page is rewritten by the benchmark suite on every full or quick run; edit
 ## How to run
 
 ```bash
-.venv/bin/python -m scripts.bench --quick   # about 2 minutes on 2 cores: shorter sweeps
-.venv/bin/python -m scripts.bench           # about 15 minutes: the full sweeps (this page's default)
+.venv/bin/python -m scripts.bench --quick   # about 6 minutes on 2 cores (more with peers): shorter sweeps
+.venv/bin/python -m scripts.bench           # about 20 minutes, 30 with both peers: the full sweeps (this page's default)
 .venv/bin/python -m scripts.bench --smoke --out /tmp/bench   # seconds, the tiny model (tests/unit/test_bench_smoke.py)
 ```
 
@@ -415,20 +415,21 @@ Options: `--dtype float32`, `--threads N`, `--no-peers`, `--llama-gguf PATH`, `-
    the engine in-process and the served handler back to back, each idle while the other runs): (1) the engine in-process
    (`Engine.generate`, micro-batches of 8, no HTTP), (2) the handler served by TorchServe (archive built by
    `scripts/build_model.py` into `build/bench/work`, started with `scripts/tsctl.py` on free loopback ports,
-   stopped by PID), (3) peers when installed: llama.cpp's `llama-server` (`POST /completion`, `stream: true`,
-   `n_predict`, `ignore_eos: true`) and vLLM's OpenAI server (`POST /v1/completions`, `stream: true`,
-   `ignore_eos: true`). Peers are detected, never installed: a `llama-server` on PATH, in `build/peers/` or
-   `build/peers/llama.cpp/build/bin/` plus a GGUF at `build/peers/bench-model-bf16.gguf`; a virtual
-   environment at `build/peers/vllm-venv` that imports vllm (it serves `build/bench-model-<dtype>` itself).
-   They run with the same batch and thread budget: `llama-server -np 8 -t 2 -c 8192`, vLLM
-   `--max-num-seqs 8 --max-model-len 1024`. Converting the bench model to GGUF (llama.cpp's
-   `convert_hf_to_gguf.py`) is left to whoever installs llama.cpp; prompts go to peers as token ids, so
-   only the weights and the vocabulary size matter.
+   stopped by PID) with micro-batching (`torchserve`, `model-config/bench-llama.yaml`), (3) the same handler
+   with continuous batching (`torchserve-continuous`, `model-config/bench-llama-continuous.yaml`: TorchServe's
+   `continuousBatching`, 8 slots, the same prompts and the same Poisson schedule), (4) peers when installed
+   (`make bench-peers` builds them under `build/peers/`): llama.cpp's `llama-server` (`POST /completion`,
+   `stream: true`, `n_predict`, `ignore_eos: true`; built from the llama.cpp tree in the llama-cpp-python
+   0.3.36 sdist, the bench model converted to GGUF by that tree's `convert_hf_to_gguf.py`) and vLLM for CPU
+   0.32.0's OpenAI server (`POST /v1/completions`, `stream: true`, `ignore_eos: true`; it serves
+   `build/bench-model-<dtype>` itself). They run with the same batch and thread budget:
+   `llama-server -np 8 -t 2 -c 8192`, vLLM `--max-num-seqs 8 --max-model-len 1024` (vLLM's CPU defaults
+   reserve one of the two cores for its scheduler). Prompts go to peers as token ids.
 6. **Sweeps**: input length at concurrency 1 (full run: 256/512/768 input tokens with output to 1024 in all,
    plus 4 TTFT probes of 8 output tokens per length); concurrency 1, 2, 4, 8, 16 (full run: 256 input + 128
    output tokens, 2 rounds); a Poisson arrival run at a fixed request rate with mixed lengths (full run:
-   0.5 requests/s for 75 s, inputs 128–768, outputs 32–256). The in-process engine has no scheduler, so it
-   does not run the Poisson load.
+   0.5 requests/s for 75 s, inputs 128–768, outputs 32–256), which saturates every system here. The
+   in-process engine has no scheduler, so it does not run the Poisson load.
 
 ### Definitions
 
@@ -466,8 +467,14 @@ Options: `--dtype float32`, `--threads N`, `--no-peers`, `--llama-gguf PATH`, `-
 """
 
 
-def render_docs(results: dict, plots: List[Path]) -> str:
-    return DOCS_HEAD + markdown(results, [Path("build/bench") / p.name for p in plots])
+def render_docs(results: dict, plots: List[Path], docs: Path) -> str:
+    """The docs page, with the plots copied beside it (``<page>-plots/``) so that the page shows them."""
+    folder = docs.parent / f"{docs.stem}-plots"
+    folder.mkdir(parents=True, exist_ok=True)
+    for plot in plots:
+        shutil.copyfile(plot, folder / plot.name)
+    images = "\n".join(f"![{p.stem}]({folder.name}/{p.name})" for p in plots)
+    return DOCS_HEAD + markdown(results, [Path(folder.name) / p.name for p in plots]) + "\n" + images + "\n"
 
 
 def write_all(results: dict, out: Path, docs: Optional[Path]) -> List[Path]:
@@ -483,6 +490,6 @@ def write_all(results: dict, out: Path, docs: Optional[Path]) -> List[Path]:
     written = [json_path, out / "latest.json", md_path, *plots]
     if docs is not None:
         docs.parent.mkdir(parents=True, exist_ok=True)
-        docs.write_text(render_docs(results, plots))
+        docs.write_text(render_docs(results, plots, docs))
         written.append(docs)
     return written
