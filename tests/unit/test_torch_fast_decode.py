@@ -177,3 +177,21 @@ def test_torch_backend_retain_matches_a_fresh_batch(tiny_model_dir):
     for step in range(4, 9):
         logits.append(backend.decode(full[step - 1][[0, 2]].argmax(-1)))
         torch.testing.assert_close(logits[-1], full[step][[0, 2]], atol=1e-5, rtol=1e-5)
+
+
+@torch.inference_mode()
+def test_growing_cache_crop_and_repeat_interleave_follow_dynamic_cache(tiny_model_dir):
+    """After crop() and batch_repeat_interleave(), decoding goes on exactly as with a DynamicCache."""
+    model = load(tiny_model_dir, torch.float32)
+    ids, mask = prompts()
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    results = []
+    for cache in (DynamicCache(), GrowingCache(max_length=40, headroom=2)):
+        model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
+        cache.crop(ids.shape[1] - 2)
+        cache.batch_repeat_interleave(2)
+        token = ids[:, -2:].repeat_interleave(2, dim=0)
+        out = model(input_ids=token, attention_mask=mask.repeat_interleave(2, dim=0),
+                    position_ids=positions[:, -2:].repeat_interleave(2, dim=0), past_key_values=cache, use_cache=True)
+        results.append(out.logits[:, -1, :])
+    torch.testing.assert_close(results[1], results[0], atol=1e-5, rtol=1e-5)

@@ -6,6 +6,7 @@ from typing import List, Sequence
 
 import torch
 from transformers import DynamicCache
+from transformers.models.llama.modeling_llama import rotate_half
 
 from .base import Backend, SlotBackend
 from .fast_linear import pack_linears
@@ -23,24 +24,33 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def load_model(model_path: str, dtype: str, device: str, max_length: int, pack: bool = True):
+    """The HF causal LM from safetensors, on ``device``, in eval mode, linears packed where that pays."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=DTYPES[dtype], use_safetensors=True)
+    model = model.to(resolve_device(device)).eval()
+    check_max_length(model.config, max_length)
+    if pack:
+        pack_linears(model)
+    return model
+
+
+def check_max_length(config, max_length: int) -> None:
+    limit = getattr(config, "max_position_embeddings", max_length)
+    if max_length > limit:
+        raise ValueError(f"handler.max_length ({max_length}) exceeds the model's "
+                         f"max_position_embeddings ({limit}); lower handler.max_length")
+
+
 class TorchBackend(Backend):
     #: Swap the model's linears for oneDNN packed ones (:mod:`.fast_linear`) where that pays.
     packed_linears = True
 
     def __init__(self, model_path: str, dtype: str = "float32", device: str = "auto",
                  max_length: int = 512):
-        from transformers import AutoModelForCausalLM
-
         self.device = resolve_device(device)
-        self.model = AutoModelForCausalLM.from_pretrained(
-            model_path, torch_dtype=DTYPES[dtype], use_safetensors=True)
-        self.model.to(self.device).eval()
-        if self.packed_linears:
-            pack_linears(self.model)
-        limit = getattr(self.model.config, "max_position_embeddings", max_length)
-        if max_length > limit:
-            raise ValueError(f"handler.max_length ({max_length}) exceeds the model's "
-                             f"max_position_embeddings ({limit}); lower handler.max_length")
+        self.model = load_model(model_path, dtype, device, max_length, pack=self.packed_linears)
         self.max_length = max_length
         self._cache = None
         self._mask = None
@@ -133,18 +143,23 @@ class GrowingCache(DynamicCache):
             buffers[layer_idx] = grown
 
     def batch_select_indices(self, indices: torch.Tensor):
-        for i in range(len(self._key_buffers)):
-            length = self.key_cache[i].shape[-2]
-            self._key_buffers[i] = self._key_buffers[i].index_select(0, indices)
-            self._value_buffers[i] = self._value_buffers[i].index_select(0, indices)
-            self.key_cache[i] = self._key_buffers[i][:, :, :length]
-            self.value_cache[i] = self._value_buffers[i][:, :, :length]
-
-    def crop(self, max_length: int):
-        raise NotImplementedError("GrowingCache does not crop")
+        self._rebatch(lambda buffer: buffer.index_select(0, indices))
 
     def batch_repeat_interleave(self, repeats: int):
-        raise NotImplementedError("GrowingCache does not repeat rows")
+        self._rebatch(lambda buffer: buffer.repeat_interleave(repeats, dim=0))
+
+    def _rebatch(self, transform) -> None:
+        """Apply a batch-dimension ``transform`` to the buffers, then re-view their filled part.
+
+        (``crop`` needs no override: DynamicCache's shortens the views, and the next ``update``
+        writes at the shortened length.)
+        """
+        for i in range(len(self._key_buffers)):
+            length = self.key_cache[i].shape[-2]
+            self._key_buffers[i] = transform(self._key_buffers[i])
+            self._value_buffers[i] = transform(self._value_buffers[i])
+            self.key_cache[i] = self._key_buffers[i][:, :, :length]
+            self.value_cache[i] = self._value_buffers[i][:, :, :length]
 
 
 def _buffer_like(states: torch.Tensor, capacity: int) -> torch.Tensor:
@@ -228,9 +243,7 @@ class TorchSlotBackend(SlotBackend):
     def __init__(self, model, max_slots: int, max_length: int):
         self.model = model.eval()
         cfg = model.config
-        limit = getattr(cfg, "max_position_embeddings", max_length)
-        if max_length > limit:
-            raise ValueError(f"max_length ({max_length}) exceeds the model's max_position_embeddings ({limit})")
+        check_max_length(cfg, max_length)
         if max_slots < 1:
             raise ValueError(f"max_slots must be >= 1, got {max_slots}")
         self.max_slots, self.max_length = max_slots, max_length
@@ -250,12 +263,7 @@ class TorchSlotBackend(SlotBackend):
     @classmethod
     def from_pretrained(cls, model_path: str, max_slots: int, max_length: int = 512, dtype: str = "float32",
                         device: str = "auto") -> "TorchSlotBackend":
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=DTYPES[dtype], use_safetensors=True)
-        model = model.to(resolve_device(device)).eval()
-        pack_linears(model)
-        return cls(model, max_slots, max_length)
+        return cls(load_model(model_path, dtype, device, max_length), max_slots, max_length)
 
     @torch.inference_mode()
     def _rope_tables(self):
@@ -339,10 +347,8 @@ class TorchSlotBackend(SlotBackend):
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Llama's rotary embedding (HF's ``rotate_half`` convention)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    """Llama's rotary embedding, with HF's own ``rotate_half``."""
+    return x * cos + rotate_half(x) * sin
 
 
 def _rows(slots: List[int], device):
