@@ -97,3 +97,32 @@ class SlotBackend(ABC):
     def slot_length(self, slot: int) -> int:
         """Positions of ``slot`` already written (0 when free)."""
         return 0
+
+    def check_prefill(self, slot: int, n: int, start: int) -> None:
+        """Refuse a ``prefill_slot`` call that the slot's state or size cannot take (ValueError)."""
+        self.check_slot(slot)
+        if n == 0:
+            raise ValueError("prefill_slot needs at least one token")
+        if start != self.slot_length(slot):
+            raise ValueError(f"slot {slot} holds {self.slot_length(slot)} positions; cannot prefill from {start}")
+        if start + n > self.max_length:
+            raise ValueError(f"the prompt needs {start + n} positions; the slot holds {self.max_length}")
+
+    def check_decode(self, slots: Sequence[int], tokens: Sequence[int]) -> None:
+        """Refuse a ``decode_slots`` call on unknown, repeated, empty or full slots (ValueError)."""
+        if len(slots) != len(tokens):
+            raise ValueError(f"{len(slots)} slots but {len(tokens)} tokens")
+        if not slots:
+            raise ValueError("decode_slots needs at least one slot")
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"a slot appears twice in {list(slots)}")
+        for slot in slots:
+            self.check_slot(slot)
+            if self.slot_length(slot) < 1:
+                raise ValueError(f"decode on an empty slot ({slot}); prefill it first")
+            if self.slot_length(slot) >= self.max_length:
+                raise ValueError(f"slot {slot} reached max_length ({self.max_length}) positions")
+
+    def check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.max_slots:
+            raise ValueError(f"slot {slot} is out of range: the backend has {self.max_slots} slots")

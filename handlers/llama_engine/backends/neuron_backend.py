@@ -183,20 +183,13 @@ class NeuronSlotBackend(SlotBackend):
         return next(b for b in self.context_buckets if b >= length)
 
     def prefill_slot(self, slot: int, prompt_ids: Sequence[int], start: int = 0) -> torch.Tensor:
-        n = len(prompt_ids)
-        if n == 0:
-            raise ValueError("prefill_slot needs at least one token")
-        self._check_slot(slot)
-        if start != self.slot_length(slot):
-            raise ValueError(f"slot {slot} holds {self.slot_length(slot)} positions; cannot prefill from {start}")
-        total = start + n
+        total = start + len(prompt_ids)
         if total > self.max_prompt_length:
             raise RequestError(
                 f"the prompt has {total} tokens; this Neuron model encodes prompts of at most "
                 f"{self.max_prompt_length} tokens with continuous batching (the largest context_length_estimate "
                 "bucket); shorten the prompt or compile a larger bucket", "inputs")
-        if total > self.max_length:
-            raise ValueError(f"the prompt needs {total} positions; the slot holds {self.max_length}")
+        self.check_prefill(slot, len(prompt_ids), start)
         tokens = self._tokens[slot][:start] + [int(t) for t in prompt_ids]
         bucket = self._bucket(total)
         input_ids = torch.zeros(1, bucket, dtype=torch.long)
@@ -209,18 +202,7 @@ class NeuronSlotBackend(SlotBackend):
 
     def decode_slots(self, slots: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
         slots, tokens = [int(s) for s in slots], [int(t) for t in tokens]
-        if len(slots) != len(tokens):
-            raise ValueError(f"{len(slots)} slots but {len(tokens)} tokens")
-        if not slots:
-            raise ValueError("decode_slots needs at least one slot")
-        if len(set(slots)) != len(slots):
-            raise ValueError(f"a slot appears twice in {slots}")
-        for slot in slots:
-            self._check_slot(slot)
-            if not self._tokens[slot]:
-                raise ValueError(f"decode on an empty slot ({slot}); prefill it first")
-            if len(self._tokens[slot]) >= self.max_length:
-                raise ValueError(f"slot {slot} reached max_length ({self.max_length}) positions")
+        self.check_decode(slots, tokens)
         # Occupied slots outside this step: their first token again at position 0 (see the class doc).
         keep = [s for s in range(self.max_slots) if self._tokens[s] and s not in slots]
         rows = slots + keep
@@ -230,7 +212,3 @@ class NeuronSlotBackend(SlotBackend):
         for slot, token in zip(slots, tokens):
             self._tokens[slot].append(token)
         return logits[:len(slots)].float()
-
-    def _check_slot(self, slot: int) -> None:
-        if not 0 <= slot < self.max_slots:
-            raise ValueError(f"slot {slot} is out of range: the model has {self.max_slots} slots")

@@ -285,12 +285,7 @@ class TorchSlotBackend(SlotBackend):
     @torch.inference_mode()
     def prefill_slot(self, slot: int, prompt_ids: Sequence[int], start: int = 0) -> torch.Tensor:
         n = len(prompt_ids)
-        if n == 0:
-            raise ValueError("prefill_slot needs at least one token")
-        if start != self._lengths[slot]:
-            raise ValueError(f"slot {slot} holds {self._lengths[slot]} positions; cannot prefill from {start}")
-        if start + n > self.max_length:
-            raise ValueError(f"the prompt needs {start + n} positions; the slot holds {self.max_length}")
+        self.check_prefill(slot, n, start)
         ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=self.device)
         positions = torch.arange(start, start + n, device=self.device).unsqueeze(0)
         logits = self._forward(ids, positions, [slot], start + n)
@@ -300,13 +295,8 @@ class TorchSlotBackend(SlotBackend):
     @torch.inference_mode()
     def decode_slots(self, slots: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
         slots = list(slots)
-        if len(slots) != len(tokens):
-            raise ValueError(f"{len(slots)} slots but {len(tokens)} tokens")
+        self.check_decode(slots, tokens)
         lengths = [self._lengths[s] for s in slots]
-        if min(lengths) < 1:
-            raise ValueError(f"decode on an empty slot ({slots[lengths.index(min(lengths))]}); prefill it first")
-        if max(lengths) >= self.max_length:
-            raise ValueError(f"a slot reached max_length ({self.max_length}) positions")
         ids = torch.as_tensor(tokens, dtype=torch.long).to(self.device).view(-1, 1)
         positions = torch.tensor(lengths, device=self.device).unsqueeze(1)
         logits = self._forward(ids, positions, slots, max(lengths) + 1)
