@@ -26,13 +26,14 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import os
 import threading
 from collections import deque
 from typing import Callable, Deque, Dict, List, Optional, Sequence
 
 from .backends.base import SlotBackend
 from .detokenizer import IncrementalDetokenizer
-from .engine import PreparedRequest, prepare_request
+from .engine import PreparedRequest, prepare_request, warmup_prompts
 from .errors import RequestError
 from .selection import TokenSelector, select_tokens
 from .stopping import StoppingCriteria, StopSequences
@@ -79,7 +80,8 @@ class RequestHandle:
 
 class ContinuousScheduler:
     def __init__(self, backend: SlotBackend, tokenizer, max_slots: Optional[int] = None, max_queue: int = 64,
-                 max_prefill_tokens_per_step: int = 256, eos_token_ids: Optional[frozenset] = None):
+                 max_prefill_tokens_per_step: int = 256, eos_token_ids: Optional[frozenset] = None,
+                 default_max_new_tokens: int = 64):
         max_slots = backend.max_slots if max_slots is None else max_slots
         if not 1 <= max_slots <= backend.max_slots:
             raise ValueError(f"max_slots must be in [1, {backend.max_slots}] (the backend's slots), got {max_slots}")
@@ -96,7 +98,7 @@ class ContinuousScheduler:
         self.eos_token_ids = frozenset(eos_token_ids if eos_token_ids is not None else ([] if eos is None else [eos]))
         self.special_ids = frozenset(tokenizer.all_special_ids)
         self.steps = 0
-        self.default_max_new_tokens = 64
+        self.default_max_new_tokens = default_max_new_tokens
         self._free: List[int] = list(range(max_slots))  # a heap: admission takes the lowest free slot
         self._active: Dict[int, RequestHandle] = {}  # slot -> request (prefilling or running)
         self._waiting: Deque[RequestHandle] = deque()
@@ -111,19 +113,15 @@ class ContinuousScheduler:
     def from_config(cls, handler_cfg, model_dir: str, max_slots: int, max_prefill_tokens_per_step: int,
                     max_queue: Optional[int] = None, build_cache_dir: Optional[str] = None) -> "ContinuousScheduler":
         """The tokenizer and a slot backend of ``max_slots`` slots, as ``handler:`` describes them."""
-        import os
-
         from transformers import AutoTokenizer
 
         from .backends import create_slot_backend
 
         tokenizer = AutoTokenizer.from_pretrained(os.path.join(model_dir, handler_cfg.model_path))
         backend = create_slot_backend(handler_cfg, model_dir, max_slots, build_cache_dir)
-        scheduler = cls(backend, tokenizer, max_slots=max_slots,
-                        max_queue=max_slots if max_queue is None else max_queue,
-                        max_prefill_tokens_per_step=max_prefill_tokens_per_step)
-        scheduler.default_max_new_tokens = handler_cfg.max_new_tokens
-        return scheduler
+        return cls(backend, tokenizer, max_slots=max_slots, max_queue=max_slots if max_queue is None else max_queue,
+                   max_prefill_tokens_per_step=max_prefill_tokens_per_step,
+                   default_max_new_tokens=handler_cfg.max_new_tokens)
 
     def prepare(self, request) -> PreparedRequest:
         """Tokenize ``request`` and check it against the slots' limits (RequestError if over)."""
@@ -142,13 +140,11 @@ class ContinuousScheduler:
         from .request import GenerationRequest
 
         request = GenerationRequest("Warm-up", SamplingParams(max_new_tokens=max_new_tokens))
-        prepared = [self.prepare(request)] * min(self.max_slots, max(self.max_queue, 1))
-        filler = self.tokenizer(" the", add_special_tokens=False)["input_ids"][-1]
-        for length in prompt_lengths:
-            ids = (self.tokenizer("")["input_ids"] + [filler] * length)[:length]
-            prepared.append(PreparedRequest(request, ids, min(max_new_tokens, self.backend.max_length - length)))
-        for start in range(0, len(prepared), max(self.max_queue, 1)):
-            handles = [self.submit(p) for p in prepared[start:start + max(self.max_queue, 1)]]
+        wave = max(self.max_queue, 1)
+        prepared = [self.prepare(request)] * min(self.max_slots, wave)
+        prepared += warmup_prompts(self.tokenizer, request, prompt_lengths, self.backend.max_length)
+        for start in range(0, len(prepared), wave):
+            handles = [self.submit(p) for p in prepared[start:start + wave]]
             while not all(h.done for h in handles):
                 self.step()
 

@@ -147,11 +147,7 @@ class Engine:
         from .params import SamplingParams
 
         request = GenerationRequest("Warm-up", SamplingParams(max_new_tokens=max_new_tokens))
-        prepared = [self.prepare(request)]
-        filler = self.tokenizer(" the", add_special_tokens=False)["input_ids"][-1]
-        for length in prompt_lengths:
-            ids = (self.tokenizer("")["input_ids"] + [filler] * length)[:length]
-            prepared.append(PreparedRequest(request, ids, min(max_new_tokens, self.max_length - length)))
+        prepared = [self.prepare(request)] + warmup_prompts(self.tokenizer, request, prompt_lengths, self.max_length)
         for item in prepared:
             self.generate([item] * batch_size)
 
@@ -188,6 +184,15 @@ def prepare_request(tokenizer, request: GenerationRequest, max_length: int, max_
     else:
         max_new = requested
     return PreparedRequest(request, prompt_ids, max_new)
+
+
+def warmup_prompts(tokenizer, request: GenerationRequest, lengths: Sequence[int],
+                   max_length: int) -> List[PreparedRequest]:
+    """One prepared ``request`` per prompt length, each prompt exactly that many tokens long."""
+    filler = tokenizer(" the", add_special_tokens=False)["input_ids"][-1]
+    new = request.params.max_new_tokens
+    return [PreparedRequest(request, (tokenizer("")["input_ids"] + [filler] * length)[:length],
+                            min(new, max_length - length)) for length in lengths]
 
 
 def _offset_sink(sink: Sink, offset: int) -> Sink:
