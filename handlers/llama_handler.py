@@ -63,6 +63,22 @@ def _header(context, idx: int, name: str) -> Optional[str]:
     return None
 
 
+def set_head(context, idx: int, status: int, content_type: str) -> None:
+    """Status and content type of request ``idx``'s response (the first one of a stream counts)."""
+    context.set_response_status(status, HTTPStatus(status).phrase, idx)
+    context.set_response_content_type(idx, content_type)
+
+
+def warm_up_and_report(warmup: bool, warm, backend, started: float) -> None:
+    """Called when the model has loaded: run ``warm()`` if asked, log both times and the compile cache's report."""
+    loaded = time.perf_counter()
+    if warmup:
+        warm()
+    logger.info("load %.1f s, warm-up %.1f s", loaded - started, time.perf_counter() - loaded)
+    if backend.compile_session is not None:
+        backend.compile_session.report()
+
+
 def set_torch_threads(config) -> int:
     threads = config.handler.torch_threads or os.cpu_count() or 1
     torch.set_num_threads(threads)
@@ -106,8 +122,7 @@ class Responder:
                                                200, self.context)
 
     def set_status(self, idx: int, status: int, content_type: str) -> None:
-        self.context.set_response_status(status, HTTPStatus(status).phrase, idx)
-        self.context.set_response_content_type(idx, content_type)
+        set_head(self.context, idx, status, content_type)
 
 
 def _stage(fn):
@@ -140,12 +155,8 @@ class LlamaHandler:
         model_dir = context.system_properties.get("model_dir")
         micro = self.config.micro_batching
         self.engine = Engine.from_config(self.config.handler, model_dir, batch_size=micro.micro_batch_size)
-        loaded = time.perf_counter()
-        if self.config.handler.warmup:
-            self.engine.warmup(batch_size=micro.micro_batch_size)
-        logger.info("load %.1f s, warm-up %.1f s", loaded - started, time.perf_counter() - loaded)
-        if self.engine.backend.compile_session is not None:
-            self.engine.backend.compile_session.report()
+        warm_up_and_report(self.config.handler.warmup, lambda: self.engine.warmup(batch_size=micro.micro_batch_size),
+                           self.engine.backend, started)
         self.micro_batching = MicroBatching(self, micro_batch_size=micro.micro_batch_size,
                                             parallelism=micro.parallelism)
         self.initialized = True
@@ -273,12 +284,7 @@ class ContinuousHandler:
         self.scheduler = ContinuousScheduler.from_config(
             self.config.handler, context.system_properties.get("model_dir"), self.config.slots,
             settings.max_prefill_tokens_per_step)
-        loaded = time.perf_counter()
-        if self.config.handler.warmup:
-            self.scheduler.warmup()
-        logger.info("load %.1f s, warm-up %.1f s", loaded - started, time.perf_counter() - loaded)
-        if self.scheduler.backend.compile_session is not None:
-            self.scheduler.backend.compile_session.report()
+        warm_up_and_report(self.config.handler.warmup, self.scheduler.warmup, self.scheduler.backend, started)
         self.initialized = True
         logger.info("model ready in %.1f s (torch threads %d, continuous batching: %d slots, %d prompt tokens "
                     "per step, %d steps per call)", time.perf_counter() - started, threads, self.config.slots,
@@ -355,12 +361,8 @@ class ContinuousHandler:
             else:
                 error = _as_request_error(error)
                 body, status = error.to_json(), error.status
-        if first:
-            content_type = CONTENT_TYPES[live.prepared.request.output] if live.stream else JSON
-            if status != 200 and done:
-                content_type = JSON
-            context.set_response_status(status, HTTPStatus(status).phrase, idx)
-            context.set_response_content_type(idx, content_type)
+        if first:  # a non-200 status only ever comes with a non-streaming request's JSON
+            set_head(context, idx, status, CONTENT_TYPES[live.prepared.request.output] if live.stream else JSON)
         live.responded = True
         if done:
             del self.live[rid]
@@ -369,8 +371,7 @@ class ContinuousHandler:
 
     @staticmethod
     def _error_response(context, idx: int, error: RequestError):
-        context.set_response_status(error.status, HTTPStatus(error.status).phrase, idx)
-        context.set_response_content_type(idx, JSON)
+        set_head(context, idx, error.status, JSON)
         return error.to_json(), None
 
 
