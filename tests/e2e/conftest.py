@@ -41,6 +41,20 @@ class Client:
 TEST_CONFIG = {"batchSize": 8, "maxBatchDelay": 200, "micro_batching": {"micro_batch_size": 4}}
 
 
+def serve_variant(work: Path, model: str, checkpoint: Path, edit):
+    """Build ``model-config/<model>.yaml`` changed by ``edit(data)`` into ``work`` and serve it.
+
+    A context manager yielding the ready TorchServe (free ports, stopped by PID on exit).
+    """
+    data = yaml.safe_load((ROOT / "model-config" / f"{model}.yaml").read_text())
+    edit(data)
+    config = work / f"{model}.yaml"
+    config.write_text(yaml.safe_dump(data))
+    build_model.main(["--config", str(config), "--checkpoint", str(checkpoint), "--name", model,
+                      "--build-dir", str(work / "build"), "--export-path", str(work / "store")])
+    return running(work / "ts", work / "store", models=model)
+
+
 def burst_statuses(server: TorchServe, model: str, prompt: str, n: int = 10) -> list:
     """Send ``n`` long non-streaming requests at the same instant; return their HTTP statuses."""
     import threading

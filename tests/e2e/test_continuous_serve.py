@@ -7,28 +7,23 @@ import time
 
 import pytest
 import requests
-import yaml
 
-from conftest import ROOT, build_model, burst_statuses
-from tsctl import running
+from conftest import burst_statuses, serve_variant
 
 MODEL = "tiny-llama-continuous"
 SLOTS = 2
 QUEUE = 2
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model_dir, tmp_path_factory):
-    work = tmp_path_factory.mktemp("continuous")
-    data = yaml.safe_load((ROOT / "model-config" / f"{MODEL}.yaml").read_text())
+def small(data):
     data.update(batchSize=SLOTS, jobQueueSize=QUEUE)
     data["handler"]["torch_threads"] = 1
     data["continuous_batching"]["max_prefill_tokens_per_step"] = 16
-    config = work / f"{MODEL}.yaml"
-    config.write_text(yaml.safe_dump(data))
-    build_model.main(["--config", str(config), "--checkpoint", str(tiny_model_dir), "--name", MODEL,
-                      "--build-dir", str(work / "build"), "--export-path", str(work / "store")])
-    with running(work / "ts", work / "store", models=MODEL) as ts:
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):
+    with serve_variant(tmp_path_factory.mktemp("continuous"), MODEL, tiny_model_dir, small) as ts:
         yield ts
 
 

@@ -3,25 +3,20 @@ from __future__ import annotations
 
 import pytest
 import requests
-import yaml
 
-from conftest import MODEL, ROOT, build_model, burst_statuses
-from tsctl import running
+from conftest import MODEL, burst_statuses, serve_variant
 
 QUEUE = 2
 
 
-@pytest.fixture(scope="module")
-def small_queue_server(tiny_model_dir, tmp_path_factory):
-    work = tmp_path_factory.mktemp("queue")
-    data = yaml.safe_load((ROOT / "model-config" / f"{MODEL}.yaml").read_text())
+def one_slot(data):
     data.update(batchSize=1, maxBatchDelay=1, jobQueueSize=QUEUE)
     data["micro_batching"]["micro_batch_size"] = 1
-    config = work / f"{MODEL}.yaml"
-    config.write_text(yaml.safe_dump(data))
-    build_model.main(["--config", str(config), "--checkpoint", str(tiny_model_dir), "--name", MODEL,
-                      "--build-dir", str(work / "build"), "--export-path", str(work / "store")])
-    with running(work / "ts", work / "store", models=MODEL) as ts:
+
+
+@pytest.fixture(scope="module")
+def small_queue_server(tiny_model_dir, tmp_path_factory):
+    with serve_variant(tmp_path_factory.mktemp("queue"), MODEL, tiny_model_dir, one_slot) as ts:
         yield ts
 
 
