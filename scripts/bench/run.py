@@ -398,68 +398,59 @@ def main(argv=None) -> int:
     # -- 2. the served handler ---------------------------------------------------------------
     from scripts.bench.systems import LlamaCppSystem, TorchServeSystem, VllmSystem
 
-    t = time.perf_counter()
-    ts = TorchServeSystem(work, config, checkpoint)
-    status = results["systems"]["torchserve"] = {"status": "ok"}
-    try:
-        if "torchserve" not in args.systems:
-            raise _NotSelected()
-        ts.build()
-        adapter = ts.start(timeout=min(600, max(60, budget.left())))
-        status["detail"] = f"TorchServe {results['versions'].get('torchserve')} pid {ts.pid} at {adapter.url}"
-        log(f"torchserve ready in {ts.timings['start_to_ready_s']} s (pid {ts.pid})")
-        run_wave(adapter, [prompts.warm], 4, timeout)
-        sweep("torchserve", lambda ps, n: run_wave(adapter, ps, n, timeout), prompts, plan, budget, runs, monitor,
-              schedule_runner=lambda s: run_schedule(adapter, s, timeout))
-        steps = ts.step_log()
-        results["extra"]["torchserve_micro_batches"] = steps[-200:]
+    def served(name, make_system, describe, after=None):
+        """Build, start, warm up and sweep one served variant; ``after(adapter)`` runs while it is up."""
+        t = time.perf_counter()
+        status = results["systems"][name] = {"status": "ok"}
+        system = None
+        try:
+            if name not in args.systems:
+                raise _NotSelected()
+            system = make_system()
+            system.build()
+            adapter = system.start(timeout=min(600, max(60, budget.left())))
+            status["detail"] = f"TorchServe {results['versions'].get('torchserve')} {describe(system)} at {adapter.url}"
+            log(f"{name} ready in {system.timings['start_to_ready_s']} s (pid {system.pid})")
+            run_wave(adapter, [prompts.warm], 4, timeout)
+            sweep(name, lambda ps, n: run_wave(adapter, ps, n, timeout), prompts, plan, budget, runs, monitor,
+                  schedule_runner=lambda s: run_schedule(adapter, s, timeout))
+            if after is not None:
+                after(system, adapter)
+        except _NotSelected:
+            status.update(status="skipped", detail="not selected (--systems)")
+        except Exception as exc:  # noqa: BLE001 - reported, the other systems still run
+            traceback.print_exc()
+            status.update(status="failed", detail=f"{type(exc).__name__}: {exc}"[:2000])
+        finally:
+            if system is not None:
+                system.stop()
+                status["timings"] = system.timings
+        phases[f"{name.replace('-', '_')}_s"] = time.perf_counter() - t
+
+    def after_micro(system, adapter):
+        results["extra"]["torchserve_micro_batches"] = system.step_log()[-200:]
         if engine is not None and plan["paired_rounds"] and budget.ok("paired A/B", 60):
             t_paired = time.perf_counter()
             paired(engine.run_wave, lambda ps, n: run_wave(adapter, ps, n, timeout), prompts, plan, runs, monitor)
             phases["paired_s"] = time.perf_counter() - t_paired
-    except _NotSelected:
-        status.update(status="skipped", detail="not selected (--systems)")
-    except Exception as exc:  # noqa: BLE001
-        traceback.print_exc()
-        status.update(status="failed", detail=f"{type(exc).__name__}: {exc}"[:2000])
-    finally:
-        ts.stop()
-        status["timings"] = ts.timings
-        if engine is not None:
-            engine.close()
-            engine = None
-    phases["torchserve_s"] = time.perf_counter() - t
+
+    served("torchserve", lambda: TorchServeSystem(work, config, checkpoint), lambda ts: f"pid {ts.pid}",
+           after=after_micro)
+    if engine is not None:
+        engine.close()
+        engine = None
 
     # -- 2b. the served handler with continuous batching --------------------------------------
-    t = time.perf_counter()
-    status = results["systems"]["torchserve-continuous"] = {"status": "ok"}
-    cb = None
-    try:
-        if "torchserve-continuous" not in args.systems:
-            raise _NotSelected()
-        cb_config = derived_config(args.continuous_config.resolve(), work / "bench-llama-continuous.yaml", dtype,
-                                   args.threads, {})
-        cb = TorchServeSystem(work / "continuous", cb_config, checkpoint, model_name="bench-llama-continuous")
-        cb.name = "torchserve-continuous"
-        cb.build()
-        adapter = cb.start(timeout=min(600, max(60, budget.left())))
-        status["detail"] = (f"TorchServe {results['versions'].get('torchserve')} continuousBatching, "
-                            f"{load_model_config_file(str(cb_config)).slots} slots, pid {cb.pid} at {adapter.url}")
-        log(f"torchserve-continuous ready in {cb.timings['start_to_ready_s']} s (pid {cb.pid})")
-        run_wave(adapter, [prompts.warm], 4, timeout)
-        sweep("torchserve-continuous", lambda ps, n: run_wave(adapter, ps, n, timeout), prompts, plan, budget, runs,
-              monitor, schedule_runner=lambda s: run_schedule(adapter, s, timeout))
-        results["extra"]["torchserve_continuous_round_trips"] = round_trips(cb.server.model_log())
-    except _NotSelected as skip:
-        status.update(status="skipped", detail=str(skip) or "not selected (--systems)")
-    except Exception as exc:  # noqa: BLE001
-        traceback.print_exc()
-        status.update(status="failed", detail=f"{type(exc).__name__}: {exc}"[:2000])
-    finally:
-        if cb is not None:
-            cb.stop()
-            status["timings"] = cb.timings
-    phases["torchserve_continuous_s"] = time.perf_counter() - t
+    cb_config = work / "bench-llama-continuous.yaml"
+
+    def continuous_system():
+        derived_config(args.continuous_config.resolve(), cb_config, dtype, args.threads, {})
+        return TorchServeSystem(work / "continuous", cb_config, checkpoint, model_name="bench-llama-continuous")
+
+    served("torchserve-continuous", continuous_system,
+           lambda ts: f"continuousBatching, {load_model_config_file(str(cb_config)).slots} slots, pid {ts.pid}",
+           after=lambda system, _: results["extra"].update(
+               torchserve_continuous_round_trips=round_trips(system.server.model_log())))
 
     # -- 3. peers, when installed -------------------------------------------------------------
     peers = [LlamaCppSystem(work / "llama.cpp", dtype, threads, micro, cfg.handler.max_length, args.llama_gguf),
