@@ -78,8 +78,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                 path = Path(self.dir_model) / "tokenizer.json"
                 ok, why = gpt2_pretokenizer(json.loads(path.read_text()))
                 if not ok:
-                    raise NotImplementedError(f"unknown BPE pre-tokenizer and {path} is not GPT-2's ({why}); "
-                                              "pass --tokenizer-pre to name the matching llama.cpp pre-tokenizer") from None
+                    raise SystemExit(f"convert_gguf: unknown BPE pre-tokenizer and {path} is not GPT-2's ({why}); "
+                                     "pass --tokenizer-pre to name the matching llama.cpp pre-tokenizer") from None
                 base.logger.warning(f"unknown pre-tokenizer hash; {path}: {why}: writing tokenizer.ggml.pre = {tokenizer_pre!r}")
             else:
                 base.logger.warning(f"unknown pre-tokenizer hash: writing tokenizer.ggml.pre = {tokenizer_pre!r} (--tokenizer-pre)")
