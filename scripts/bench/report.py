@@ -101,23 +101,22 @@ def ratios(results: dict) -> dict:
     out.update(continuous_ratios(runs))
     best = max((r for r in (served, find(runs, CONTINUOUS, "concurrency", concurrency=c)) if r),
                key=lambda r: r["output_tokens_per_s"], default=None)
-    served = best
     peers = {}
     for name in PEER_NAMES:
         if results["systems"].get(name, {}).get("status") != "ok":
             continue
         peer = find(runs, name, "concurrency", concurrency=c)
-        if peer and served:
+        if peer and best:
             peers[name] = peer["output_tokens_per_s"]
             out[f"peer_ratio_{name}"] = _ratio(
-                served["output_tokens_per_s"] / peer["output_tokens_per_s"], "report", lambda v: True,
-                f"served output tok/s ({served['system']}) / {name} output tok/s at {c} streams", concurrency=c)
+                best["output_tokens_per_s"] / peer["output_tokens_per_s"], "report", lambda v: True,
+                f"served output tok/s ({best['system']}) / {name} output tok/s at {c} streams", concurrency=c)
     if peers:
         strongest = max(peers, key=peers.get)
         out["peer_ratio_strongest"] = _ratio(
-            served["output_tokens_per_s"] / peers[strongest], ">= 1.0", lambda v: v >= 1.0,
-            f"served output tok/s ({served['system']}) / the strongest peer's ({strongest}) at {c} streams",
-            peer=strongest, served_system=served["system"])
+            best["output_tokens_per_s"] / peers[strongest], ">= 1.0", lambda v: v >= 1.0,
+            f"served output tok/s ({best['system']}) / the strongest peer's ({strongest}) at {c} streams",
+            peer=strongest, served_system=best["system"])
     else:
         states = {n: results["systems"].get(n, {}).get("status", "not checked") for n in PEER_NAMES}
         out["peer_ratio_strongest"] = _ratio(None, ">= 1.0", None,
