@@ -114,6 +114,46 @@ def test_slot_backend_matches_hf_logits(engine, backend):
         backend.decode_slots([0], [5])
 
 
+@pytest.mark.parametrize("waste", [0.0, 1.5, 1e9], ids=["row-by-row", "default", "batched-over-the-run"])
+def test_decode_attention_plans_match_hf_logits(engine, waste):
+    """Rows out of slot order, a gap in the run, lengths far apart: each plan gives HF's logits.
+
+    The gap slot holds a half-prefilled prompt that must be neither read nor written.
+    """
+    backend = TorchSlotBackend(engine.backend.model, max_slots=4, max_length=MAX_LENGTH)
+    backend.batched_attention_waste = waste
+    model, tok = engine.backend.model, engine.tokenizer
+    prompts = {3: tok(LONG_PROMPT)["input_ids"], 0: tok(PROMPTS[2])["input_ids"], 1: tok(PROMPTS[1])["input_ids"]}
+    gap = tok(PROMPTS[4])["input_ids"]
+    followers = {3: [11, 12], 0: [13, 14], 1: [15, 16]}
+    with torch.inference_mode():
+        refs = {s: model(torch.tensor([ids + followers[s]])).logits[0] for s, ids in prompts.items()}
+        gap_ref = model(torch.tensor([gap])).logits[0]
+    for slot, ids in prompts.items():
+        backend.prefill_slot(slot, ids)
+    backend.prefill_slot(2, gap[:2])
+    order = [3, 0, 1]
+    for k in range(2):
+        step = backend.decode_slots(order, [followers[s][k] for s in order])
+        for row, slot in enumerate(order):
+            torch.testing.assert_close(step[row], refs[slot][len(prompts[slot]) + k], atol=1e-4, rtol=1e-4)
+    assert backend.slot_length(2) == 2
+    torch.testing.assert_close(backend.prefill_slot(2, gap[2:], start=2), gap_ref[-1], atol=1e-4, rtol=1e-4)
+
+
+def test_decode_attention_plan_follows_the_cost_rule(engine):
+    """Batched over the run while it reads <= 1.5x the K/V the rows need, else one call per row."""
+    from llama_engine.backends.torch_backend import _RangeAttention, _RowAttention
+
+    backend = TorchSlotBackend(engine.backend.model, max_slots=8, max_length=MAX_LENGTH)
+    plan = lambda slots, lengths: backend._decode_attention(slots, lengths, torch.tensor(lengths).unsqueeze(1))
+    assert isinstance(plan([0, 1, 2, 3], [40, 40, 40, 40]), _RangeAttention)
+    assert plan([0, 1, 2, 3], [40, 40, 40, 40]).index is None
+    assert isinstance(plan([0, 1, 3], [40, 40, 40]), _RangeAttention)  # 4 x 41 <= 1.5 x 123
+    assert isinstance(plan([0, 7], [40, 40]), _RowAttention)  # 8 slots read for 2 rows
+    assert isinstance(plan([0, 1, 2, 3], [200, 10, 10, 10]), _RowAttention)  # 4 x 201 > 1.5 x 234
+
+
 # ----- the scheduler
 
 

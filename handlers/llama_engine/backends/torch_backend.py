@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import logging
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 from transformers import DynamicCache
@@ -288,7 +288,7 @@ class TorchSlotBackend(SlotBackend):
         self.check_prefill(slot, n, start)
         ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=self.device)
         positions = torch.arange(start, start + n, device=self.device).unsqueeze(0)
-        logits = self._forward(ids, positions, [slot], start + n)
+        logits = self._forward(ids, positions, [slot], _RangeAttention(slot, 1, positions, start + n, self.dtype))
         self._lengths[slot] = start + n
         return logits[0]
 
@@ -299,41 +299,109 @@ class TorchSlotBackend(SlotBackend):
         lengths = [self._lengths[s] for s in slots]
         ids = torch.as_tensor(tokens, dtype=torch.long).to(self.device).view(-1, 1)
         positions = torch.tensor(lengths, device=self.device).unsqueeze(1)
-        logits = self._forward(ids, positions, slots, max(lengths) + 1)
+        logits = self._forward(ids, positions, slots, self._decode_attention(slots, lengths, positions))
         for s in slots:
             self._lengths[s] += 1
         return logits
 
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, slots: List[int], span: int) -> torch.Tensor:
-        """Run ``ids [B, T]`` at ``positions [B, T]`` in ``slots``; keys span cache positions ``[0, span)``.
+    #: Batch a decode step's attention over the run of slots from the lowest to the highest
+    #: while that reads at most this many times the K/V the rows need; past it, one call per row.
+    batched_attention_waste = 1.5
 
-        Returns the float logits of each row's last position, ``[B, vocab]``.
+    def _decode_attention(self, slots: List[int], lengths: List[int], positions: torch.Tensor):
+        """How a decode step attends: one batched call over a run of slots, or one call per row.
+
+        A batched call reads every slot of the run (rows not decoding included) up to the
+        longest row; a call per row reads exactly each row's own positions but costs about
+        1.5x as much per position read (measured: 8 rows of 600 positions, 1.14 ms batched
+        against 1.68 ms row by row per layer). Indexing the rows' K/V out of the cache instead
+        (``cache[slot_tensor]``) copies all of it, per layer and step: steps with a gap in
+        their slots ran 2x slower that way on the mixed-length benchmark load.
+        """
+        first, last = min(slots), max(slots)
+        span = max(lengths) + 1
+        if (last - first + 1) * span <= self.batched_attention_waste * sum(n + 1 for n in lengths):
+            return _RangeAttention(first, last - first + 1, positions, span, self.dtype, slots)
+        return _RowAttention(list(zip(slots, (n + 1 for n in lengths))))
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, slots: List[int], attend) -> torch.Tensor:
+        """Run ``ids [B, T]`` at ``positions [B, T]`` in ``slots``, attending as ``attend`` says.
+
+        Returns the float logits of each row's last position, ``[B, vocab]``. The attention
+        plan (masks, indices) and the cache write index are built once here for every layer.
         """
         inner = self.model.model
-        rows = _rows(slots, self.device)
-        mask = (torch.arange(span, device=self.device) <= positions.unsqueeze(-1)).unsqueeze(1)  # [B, 1, T, span]
+        write = self._write_index(slots, positions)
         cos, sin = self._cos[positions].unsqueeze(1), self._sin[positions].unsqueeze(1)  # [B, 1, T, D]
         hidden = inner.embed_tokens(ids)
         for index, layer in enumerate(inner.layers):
             attn_in = layer.input_layernorm(hidden)
-            hidden = hidden + self._attention(index, layer.self_attn, attn_in, positions, rows, span, mask, cos, sin)
+            hidden = hidden + self._attention(index, layer.self_attn, attn_in, write, attend, cos, sin)
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         return self.model.lm_head(inner.norm(hidden[:, -1, :])).float()
 
-    def _attention(self, index, attn, x, positions, rows, span, mask, cos, sin) -> torch.Tensor:
+    def _write_index(self, slots: List[int], positions: torch.Tensor) -> torch.Tensor:
+        """Flat row numbers ``[B * kv_heads * T]`` of each new key in a layer's cache viewed as ``[-1, head_dim]``.
+
+        One ``index_copy_`` per layer then writes every row at its own positions in its own
+        slot; an advanced-index assignment (``cache[rows, :, positions] = k``) does the same
+        several times slower.
+        """
+        batch = positions.shape[0]
+        slot = torch.tensor(slots, device=self.device).view(batch, 1, 1)
+        head = torch.arange(self.n_kv_heads, device=self.device).view(1, -1, 1)
+        return ((slot * self.n_kv_heads + head) * self.max_length + positions.unsqueeze(1)).reshape(-1)
+
+    def _attention(self, index, attn, x, write, attend, cos, sin) -> torch.Tensor:
         batch, length, _ = x.shape
         q = attn.q_proj(x).view(batch, length, self.n_heads, self.head_dim).transpose(1, 2)
         k = attn.k_proj(x).view(batch, length, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = attn.v_proj(x).view(batch, length, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         k_layer, v_layer = self.k_cache[index], self.v_cache[index]
-        write = (_row_index(rows, batch, self.device), slice(None), positions)  # each row at its own positions
-        k_layer[write] = k.transpose(1, 2)
-        v_layer[write] = v.transpose(1, 2)
-        keys, values = k_layer[rows, :, :span], v_layer[rows, :, :span]
-        out = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
-                                                               enable_gqa=self.n_heads != self.n_kv_heads)
+        k_layer.view(-1, self.head_dim).index_copy_(0, write, k.reshape(-1, self.head_dim))
+        v_layer.view(-1, self.head_dim).index_copy_(0, write, v.reshape(-1, self.head_dim))
+        out = attend(q, k_layer, v_layer, self.n_heads != self.n_kv_heads)
         return attn.o_proj(out.transpose(1, 2).reshape(batch, length, self.n_heads * self.head_dim))
+
+
+class _RangeAttention:
+    """One attention call over the cache slots ``[first, first + count)``, positions ``[0, span)``.
+
+    The rows of the forward pass sit in ``slots`` (default: the whole run, in order); each
+    attends to the positions at or before its own. Slots of the run that are not in the pass
+    get a zero query that attends to position 0 only, and their output is dropped.
+    """
+
+    def __init__(self, first: int, count: int, positions: torch.Tensor, span: int, dtype: torch.dtype,
+                 slots: Optional[List[int]] = None):
+        self.first, self.count, self.span = first, count, span
+        device = positions.device
+        self.index = None
+        if slots is not None and slots != list(range(first, first + count)):
+            self.index = torch.tensor(slots, device=device) - first
+            positions = positions.new_zeros((count, positions.shape[1])).index_copy_(0, self.index, positions)
+        self.mask = _additive_mask(positions, span, dtype)
+
+    def __call__(self, q, k_layer, v_layer, gqa: bool) -> torch.Tensor:
+        run = slice(self.first, self.first + self.count)
+        if self.index is not None:
+            q = q.new_zeros((self.count,) + q.shape[1:]).index_copy_(0, self.index, q)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k_layer[run, :, :self.span], v_layer[run, :, :self.span], attn_mask=self.mask, enable_gqa=gqa)
+        return out if self.index is None else out.index_select(0, self.index)
+
+
+class _RowAttention:
+    """Decode attention, one call per row over exactly its own ``(slot, span)``."""
+
+    def __init__(self, rows: List[tuple]):
+        self.rows = rows
+
+    def __call__(self, q, k_layer, v_layer, gqa: bool) -> torch.Tensor:
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        return torch.cat([sdpa(q[b:b + 1], k_layer[slot:slot + 1, :, :span], v_layer[slot:slot + 1, :, :span],
+                               enable_gqa=gqa) for b, (slot, span) in enumerate(self.rows)])
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -341,16 +409,12 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + rotate_half(x) * sin
 
 
-def _rows(slots: List[int], device):
-    """Index the slots as a view when they are a contiguous run (the common case), else as a tensor."""
-    first = slots[0]
-    if slots == list(range(first, first + len(slots))):
-        return slice(first, first + len(slots))
-    return torch.tensor(slots, device=device)
+def _additive_mask(positions: torch.Tensor, span: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[B, 1, T, span]``: 0 where a query may attend (cache positions at or before its own), else -inf.
 
-
-def _row_index(rows, batch: int, device) -> torch.Tensor:
-    """``rows`` as a ``[B, 1]`` tensor, to broadcast against positions ``[B, T]`` in an index."""
-    if isinstance(rows, slice):
-        return torch.arange(rows.start, rows.stop, device=device).unsqueeze(1)
-    return rows.view(batch, 1)
+    Additive in the model's dtype: SDPA converts a boolean mask to this form on every call,
+    once per layer.
+    """
+    allowed = torch.arange(span, device=positions.device) <= positions.unsqueeze(-1)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=positions.device)
+    return mask.masked_fill_(~allowed, float("-inf")).unsqueeze(1)
