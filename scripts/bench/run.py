@@ -117,17 +117,18 @@ def sweep(system: str, runner, prompts: Prompts, plan: dict, budget: Budget, run
         log(f"{system} {what}: {_brief(run)}")
         return run, records
 
-    for (inp, out), items in prompts.lengths.items():
+    scenarios = plan.get("scenarios", SCENARIOS)
+    for (inp, out), items in (prompts.lengths.items() if "length" in scenarios else ()):
         if not budget.ok(f"{system} length {inp}"):
             return
         measure(f"length {inp}+{out}", lambda: [r for p in items for r in runner([p], out)],
                 scenario="length", input_tokens=inp, output_tokens=out, concurrency=1)
-    for inp, items in prompts.probes.items():
+    for inp, items in (prompts.probes.items() if "ttft" in scenarios else ()):
         if not items or not budget.ok(f"{system} ttft {inp}"):
             continue
         measure(f"ttft probe {inp}", lambda: [r for p in items for r in runner([p], plan["probe_tokens"])],
                 scenario="ttft", input_tokens=inp, output_tokens=plan["probe_tokens"], concurrency=1)
-    for c in plan["concurrency"]:
+    for c in (plan["concurrency"] if "concurrency" in scenarios else ()):
         if not budget.ok(f"{system} concurrency {c}"):
             return
         run, records = measure(
@@ -144,7 +145,7 @@ def sweep(system: str, runner, prompts: Prompts, plan: dict, budget: Budget, run
                 run["output_tokens_per_s"] = round(sum(rates) / len(rates), 3)
                 run["output_tokens_per_s_rounds"] = rates
                 run["throughput_seq_tokens_per_s"] = round(sum(seq) / len(seq), 3)
-    if schedule_runner is not None and prompts.schedule and budget.ok(f"{system} poisson", 30):
+    if schedule_runner is not None and "poisson" in scenarios and prompts.schedule and budget.ok(f"{system} poisson", 30):
         p = plan["poisson"]
         n = len(prompts.schedule)
         run, _ = measure(f"poisson {p['rate']}/s for {p['duration']} s", lambda: schedule_runner(prompts.schedule),
@@ -213,6 +214,7 @@ def _brief(run: dict) -> str:
 
 
 SYSTEMS = ("inprocess", "torchserve", "torchserve-continuous", "llama.cpp", "vllm")
+SCENARIOS = ("length", "ttft", "concurrency", "paired", "poisson")
 
 
 def parse_systems(value: str) -> List[str]:
@@ -222,6 +224,16 @@ def parse_systems(value: str) -> List[str]:
     if unknown or not names:
         raise argparse.ArgumentTypeError(f"unknown system(s) {', '.join(unknown) or '(none)'}; choose from {', '.join(SYSTEMS)}")
     return [n for n in SYSTEMS if n in names]
+
+
+def parse_scenarios(value: str) -> List[str]:
+    """``--scenarios``: a comma-separated subset of SCENARIOS."""
+    names = [n.strip() for n in value.split(",") if n.strip()]
+    unknown = [n for n in names if n not in SCENARIOS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown scenario(s) {', '.join(unknown) or '(none)'}; "
+                                         f"choose from {', '.join(SCENARIOS)}")
+    return [n for n in SCENARIOS if n in names]
 
 
 def derived_config(base: Path, out: Path, dtype: str, threads: Optional[int], overrides: dict) -> Path:
@@ -260,6 +272,11 @@ def main(argv=None) -> int:
     parser.add_argument("--systems", type=parse_systems, default=list(SYSTEMS), metavar="A,B",
                         help=f"run only these ({', '.join(SYSTEMS)}; default all); a subset does not "
                              "rewrite the docs page unless --docs names it")
+    parser.add_argument("--scenarios", type=parse_scenarios, default=list(SCENARIOS), metavar="A,B",
+                        help=f"run only these ({', '.join(SCENARIOS)}; default all); a subset does not rewrite "
+                             "the docs page unless --docs names it")
+    parser.add_argument("--poisson-rate", type=float, help="Poisson arrivals per second (default: the mode's)")
+    parser.add_argument("--poisson-duration", type=float, help="seconds of Poisson arrivals (default: the mode's)")
     parser.add_argument("--llama-gguf", type=Path, help="GGUF of the bench model for llama-server")
     parser.add_argument("--max-minutes", type=float, help="time budget; later phases are skipped past it")
     parser.add_argument("--seed", type=int, default=0)
@@ -281,6 +298,12 @@ def main(argv=None) -> int:
 
     mode_name = "smoke" if args.smoke else "quick" if args.quick else "default"
     plan = dict(MODES[mode_name])
+    plan["scenarios"] = args.scenarios
+    plan["poisson"] = dict(plan["poisson"])
+    if args.poisson_rate:
+        plan["poisson"]["rate"] = args.poisson_rate
+    if args.poisson_duration:
+        plan["poisson"]["duration"] = args.poisson_duration
     dtype = args.dtype or plan["dtype"]
     budget = Budget(args.max_minutes or plan["max_minutes"])
     out = args.out.resolve()
@@ -429,7 +452,7 @@ def main(argv=None) -> int:
 
     def after_micro(system, adapter):
         results["extra"]["torchserve_micro_batches"] = system.step_log()[-200:]
-        if engine is not None and plan["paired_rounds"] and budget.ok("paired A/B", 60):
+        if engine is not None and "paired" in plan["scenarios"] and plan["paired_rounds"] and budget.ok("paired A/B", 60):
             t_paired = time.perf_counter()
             paired(engine.run_wave, lambda ps, n: run_wave(adapter, ps, n, timeout), prompts, plan, runs, monitor)
             phases["paired_s"] = time.perf_counter() - t_paired
@@ -492,7 +515,7 @@ def main(argv=None) -> int:
     results["ratios"] = report.ratios(results)
     phases["total_s"] = time.perf_counter() - started
     results["phases_s"] = {k: round(v, 2) for k, v in phases.items()}
-    everything = list(args.systems) == list(SYSTEMS)
+    everything = list(args.systems) == list(SYSTEMS) and list(args.scenarios) == list(SCENARIOS)
     docs = None if args.no_docs else (args.docs or (ROOT / "docs" / "benchmarks.md" if plan["docs"] and everything else None))
     written = report.write_all(results, out, docs)
     for line in report.ratio_lines(results["ratios"]):
