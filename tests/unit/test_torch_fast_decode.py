@@ -195,3 +195,29 @@ def test_growing_cache_crop_and_repeat_interleave_follow_dynamic_cache(tiny_mode
                     position_ids=positions[:, -2:].repeat_interleave(2, dim=0), past_key_values=cache, use_cache=True)
         results.append(out.logits[:, -1, :])
     torch.testing.assert_close(results[1], results[0], atol=1e-5, rtol=1e-5)
+
+
+def test_slot_backend_fuses_projections_and_frees_the_originals_of_its_own_model(tiny_model_dir):
+    backend = TorchSlotBackend.from_pretrained(str(tiny_model_dir), max_slots=2, max_length=64, dtype="float32",
+                                               device="cpu")
+    assert all(f is not None for f in backend._fused)
+    layer = backend.model.model.layers[0]
+    assert not hasattr(layer.self_attn, "q_proj") and not hasattr(layer.mlp, "gate_proj")
+    cfg = backend.model.config
+    assert backend._fused[0].qkv_proj.out_features == cfg.hidden_size + 2 * cfg.num_key_value_heads * backend.head_dim
+
+
+@torch.inference_mode()
+def test_slot_backend_on_a_shared_model_leaves_it_usable_and_fused_equals_separate(tiny_model_dir):
+    model = load(tiny_model_dir, torch.float32)
+    ids = prompts(batch=1)[0]
+    before = model(ids).logits
+    logits = []
+    for fuse in (True, False):
+        backend = TorchSlotBackend(model, max_slots=1, max_length=64, fuse=fuse)
+        assert all((f is not None) == fuse for f in backend._fused)
+        got = [backend.prefill_slot(0, ids[0].tolist())]
+        got += [backend.decode_slots([0], [int(got[-1].argmax())])[0] for _ in range(3)]
+        logits.append(torch.stack(got))
+    torch.testing.assert_close(model(ids).logits, before, atol=0, rtol=0)
+    torch.testing.assert_close(logits[0], logits[1], atol=1e-5, rtol=1e-5)

