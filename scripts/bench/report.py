@@ -132,8 +132,10 @@ def continuous_ratios(runs) -> dict:
     return {
         "continuous_throughput_vs_micro": _ratio(
             cont["output_tokens_per_s"] / micro["output_tokens_per_s"], ">= 2.0", lambda v: v >= 2.0,
-            "Poisson run: continuous-batching output tok/s / micro-batching output tok/s (same schedule, same slots)",
-            continuous=cont["output_tokens_per_s"], micro=micro["output_tokens_per_s"]),
+            "Poisson run: continuous-batching output tok/s / micro-batching output tok/s (same schedule, same "
+            "slots, mean of alternating rounds)",
+            continuous=cont["output_tokens_per_s"], micro=micro["output_tokens_per_s"],
+            round_ratios=cont.get("round_ratios")),
         "continuous_p99_ttft_vs_micro": _ratio(
             cont["ttft_ms"]["p99"] / micro["ttft_ms"]["p99"], "<= 0.5", lambda v: v <= 0.5,
             "Poisson run: continuous-batching TTFT p99 / micro-batching TTFT p99",
@@ -427,8 +429,13 @@ Options: `--dtype float32`, `--threads N`, `--no-peers`, `--llama-gguf PATH`, `-
 6. **Sweeps**: input length at concurrency 1 (full run: 256/512/768 input tokens with output to 1024 in all,
    plus 4 TTFT probes of 8 output tokens per length); concurrency 1, 2, 4, 8, 16 (full run: 256 input + 128
    output tokens, 2 rounds); a Poisson arrival run at a fixed request rate with mixed lengths (full run:
-   0.5 requests/s for 75 s, inputs 128–768, outputs 32–256), which saturates every system here. The
-   in-process engine has no scheduler, so it does not run the Poisson load.
+   1 request/s for 60 s, inputs 128–768, outputs 32–256, all drawn uniformly), which offers more than any
+   system here can serve, so that its throughput is each system's capacity on that mix rather than the
+   offered rate. The two TorchServe variants run it in alternating rounds (full run: 2 each, micro first
+   in round 1, continuous first in round 2), both servers up and the idle one waiting; their Poisson row
+   gathers every round's requests, its tok/s is the mean of the rounds' and `round_ratios` holds
+   continuous / micro per round. The in-process engine has no scheduler, so it does not run the Poisson
+   load.
 
 ### Definitions
 

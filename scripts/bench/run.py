@@ -44,17 +44,18 @@ MODES = {
     "smoke": dict(
         model="tiny", dtype="float32", lengths=[(32, 8), (96, 8)], length_repeats=2, ttft_probes=0, probe_tokens=0,
         concurrency=[4], conc_input=32, conc_output=8, rounds=1,
-        poisson=dict(rate=4.0, duration=2.0, inputs=[16, 32, 64], outputs=[4, 8]),
+        poisson=dict(rate=4.0, duration=2.0, inputs=[16, 32, 64], outputs=[4, 8]), poisson_rounds=1,
         membw_gb=0.25, paired_rounds=2, paired_concurrency=[1, 4], quiet_wait=0, quiet_budget=0, peers=False, fp32_decode=False, max_minutes=4, request_timeout=120, docs=False),
     "quick": dict(
         model="bench", dtype="bfloat16", lengths=[(256, 32), (768, 32)], length_repeats=3, ttft_probes=0,
         probe_tokens=0, concurrency=[1, 2, 4, 8, 16], conc_input=128, conc_output=32, rounds=1,
-        poisson=dict(rate=1.0, duration=20.0, inputs=[64, 128, 256, 512], outputs=[16, 32, 64]),
+        poisson=dict(rate=1.0, duration=20.0, inputs=[64, 128, 256, 512], outputs=[16, 32, 64]), poisson_rounds=1,
         membw_gb=1.0, paired_rounds=3, paired_concurrency=[1, 8], quiet_wait=10, quiet_budget=60, peers=True, fp32_decode=False, max_minutes=10, request_timeout=300, docs=True),
     "default": dict(
         model="bench", dtype="bfloat16", lengths=[(256, 768), (512, 512), (768, 256)], length_repeats=1,
         ttft_probes=4, probe_tokens=8, concurrency=[1, 2, 4, 8, 16], conc_input=256, conc_output=128, rounds=2,
-        poisson=dict(rate=0.5, duration=75.0, inputs=[128, 256, 512, 768], outputs=[32, 64, 128, 256]),
+        poisson=dict(rate=1.0, duration=60.0, inputs=[128, 256, 512, 768], outputs=[32, 64, 128, 256]),
+        poisson_rounds=2,
         membw_gb=2.0, paired_rounds=3, paired_concurrency=[1, 8], quiet_wait=30, quiet_budget=300, peers=True, fp32_decode=True, max_minutes=30, request_timeout=900, docs=True),
 }
 
@@ -277,6 +278,7 @@ def main(argv=None) -> int:
                              "the docs page unless --docs names it")
     parser.add_argument("--poisson-rate", type=float, help="Poisson arrivals per second (default: the mode's)")
     parser.add_argument("--poisson-duration", type=float, help="seconds of Poisson arrivals (default: the mode's)")
+    parser.add_argument("--poisson-rounds", type=int, help="alternating rounds of the two TorchServe variants")
     parser.add_argument("--llama-gguf", type=Path, help="GGUF of the bench model for llama-server")
     parser.add_argument("--max-minutes", type=float, help="time budget; later phases are skipped past it")
     parser.add_argument("--seed", type=int, default=0)
@@ -304,6 +306,8 @@ def main(argv=None) -> int:
         plan["poisson"]["rate"] = args.poisson_rate
     if args.poisson_duration:
         plan["poisson"]["duration"] = args.poisson_duration
+    if args.poisson_rounds:
+        plan["poisson_rounds"] = args.poisson_rounds
     dtype = args.dtype or plan["dtype"]
     budget = Budget(args.max_minutes or plan["max_minutes"])
     out = args.out.resolve()
@@ -421,11 +425,21 @@ def main(argv=None) -> int:
     # -- 2. the served handler ---------------------------------------------------------------
     from scripts.bench.systems import LlamaCppSystem, TorchServeSystem, VllmSystem
 
+    # The two TorchServe variants run the Poisson load in alternating rounds (see poisson_pairs),
+    # not in their sweeps: the machine's speed drifts more between minutes than they differ.
+    pair_names = ("torchserve", "torchserve-continuous")
+    pairing = "poisson" in plan["scenarios"] and all(n in args.systems for n in pair_names)
+    kept = {}
+
     def served(name, make_system, describe, after=None):
-        """Build, start, warm up and sweep one served variant; ``after(adapter)`` runs while it is up."""
+        """Build, start, warm up and sweep one served variant; ``after(adapter)`` runs while it is up.
+
+        A variant of a Poisson pair stays up afterwards (in ``kept``) for :func:`poisson_pairs`.
+        """
         t = time.perf_counter()
         status = results["systems"][name] = {"status": "ok"}
         system = None
+        keep = pairing and name in pair_names
         try:
             if name not in args.systems:
                 raise _NotSelected()
@@ -436,19 +450,71 @@ def main(argv=None) -> int:
             log(f"{name} ready in {system.timings['start_to_ready_s']} s (pid {system.pid})")
             run_wave(adapter, [prompts.warm], 4, timeout)
             sweep(name, lambda ps, n: run_wave(adapter, ps, n, timeout), prompts, plan, budget, runs, monitor,
-                  schedule_runner=lambda s: run_schedule(adapter, s, timeout))
+                  schedule_runner=None if keep else lambda s: run_schedule(adapter, s, timeout))
             if after is not None:
                 after(system, adapter)
+            if keep:
+                kept[name] = (system, adapter)
         except _NotSelected:
             status.update(status="skipped", detail="not selected (--systems)")
         except Exception as exc:  # noqa: BLE001 - reported, the other systems still run
             traceback.print_exc()
             status.update(status="failed", detail=f"{type(exc).__name__}: {exc}"[:2000])
         finally:
-            if system is not None:
+            if system is not None and name not in kept:
                 system.stop()
                 status["timings"] = system.timings
         phases[f"{name.replace('-', '_')}_s"] = time.perf_counter() - t
+
+    def poisson_pairs():
+        """The Poisson schedule on both TorchServe variants, alternated over ``poisson_rounds`` rounds.
+
+        Round k runs micro then continuous (k even) or the reverse; the idle server waits
+        without using the CPU. Each variant's Poisson run gathers all its rounds (percentiles
+        over every request); its throughput is the mean of its rounds' (each over its own wall
+        time), and ``round_ratios`` holds continuous / micro per round.
+        """
+        t_pairs = time.perf_counter()
+        p, n = plan["poisson"], len(prompts.schedule)
+        names = [name for name in pair_names if name in kept]  # both, unless one failed to start
+        per_round = {name: [] for name in names}
+        records = {name: [] for name in names}
+        snap = monitor.snapshot()
+        for k in range(plan["poisson_rounds"]):
+            if not budget.ok(f"poisson round {k + 1}", 30):
+                break
+            for name in (names if k % 2 == 0 else names[::-1]):
+                if plan["quiet_wait"]:
+                    monitor.wait_quiet(plan["quiet_wait"])
+                wave = run_schedule(kept[name][1], prompts.schedule, timeout)
+                records[name] += wave
+                per_round[name].append(summarize(wave))
+                log(f"{name} poisson round {k + 1}: {_brief(per_round[name][-1])}")
+        contention = monitor.since(snap)
+        ratios = [round(c["output_tokens_per_s"] / m["output_tokens_per_s"], 4)
+                  for m, c in zip(*(per_round[x] for x in pair_names))
+                  if m.get("output_tokens_per_s") and c.get("output_tokens_per_s")] if len(names) == 2 else []
+        for name in names:
+            rounds = [r for r in per_round[name] if r.get("output_tokens_per_s")]
+            if not records[name]:
+                continue
+            run = summarize(records[name], system=name, scenario="poisson", concurrency=None, rate_per_s=p["rate"],
+                            duration_s=p["duration"], input_choices=p["inputs"], output_choices=p["outputs"],
+                            input_tokens=round(sum(len(x[1]) for x in prompts.schedule) / n, 1),
+                            output_tokens=round(sum(x[2] for x in prompts.schedule) / n, 1),
+                            rounds=len(per_round[name]), round_ratios=ratios)
+            run.update(contention)
+            if rounds:
+                walls = [r["wall_s"] for r in rounds]
+                run.update(output_tokens_per_s=round(sum(r["output_tokens_per_s"] for r in rounds) / len(rounds), 3),
+                           output_tokens_per_s_rounds=[r["output_tokens_per_s"] for r in rounds],
+                           wall_s=round(sum(walls) / len(walls), 3),
+                           offered_rate_per_s=round(n / prompts.schedule[-1][0], 3),
+                           completed_rate_per_s=round(run["ok"] / len(rounds) / (sum(walls) / len(walls)), 3),
+                           drain_s=round(sum(walls) / len(walls) - prompts.schedule[-1][0], 2))
+            runs.append(run)
+        log(f"poisson pairs: continuous / micro per round {ratios}")
+        phases["poisson_pairs_s"] = time.perf_counter() - t_pairs
 
     def after_micro(system, adapter):
         results["extra"]["torchserve_micro_batches"] = system.step_log()[-200:]
@@ -474,6 +540,15 @@ def main(argv=None) -> int:
            lambda ts: f"continuousBatching, {load_model_config_file(str(cb_config)).slots} slots, pid {ts.pid}",
            after=lambda system, _: results["extra"].update(
                torchserve_continuous_round_trips=round_trips(system.server.model_log())))
+
+    if kept and prompts.schedule:
+        try:
+            poisson_pairs()
+        except Exception:  # noqa: BLE001 - reported, the peers still run
+            traceback.print_exc()
+    for name, (system, _) in kept.items():
+        system.stop()
+        results["systems"][name]["timings"] = system.timings
 
     # -- 3. peers, when installed -------------------------------------------------------------
     peers = [LlamaCppSystem(work / "llama.cpp", dtype, threads, micro, cfg.handler.max_length, args.llama_gguf),

@@ -67,6 +67,11 @@ def test_smoke_runs_cover_each_scenario_with_full_length_streams(smoke):
     for system in ("inprocess", "torchserve"):
         assert {(system, "length"), (system, "concurrency")} <= seen
     assert ("torchserve", "poisson") in seen
+    # the two TorchServe variants run the schedule in alternating rounds (one in --smoke)
+    paired = [r for r in runs if r["scenario"] == "poisson" and r["system"].startswith("torchserve")]
+    assert sorted(r["system"] for r in paired) == ["torchserve", "torchserve-continuous"]
+    for run in paired:
+        assert run["rounds"] == 1 and len(run["round_ratios"]) == 1 and run["round_ratios"][0] > 0, run
     for run in runs:
         assert run["ok"] == run["requests"] > 0, run
         assert run["short_streams"] == 0, run  # EOS is suppressed: every stream has its max_new_tokens
