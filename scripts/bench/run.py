@@ -87,16 +87,19 @@ class Prompts:
         self.waves = {(c, r): [factory.make(plan["conc_input"]) for _ in range(c)]
                       for c in plan["concurrency"] for r in range(plan["rounds"])}
         self.warm = factory.make(16)
-        rng = random.Random(seed + 1)
-        p = plan["poisson"]
-        t, self.schedule = 0.0, []
-        while True:
-            t += rng.expovariate(p["rate"])
-            if t > p["duration"]:
-                break
-            inp = rng.choice(p["inputs"])
-            out = rng.choice([o for o in p["outputs"] if inp + o <= max_length] or [1])
-            self.schedule.append((t, factory.make(inp), out))
+        self.schedule = [(t, factory.make(inp), out) for t, inp, out in poisson_lengths(plan["poisson"], max_length, seed)]
+
+
+def poisson_lengths(p: dict, max_length: int, seed: int) -> List[tuple]:
+    """The Poisson schedule's (arrival s, input tokens, output tokens), drawn from ``seed``."""
+    rng = random.Random(seed + 1)
+    t, schedule = 0.0, []
+    while True:
+        t += rng.expovariate(p["rate"])
+        if t > p["duration"]:
+            return schedule
+        inp = rng.choice(p["inputs"])
+        schedule.append((t, inp, rng.choice([o for o in p["outputs"] if inp + o <= max_length] or [1])))
 
 
 def sweep(system: str, runner, prompts: Prompts, plan: dict, budget: Budget, runs: List[dict],

@@ -1,0 +1,135 @@
+"""How much faster can continuous batching be than micro-batching on the benchmark's Poisson load?
+
+A script, not a test: it measures and prints, asserting nothing about speed.
+
+    OMP_WAIT_POLICY=PASSIVE .venv/bin/python -m scripts.bench.continuous_bound
+    OMP_WAIT_POLICY=PASSIVE .venv/bin/python -m scripts.bench.continuous_bound --rate 0.5 --duration 75
+
+Both schedulers run the same decode steps on this machine; what differs is how many rows a
+step carries and how many prompt tokens they prefill. The script measures, on the slot
+backend in this process, the time of one decode step with 1..8 rows (all at the load's mean
+context) and the chunked prefill rate, then replays the benchmark's schedule (the same
+seeded draws as ``python -m scripts.bench``) on a saturated server:
+
+* micro-batching: requests in arrival order, 8 to a batch, each batch padded to its longest
+  prompt and decoding until its longest output ends, finished rows dropped (as the handler
+  does);
+* an ideal continuous batcher: every decode step carries all 8 slots, prompts prefilled
+  without padding, no scheduling or serving cost at all.
+
+The ratio of the two is an upper bound on the throughput ratio any continuous scheduler can
+reach against this micro-batching on this load and machine.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+for _p in (ROOT, ROOT / "handlers"):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+
+from scripts.bench.run import MODES, poisson_lengths  # noqa: E402
+
+
+def step_times(backend, rows_max: int, context: int, repeats: int) -> dict:
+    """Median ms of a decode step with 1..rows_max rows, each row at ``context`` positions."""
+    gen = torch.Generator().manual_seed(0)
+    for slot in range(rows_max):
+        backend.prefill_slot(slot, torch.randint(3, 2000, (context,), generator=gen).tolist())
+    times = {}
+    for rows in range(1, rows_max + 1):
+        slots, samples = list(range(rows)), []
+        for i in range(repeats + 2):
+            start = time.perf_counter()
+            backend.decode_slots(slots, [5] * rows)
+            if i >= 2:
+                samples.append(time.perf_counter() - start)
+            for slot in slots:  # rewind: every step decodes at the same context
+                backend._lengths[slot] -= 1
+        times[rows] = statistics.median(samples) * 1e3
+    return times
+
+
+def prefill_rate(backend, prompt: int, chunk: int, repeats: int) -> float:
+    """Prompt tokens/s of chunked prefill (``chunk`` tokens per call, as the scheduler's budget)."""
+    ids = torch.randint(3, 2000, (prompt,), generator=torch.Generator().manual_seed(1)).tolist()
+    samples = []
+    backend.free_slot(0)
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for first in range(0, prompt, chunk):
+            backend.prefill_slot(0, ids[first:first + chunk], start=first)
+        samples.append(time.perf_counter() - start)
+        backend.free_slot(0)
+    return prompt / statistics.median(samples)
+
+
+def replay(schedule, slots: int, step_ms: dict, prefill_tps: float) -> dict:
+    tokens = sum(out for _, _, out in schedule)
+    micro_decode = micro_prefill = micro_steps = 0.0
+    for first in range(0, len(schedule), slots):
+        batch = schedule[first:first + slots]
+        longest = max(out for _, _, out in batch)
+        micro_steps += longest
+        micro_decode += sum(step_ms[sum(1 for _, _, out in batch if out > s)] for s in range(longest)) / 1e3
+        micro_prefill += len(batch) * max(inp for _, inp, _ in batch) / prefill_tps
+    ideal_decode = tokens / slots * step_ms[slots] / 1e3
+    ideal_prefill = sum(inp for _, inp, _ in schedule) / prefill_tps
+    micro_s, ideal_s = micro_decode + micro_prefill, ideal_decode + ideal_prefill
+    return dict(requests=len(schedule), tokens=tokens, micro_rows_per_step=tokens / micro_steps,
+                micro_decode_s=micro_decode, micro_prefill_s=micro_prefill, micro_tps=tokens / micro_s,
+                ideal_decode_s=ideal_decode, ideal_prefill_s=ideal_prefill, ideal_tps=tokens / ideal_s,
+                bound=micro_s / ideal_s)
+
+
+def main(argv=None) -> int:
+    plan = MODES["default"]
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", type=Path, default=ROOT / "build" / "bench-model-bf16")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--slots", type=int, default=8)
+    p.add_argument("--rate", type=float, default=plan["poisson"]["rate"])
+    p.add_argument("--duration", type=float, default=plan["poisson"]["duration"])
+    p.add_argument("--chunk", type=int, default=256, help="prefill tokens per step (max_prefill_tokens_per_step)")
+    p.add_argument("--max-length", type=int, default=1024)
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--seed", type=int, default=0, help="the benchmark's --seed")
+    args = p.parse_args(argv)
+    if not (args.model / "model.safetensors").exists():
+        sys.exit(f"{args.model} is missing: python -m scripts.bench --quick builds it")
+
+    torch.set_num_threads(args.threads)
+    from llama_engine.backends.torch_backend import TorchSlotBackend
+
+    load = dict(plan["poisson"], rate=args.rate, duration=args.duration)
+    schedule = poisson_lengths(load, args.max_length, args.seed)
+    context = round(statistics.mean(inp + out / 2 for _, inp, out in schedule))
+    backend = TorchSlotBackend.from_pretrained(str(args.model), args.slots, args.max_length, args.dtype, "cpu")
+    steps = step_times(backend, args.slots, context, args.repeats)
+    tps = prefill_rate(backend, max(load["inputs"]), args.chunk, max(3, args.repeats // 2))
+    r = replay(schedule, args.slots, steps, tps)
+
+    print(f"{args.model.name}, {args.dtype}, {args.threads} threads, {args.slots} slots; load: {args.rate} req/s "
+          f"for {args.duration} s, inputs {load['inputs']}, outputs {load['outputs']} (seed {args.seed}): "
+          f"{r['requests']} requests, {r['tokens']} output tokens")
+    print(f"decode step at {context} positions, ms by rows: "
+          + ", ".join(f"{rows}: {ms:.1f}" for rows, ms in steps.items()))
+    print(f"chunked prefill ({args.chunk} per call): {tps:.0f} prompt tokens/s")
+    print(f"micro-batching: {r['micro_rows_per_step']:.2f} rows per decode step; decode {r['micro_decode_s']:.1f} s "
+          f"+ padded prefill {r['micro_prefill_s']:.1f} s -> {r['micro_tps']:.1f} tok/s")
+    print(f"ideal continuous ({args.slots} rows every step, no cost besides the model): decode "
+          f"{r['ideal_decode_s']:.1f} s + prefill {r['ideal_prefill_s']:.1f} s -> {r['ideal_tps']:.1f} tok/s")
+    print(f"upper bound on continuous / micro throughput: {r['bound']:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
