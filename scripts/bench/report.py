@@ -384,7 +384,7 @@ This page is rewritten by the benchmark suite on every full or quick run; edit
 
 ```bash
 .venv/bin/python -m scripts.bench --quick   # about 6 minutes on 2 cores (more with peers): shorter sweeps
-.venv/bin/python -m scripts.bench           # about 20 minutes, 30 with both peers: the full sweeps (this page's default)
+.venv/bin/python -m scripts.bench           # about 40 minutes with both peers: the full sweeps (this page's default)
 .venv/bin/python -m scripts.bench --smoke --out /tmp/bench   # seconds, the tiny model (tests/unit/test_bench_smoke.py)
 ```
 
@@ -393,7 +393,10 @@ and matplotlib. Outputs go to `build/bench/`: `results-<timestamp>.json` and `la
 figure, the machine, versions, config and plan), `results.md` (this section's tables), and
 `ttft_vs_input.png`, `throughput_vs_concurrency.png`, `latency_percentiles.png`, `poisson_latency.png`.
 Options: `--dtype float32`, `--threads N`, `--no-peers`, `--llama-gguf PATH`, `--max-minutes M`, `--out DIR`,
-`--docs PATH`/`--no-docs`.
+`--docs PATH`/`--no-docs`, `--systems A,B`, `--scenarios A,B` (length, ttft, concurrency, paired, poisson),
+`--poisson-rate R`, `--poisson-duration S`, `--poisson-rounds N`. How far continuous batching can get
+ahead of micro-batching on the Poisson load at all: `.venv/bin/python -m scripts.bench.continuous_bound`
+(see docs/continuous-batching.md).
 
 ## What one run does
 

@@ -2,7 +2,7 @@
 """Benchmark suite: the engine in-process, the served handler and installed peers, side by side.
 
     python -m scripts.bench --quick        # about 2 minutes on 2 cores
-    python -m scripts.bench                # about 15 minutes: the full sweeps
+    python -m scripts.bench                # about 40 minutes: the full sweeps, peers included
     python -m scripts.bench --smoke --out /tmp/b   # seconds, the embedded tiny model (the test's mode)
     python -m scripts.bench --quick --systems llama.cpp,vllm   # only the peers (built by make bench-peers)
     python scripts/bench/run.py --quick    # the same, as a script
@@ -56,7 +56,7 @@ MODES = {
         ttft_probes=4, probe_tokens=8, concurrency=[1, 2, 4, 8, 16], conc_input=256, conc_output=128, rounds=2,
         poisson=dict(rate=1.0, duration=60.0, inputs=[128, 256, 512, 768], outputs=[32, 64, 128, 256]),
         poisson_rounds=2,
-        membw_gb=2.0, paired_rounds=3, paired_concurrency=[1, 8], quiet_wait=30, quiet_budget=300, peers=True, fp32_decode=True, max_minutes=30, request_timeout=900, docs=True),
+        membw_gb=2.0, paired_rounds=3, paired_concurrency=[1, 8], quiet_wait=30, quiet_budget=300, peers=True, fp32_decode=True, max_minutes=50, request_timeout=900, docs=True),
 }
 
 
