@@ -22,6 +22,7 @@ import os
 import random
 import re
 import shlex
+import statistics
 import sys
 import time
 import traceback
@@ -151,17 +152,26 @@ def sweep(system: str, runner, prompts: Prompts, plan: dict, budget: Budget, run
                 run["throughput_seq_tokens_per_s"] = round(sum(seq) / len(seq), 3)
     if schedule_runner is not None and "poisson" in scenarios and prompts.schedule and budget.ok(f"{system} poisson", 30):
         p = plan["poisson"]
-        n = len(prompts.schedule)
         run, _ = measure(f"poisson {p['rate']}/s for {p['duration']} s", lambda: schedule_runner(prompts.schedule),
-                scenario="poisson", concurrency=None, rate_per_s=p["rate"], duration_s=p["duration"],
-                input_choices=p["inputs"], output_choices=p["outputs"],
-                input_tokens=round(sum(len(x[1]) for x in prompts.schedule) / n, 1),
-                output_tokens=round(sum(x[2] for x in prompts.schedule) / n, 1))
+                         **poisson_labels(p, prompts.schedule))
         if run.get("ok"):
-            # offered vs served: a server that cannot keep up finishes the run long after the last arrival
-            run["offered_rate_per_s"] = round(n / prompts.schedule[-1][0], 3)
-            run["completed_rate_per_s"] = round(run["ok"] / run["wall_s"], 3)
-            run["drain_s"] = round(run["wall_s"] - prompts.schedule[-1][0], 2)
+            run.update(poisson_rates(run["ok"], run["wall_s"], prompts.schedule))
+
+
+def poisson_labels(p: dict, schedule) -> dict:
+    """The labels of a Poisson run: its load, and the schedule's mean input and output tokens."""
+    n = len(schedule)
+    return dict(scenario="poisson", concurrency=None, rate_per_s=p["rate"], duration_s=p["duration"],
+                input_choices=p["inputs"], output_choices=p["outputs"],
+                input_tokens=round(sum(len(x[1]) for x in schedule) / n, 1),
+                output_tokens=round(sum(x[2] for x in schedule) / n, 1))
+
+
+def poisson_rates(ok: int, wall_s: float, schedule) -> dict:
+    """Offered vs served: a server that cannot keep up finishes long after the last arrival."""
+    last = schedule[-1][0]
+    return dict(offered_rate_per_s=round(len(schedule) / last, 3), completed_rate_per_s=round(ok / wall_s, 3),
+                drain_s=round(wall_s - last, 2))
 
 
 def paired(inprocess_runner, served_runner, prompts: Prompts, plan: dict, runs: List[dict], monitor) -> None:
@@ -478,7 +488,6 @@ def main(argv=None) -> int:
         time), and ``round_ratios`` holds continuous / micro per round.
         """
         t_pairs = time.perf_counter()
-        p, n = plan["poisson"], len(prompts.schedule)
         names = [name for name in pair_names if name in kept]  # both, unless one failed to start
         per_round = {name: [] for name in names}
         records = {name: [] for name in names}
@@ -501,20 +510,14 @@ def main(argv=None) -> int:
             rounds = [r for r in per_round[name] if r.get("output_tokens_per_s")]
             if not records[name]:
                 continue
-            run = summarize(records[name], system=name, scenario="poisson", concurrency=None, rate_per_s=p["rate"],
-                            duration_s=p["duration"], input_choices=p["inputs"], output_choices=p["outputs"],
-                            input_tokens=round(sum(len(x[1]) for x in prompts.schedule) / n, 1),
-                            output_tokens=round(sum(x[2] for x in prompts.schedule) / n, 1),
-                            rounds=len(per_round[name]), round_ratios=ratios)
+            run = summarize(records[name], system=name, rounds=len(per_round[name]), round_ratios=ratios,
+                            **poisson_labels(plan["poisson"], prompts.schedule))
             run.update(contention)
             if rounds:
-                walls = [r["wall_s"] for r in rounds]
-                run.update(output_tokens_per_s=round(sum(r["output_tokens_per_s"] for r in rounds) / len(rounds), 3),
-                           output_tokens_per_s_rounds=[r["output_tokens_per_s"] for r in rounds],
-                           wall_s=round(sum(walls) / len(walls), 3),
-                           offered_rate_per_s=round(n / prompts.schedule[-1][0], 3),
-                           completed_rate_per_s=round(run["ok"] / len(rounds) / (sum(walls) / len(walls)), 3),
-                           drain_s=round(sum(walls) / len(walls) - prompts.schedule[-1][0], 2))
+                wall = statistics.mean(r["wall_s"] for r in rounds)
+                rates = [r["output_tokens_per_s"] for r in rounds]
+                run.update(output_tokens_per_s=round(statistics.mean(rates), 3), output_tokens_per_s_rounds=rates,
+                           wall_s=round(wall, 3), **poisson_rates(run["ok"] / len(rounds), wall, prompts.schedule))
             runs.append(run)
         log(f"poisson pairs: continuous / micro per round {ratios}")
         phases["poisson_pairs_s"] = time.perf_counter() - t_pairs
