@@ -6,11 +6,13 @@ longest one ends. Here a :class:`ContinuousScheduler` owns the slots of a
 :class:`~llama_engine.backends.base.SlotBackend` and runs one loop; each iteration (``step``)
 
 1. drops cancelled requests and frees their slots;
-2. prefills: continues prompts already admitted, then admits waiting requests into free
-   slots, all within ``max_prefill_tokens_per_step`` prompt tokens. A longer prompt is
-   prefilled in chunks over several steps (chunked prefill), so it cannot stall the
-   streams already running; a request whose prompt is complete gets its first token now;
-3. decodes one token for every request that was running when the step began.
+2. plans the prefill: continues prompts already admitted, then admits waiting requests
+   into free slots, all within ``max_prefill_tokens_per_step`` prompt tokens. A longer
+   prompt is prefilled in chunks over several steps (chunked prefill), so it cannot stall
+   the streams already running;
+3. runs those chunks and one decode token for every request that was running when the
+   step began, in one backend call (one forward pass on the torch backend); a request
+   whose prompt is now complete gets its first token.
 
 Each token goes through the request's own ``TokenSelector`` and ``RowState`` (the same
 selection, detokenization and stopping as the static engine) and the ``TokenEvent`` goes to
@@ -31,7 +33,7 @@ import threading
 from collections import deque
 from typing import Callable, Deque, Dict, List, Optional, Sequence
 
-from .backends.base import SlotBackend
+from .backends.base import PrefillChunk, SlotBackend
 from .detokenizer import IncrementalDetokenizer
 from .engine import PreparedRequest, prepare_request, warmup_prompts
 from .errors import RequestError
@@ -208,14 +210,20 @@ class ContinuousScheduler:
     def step(self) -> bool:
         """One iteration: cancellations, prefill within the token budget, one decode step.
 
-        Return False when there was nothing to do.
+        The step's prompt chunks and decode rows go to the backend together
+        (``step_slots``), which runs them in one forward pass where it can. Return False when
+        there was nothing to do.
         """
         if self.idle:
             return False
         self._apply_cancellations()
         running = sorted((h for h in self._active.values() if h.state == RUNNING), key=lambda h: h.slot)
-        self._prefill()
-        self._decode([h for h in running if h.state == RUNNING])
+        chunks = self._plan_prefill()
+        out = self.backend.step_slots([h.slot for h in running], [h.next_token for h in running],
+                                      [PrefillChunk(h.slot, ids, h.prefilled) for h, ids in chunks])
+        for (handle, ids), logits in zip(chunks, out.prefills):
+            self._prefilled(handle, len(ids), logits)
+        self._decoded([h for h in running if h.state == RUNNING], out.decode)
         self.steps += 1
         return True
 
@@ -285,18 +293,24 @@ class ContinuousScheduler:
                 self._release(handle)
                 self._close(handle, FINISH_CANCELLED)
 
-    def _prefill(self) -> None:
-        """Spend the step's prompt-token budget: first on prompts under way, then on new admissions."""
-        budget = self.max_prefill_tokens_per_step
+    def _plan_prefill(self) -> List[tuple]:
+        """Spend the step's prompt-token budget: first on prompts under way, then on new admissions.
+
+        Returns ``(handle, chunk token ids)`` pairs, admitting waiting requests into free slots.
+        """
+        budget, chunks = self.max_prefill_tokens_per_step, []
         for handle in sorted((h for h in self._active.values() if h.state == PREFILLING), key=lambda h: h.slot):
             if budget == 0:
-                return
-            budget -= self._prefill_chunk(handle, budget)
+                return chunks
+            chunks.append((handle, self._chunk(handle, budget)))
+            budget -= len(chunks[-1][1])
         while budget > 0 and self._free:
             handle = self._admit()
             if handle is None:
-                return
-            budget -= self._prefill_chunk(handle, budget)
+                break
+            chunks.append((handle, self._chunk(handle, budget)))
+            budget -= len(chunks[-1][1])
+        return chunks
 
     def _admit(self) -> Optional[RequestHandle]:
         with self._lock:
@@ -308,22 +322,26 @@ class ContinuousScheduler:
             self._active[handle.slot] = handle
             return handle
 
-    def _prefill_chunk(self, handle: RequestHandle, budget: int) -> int:
-        """Prefill up to ``budget`` more prompt tokens of ``handle``; return how many it took."""
+    def _chunk(self, handle: RequestHandle, budget: int) -> List[int]:
+        """The next prompt tokens of ``handle`` to prefill within ``budget``."""
         prompt = handle.prepared.prompt_ids
-        chunk = prompt[handle.prefilled:handle.prefilled + self._chunk_size(len(prompt) - handle.prefilled, budget)]
+        return list(prompt[handle.prefilled:handle.prefilled + self._chunk_size(len(prompt) - handle.prefilled, budget)])
+
+    def _prefilled(self, handle: RequestHandle, n: int, logits) -> None:
+        """``n`` more prompt tokens of ``handle`` are in its slot; a complete prompt gets its first token."""
+        if isinstance(logits, BaseException):
+            self._fail(handle, logits)
+            return
+        handle.prefilled += n
+        if handle.prefilled < len(handle.prepared.prompt_ids):
+            return
         try:
-            logits = self.backend.prefill_slot(handle.slot, chunk, start=handle.prefilled)
-            handle.prefilled += len(chunk)
-            if handle.prefilled < len(prompt):
-                return len(chunk)
             tokens, logprobs = select_tokens(logits.unsqueeze(0), [handle.selector])
         except Exception as exc:
             self._fail(handle, exc)
-            return len(chunk)
+            return
         handle.state = RUNNING
         self._deliver(handle, int(tokens[0]), logprobs[0])
-        return len(chunk)
 
     def _chunk_size(self, remaining: int, budget: int) -> int:
         """Prompt tokens to prefill now: within the budget, unless the backend cannot append.
@@ -335,11 +353,12 @@ class ContinuousScheduler:
         size = remaining if not self.backend.incremental_prefill else min(remaining, budget)
         return size if limit is None else min(size, limit)
 
-    def _decode(self, handles: List[RequestHandle]) -> None:
+    def _decoded(self, handles: List[RequestHandle], logits) -> None:
         if not handles:
             return
         try:
-            logits = self.backend.decode_slots([h.slot for h in handles], [h.next_token for h in handles])
+            if isinstance(logits, BaseException):
+                raise logits
             tokens, logprobs = select_tokens(logits, [h.selector for h in handles])
         except Exception as exc:  # the step is shared: every row in it fails
             for handle in handles:

@@ -154,6 +154,71 @@ def test_decode_attention_plan_follows_the_cost_rule(engine):
     assert isinstance(plan([0, 1, 2, 3], [200, 10, 10, 10]), _RowAttention)  # 4 x 201 > 1.5 x 234
 
 
+@pytest.mark.parametrize("waste", [0.0, 1e9], ids=["row-by-row", "batched-over-the-run"])
+def test_one_pass_with_chunks_and_decode_rows_matches_hf_logits(engine, waste, monkeypatch):
+    """``step_slots``: two prompt chunks (one new, one continued) and two decode rows, one forward pass."""
+    from llama_engine.backends.base import PrefillChunk
+
+    backend = TorchSlotBackend(engine.backend.model, max_slots=4, max_length=MAX_LENGTH)
+    backend.batched_attention_waste = waste
+    model, tok = engine.backend.model, engine.tokenizer
+    running = {2: tok(PROMPTS[3])["input_ids"], 0: tok(PROMPTS[1])["input_ids"]}
+    new, continued = tok(PROMPTS[5])["input_ids"], tok(LONG_PROMPT)["input_ids"]
+    with torch.inference_mode():
+        refs = {s: model(torch.tensor([ids + [21]])).logits[0, -1] for s, ids in running.items()}
+        new_ref = model(torch.tensor([new])).logits[0, -1]
+        continued_ref = model(torch.tensor([continued[:30]])).logits[0, -1]
+    for slot, ids in running.items():
+        backend.prefill_slot(slot, ids)
+    backend.prefill_slot(3, continued[:10])
+    passes = []
+    forward = backend._forward
+    monkeypatch.setattr(backend, "_forward", lambda *a: passes.append(len(a[0])) or forward(*a))
+    out = backend.step_slots([2, 0], [21, 21], [PrefillChunk(1, new, 0), PrefillChunk(3, continued[10:30], 10)])
+    assert passes == [2 + len(new) + 20], "the chunks and the rows were not one forward pass"
+    for row, slot in enumerate([2, 0]):
+        torch.testing.assert_close(out.decode[row], refs[slot], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out.prefills[0], new_ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out.prefills[1], continued_ref, atol=1e-4, rtol=1e-4)
+    assert [backend.slot_length(s) for s in range(4)] == [len(running[0]) + 1, len(new), len(running[2]) + 1, 30]
+
+
+def test_a_chunk_that_fails_its_checks_stays_out_of_the_pass(engine):
+    """A wrong start gets its own ValueError; the other chunk and the decode rows still run."""
+    from llama_engine.backends.base import PrefillChunk
+
+    backend = TorchSlotBackend(engine.backend.model, max_slots=4, max_length=MAX_LENGTH)
+    model, tok = engine.backend.model, engine.tokenizer
+    a, b = tok(PROMPTS[0])["input_ids"], tok(PROMPTS[4])["input_ids"]
+    with torch.inference_mode():
+        ref_a, ref_b = model(torch.tensor([a + [5]])).logits[0, -1], model(torch.tensor([b])).logits[0, -1]
+    backend.prefill_slot(0, a)
+    out = backend.step_slots([0], [5], [PrefillChunk(1, b[:3], start=2), PrefillChunk(2, b, 0)])
+    assert isinstance(out.prefills[0], ValueError) and "cannot prefill from 2" in str(out.prefills[0])
+    assert backend.slot_length(1) == 0
+    torch.testing.assert_close(out.prefills[1], ref_b, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out.decode[0], ref_a, atol=1e-4, rtol=1e-4)
+
+
+def test_separate_calls_confine_a_failure_to_its_part(engine, monkeypatch):
+    """The base ``step_slots`` (for backends without a shared pass) runs each part on its own."""
+    from llama_engine.backends.base import PrefillChunk, SlotBackend
+
+    backend = TorchSlotBackend(engine.backend.model, max_slots=4, max_length=MAX_LENGTH)
+    tok = engine.tokenizer
+    a, b = tok(PROMPTS[0])["input_ids"], tok(PROMPTS[4])["input_ids"]
+    backend.prefill_slot(0, a)
+    want = TorchSlotBackend(engine.backend.model, max_slots=4, max_length=MAX_LENGTH).prefill_slot(2, b)
+    prefill = backend.prefill_slot
+    monkeypatch.setattr(backend, "prefill_slot",
+                        lambda slot, ids, start=0: (_ for _ in ()).throw(RuntimeError("chunk lost")) if slot == 1
+                        else prefill(slot, ids, start))
+    out = SlotBackend.step_slots(backend, [0], [5], [PrefillChunk(1, b, 0), PrefillChunk(2, b, 0)])
+    assert isinstance(out.prefills[0], RuntimeError)
+    torch.testing.assert_close(out.prefills[1], want, atol=1e-5, rtol=1e-5)
+    assert out.decode.shape == (1, want.shape[-1]) and backend.slot_length(0) == len(a) + 1
+
+
 # ----- the scheduler
 
 
@@ -179,6 +244,23 @@ def test_interleaved_arrivals_equal_each_request_alone(engine, backend):
         assert result.finish_reason == ref.finish_reason
         assert [e.finished for e in events[i].events] == [False] * (len(events[i].events) - 1) + [True]
     assert handles[3].first_token_step > 5  # it waited for a slot
+
+
+def test_an_admission_and_the_running_rows_share_one_forward_pass(engine, backend, monkeypatch):
+    sched = make_scheduler(engine, backend)
+    first = sched.submit(prepare(engine, PROMPTS[0], 6))
+    sched.step()
+    passes = []
+    forward = backend._forward
+    monkeypatch.setattr(backend, "_forward", lambda *a: passes.append(len(a[0])) or forward(*a))
+    second = sched.submit(prepare(engine, PROMPTS[3], 6))
+    sched.step()
+    assert passes == [1 + len(second.prepared.prompt_ids)]
+    assert len(first.row.token_ids) == 2 and len(second.row.token_ids) == 1
+    monkeypatch.undo()
+    drain(sched)
+    assert first.result.token_ids == alone(engine, PROMPTS[0], 6).token_ids
+    assert second.result.token_ids == alone(engine, PROMPTS[3], 6).token_ids
 
 
 def test_short_request_finishes_before_a_long_one_that_started_earlier(engine, backend):
@@ -303,10 +385,10 @@ def test_decode_error_fails_the_rows_of_that_step_and_frees_their_slots(engine, 
     handle = sched.submit(prepare(engine, PROMPTS[0], 10), events)
     sched.step()
 
-    def broken(slots, tokens):
+    def broken(*args):
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(backend, "decode_slots", broken)
+    monkeypatch.setattr(backend, "_forward", broken)
     sched.step()
     monkeypatch.undo()
     assert handle.done and handle.result.finish_reason == FINISH_ERROR and "device lost" in str(handle.error)

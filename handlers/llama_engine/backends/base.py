@@ -8,7 +8,8 @@ next logits. Backends compiled for fixed shapes (Neuron) publish ``batch_sizes``
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Optional, Sequence, Tuple
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -51,6 +52,30 @@ class Backend(ABC):
         return min(fitting)
 
 
+@dataclass(frozen=True)
+class PrefillChunk:
+    """Prompt tokens ``token_ids`` to encode at positions ``start..`` of ``slot``."""
+    slot: int
+    token_ids: Sequence[int]
+    start: int = 0
+
+
+#: A part's logits, or the exception that failed it.
+Outcome = Union[torch.Tensor, BaseException]
+
+
+@dataclass
+class StepLogits:
+    """What one :meth:`SlotBackend.step_slots` call produced.
+
+    ``decode``: the decode rows' logits ``[rows, vocab]`` (None when there were no rows);
+    ``prefills``: one entry per chunk, in order, its last position's logits ``[vocab]``.
+    Each entry is an exception instead where that part failed; the others still count.
+    """
+    decode: Optional[Outcome] = None
+    prefills: List[Outcome] = field(default_factory=list)
+
+
 class SlotBackend(ABC):
     """A KV cache of ``max_slots`` independent rows, for continuous batching.
 
@@ -90,6 +115,20 @@ class SlotBackend(ABC):
     def decode_slots(self, slots: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
         """Append one token to each of ``slots``, each at its own position; return logits ``[len(slots), vocab]``."""
 
+    def step_slots(self, slots: Sequence[int], tokens: Sequence[int], prefills: Sequence[PrefillChunk]) -> StepLogits:
+        """One scheduler step's model work: prompt chunks for some slots, one token for others.
+
+        This default runs each chunk with ``prefill_slot`` and then the rows with
+        ``decode_slots``, as separate calls, so a failure stays within its own part. A
+        backend that can run them in one forward pass (reading the weights once) overrides it.
+        """
+        out = StepLogits()
+        for chunk in prefills:
+            out.prefills.append(_outcome(self.prefill_slot, chunk.slot, chunk.token_ids, start=chunk.start))
+        if slots:
+            out.decode = _outcome(self.decode_slots, slots, tokens)
+        return out
+
     @abstractmethod
     def free_slot(self, slot: int) -> None:
         """Forget the sequence in ``slot`` so that another request can use it."""
@@ -126,3 +165,10 @@ class SlotBackend(ABC):
     def check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.max_slots:
             raise ValueError(f"slot {slot} is out of range: the backend has {self.max_slots} slots")
+
+
+def _outcome(fn, *args, **kwargs) -> Outcome:
+    try:
+        return fn(*args, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - handed back as this part's outcome
+        return exc

@@ -8,7 +8,7 @@ import torch
 from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import rotate_half
 
-from .base import Backend, SlotBackend
+from .base import Backend, PrefillChunk, SlotBackend, StepLogits
 from .fast_linear import FusedLlamaProjections, pack_linears
 
 logger = logging.getLogger(__name__)
@@ -301,25 +301,75 @@ class TorchSlotBackend(SlotBackend):
 
     @torch.inference_mode()
     def prefill_slot(self, slot: int, prompt_ids: Sequence[int], start: int = 0) -> torch.Tensor:
-        n = len(prompt_ids)
-        self.check_prefill(slot, n, start)
-        ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=self.device)
-        positions = torch.arange(start, start + n, device=self.device).unsqueeze(0)
-        logits = self._forward(ids, positions, [slot], _RangeAttention(slot, 1, positions, start + n, self.dtype))
-        self._lengths[slot] = start + n
-        return logits[0]
+        self.check_prefill(slot, len(prompt_ids), start)
+        return self._step([], [], [PrefillChunk(slot, prompt_ids, start)])[1][0]
 
     @torch.inference_mode()
     def decode_slots(self, slots: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
-        slots = list(slots)
         self.check_decode(slots, tokens)
+        return self._step(list(slots), tokens, [])[0]
+
+    @torch.inference_mode()
+    def step_slots(self, slots: Sequence[int], tokens: Sequence[int], prefills: Sequence[PrefillChunk]) -> StepLogits:
+        """The chunks and the decode rows in one forward pass: the weights are read once.
+
+        A chunk or a decode set that fails its checks gets its ValueError and stays out of
+        the pass; a failure of the pass itself is every part's.
+        """
+        out = StepLogits(prefills=[None] * len(prefills))
+        valid = []
+        for i, chunk in enumerate(prefills):
+            try:
+                self.check_prefill(chunk.slot, len(chunk.token_ids), chunk.start)
+                valid.append(i)
+            except ValueError as exc:
+                out.prefills[i] = exc
+        slots = list(slots)
+        if slots:
+            try:
+                self.check_decode(slots, tokens)
+            except ValueError as exc:
+                out.decode, slots, tokens = exc, [], []
+        if not slots and not valid:
+            return out
+        try:
+            decode, chunk_logits = self._step(slots, tokens, [prefills[i] for i in valid])
+        except Exception as exc:  # noqa: BLE001 - the pass was shared: every part in it failed
+            decode, chunk_logits = (exc if slots else out.decode), [exc] * len(valid)
+        if slots:
+            out.decode = decode
+        for i, logits in zip(valid, chunk_logits):
+            out.prefills[i] = logits
+        return out
+
+    def _step(self, slots: List[int], tokens: Sequence[int], chunks: Sequence[PrefillChunk]):
+        """One forward pass: one token in each of ``slots``, then each chunk; advance the slots.
+
+        Returns the decode rows' logits ``[rows, vocab]`` (None without rows) and each
+        chunk's last logits. The tokens of every row and chunk go through the linear layers
+        as one matrix; only attention is per part (:class:`_DecodeRows`, :class:`_Chunk`).
+        """
         lengths = [self._lengths[s] for s in slots]
-        ids = torch.as_tensor(tokens, dtype=torch.long).to(self.device).view(-1, 1)
-        positions = torch.tensor(lengths, device=self.device).unsqueeze(1)
-        logits = self._forward(ids, positions, slots, self._decode_attention(slots, lengths, positions))
+        parts = []
+        if slots:
+            positions = torch.tensor(lengths, device=self.device).unsqueeze(1)
+            parts.append(_DecodeRows(self._decode_attention(slots, lengths, positions)))
+        for chunk in chunks:
+            positions = torch.arange(chunk.start, chunk.start + len(chunk.token_ids), device=self.device)
+            parts.append(_Chunk(_RangeAttention(chunk.slot, 1, positions.unsqueeze(0),
+                                                chunk.start + len(chunk.token_ids), self.dtype)))
+        ids = list(tokens) + [t for chunk in chunks for t in chunk.token_ids]
+        token_slots = slots + [chunk.slot for chunk in chunks for _ in chunk.token_ids]
+        token_positions = lengths + [chunk.start + k for chunk in chunks for k in range(len(chunk.token_ids))]
+        sizes = [len(slots)] * bool(slots) + [len(chunk.token_ids) for chunk in chunks]
+        last = list(range(len(slots))) + [sum(sizes[:j + 1]) - 1 for j in range(bool(slots), len(sizes))]
+        logits = self._forward(ids, token_slots, token_positions, parts, sizes, last)
         for s in slots:
             self._lengths[s] += 1
-        return logits
+        for chunk in chunks:
+            self._lengths[chunk.slot] = chunk.start + len(chunk.token_ids)
+        decode = logits[:len(slots)] if slots else None
+        return decode, list(logits[len(slots):])
 
     #: Batch a decode step's attention over the run of slots from the lowest to the highest
     #: while that reads at most this many times the K/V the rows need; past it, one call per row.
@@ -341,49 +391,73 @@ class TorchSlotBackend(SlotBackend):
             return _RangeAttention(first, last - first + 1, positions, span, self.dtype, slots)
         return _RowAttention(list(zip(slots, (n + 1 for n in lengths))))
 
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, slots: List[int], attend) -> torch.Tensor:
-        """Run ``ids [B, T]`` at ``positions [B, T]`` in ``slots``, attending as ``attend`` says.
+    def _forward(self, ids: List[int], slots: List[int], positions: List[int], parts, sizes: List[int],
+                 last: List[int]) -> torch.Tensor:
+        """Run the tokens ``ids``, each at its own ``(slot, position)``; return float logits at ``last``.
 
-        Returns the float logits of each row's last position, ``[B, vocab]``. The attention
-        plan (masks, indices) and the cache write index are built once here for every layer.
+        The tokens are one flat matrix ``[N, hidden]``; ``parts`` (with ``sizes`` tokens each,
+        in order) say how each run of them attends. The write index and every part's plan
+        (masks, indices) are built once here for all layers.
         """
         inner = self.model.model
-        write = self._write_index(slots, positions)
-        cos, sin = self._cos[positions].unsqueeze(1), self._sin[positions].unsqueeze(1)  # [B, 1, T, D]
+        ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        positions = torch.tensor(positions, device=self.device)
+        write = self._write_index(torch.tensor(slots, device=self.device), positions)
+        cos, sin = self._cos[positions].unsqueeze(1), self._sin[positions].unsqueeze(1)  # [N, 1, D]
         hidden = inner.embed_tokens(ids)
         for index, layer in enumerate(inner.layers):
             attn_in = layer.input_layernorm(hidden)
-            hidden = hidden + self._attention(index, layer.self_attn, attn_in, write, attend, cos, sin)
+            hidden = hidden + self._attention(index, layer.self_attn, attn_in, write, parts, sizes, cos, sin)
             mlp_in = layer.post_attention_layernorm(hidden)
             fused = self._fused[index]
             hidden = hidden + (layer.mlp(mlp_in) if fused is None else fused.mlp(mlp_in, layer.mlp))
-        return self.model.lm_head(inner.norm(hidden[:, -1, :])).float()
+        last = torch.tensor(last, device=self.device)
+        return self.model.lm_head(inner.norm(hidden.index_select(0, last))).float()
 
-    def _write_index(self, slots: List[int], positions: torch.Tensor) -> torch.Tensor:
-        """Flat row numbers ``[B * kv_heads * T]`` of each new key in a layer's cache viewed as ``[-1, head_dim]``.
+    def _write_index(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Flat row numbers ``[N * kv_heads]`` of each new key in a layer's cache viewed as ``[-1, head_dim]``.
 
-        One ``index_copy_`` per layer then writes every row at its own positions in its own
+        One ``index_copy_`` per layer then writes every token at its own position in its own
         slot; an advanced-index assignment (``cache[rows, :, positions] = k``) does the same
         several times slower.
         """
-        batch = positions.shape[0]
-        slot = torch.tensor(slots, device=self.device).view(batch, 1, 1)
-        head = torch.arange(self.n_kv_heads, device=self.device).view(1, -1, 1)
-        return ((slot * self.n_kv_heads + head) * self.max_length + positions.unsqueeze(1)).reshape(-1)
+        head = torch.arange(self.n_kv_heads, device=self.device).view(1, -1)
+        return ((slots.view(-1, 1) * self.n_kv_heads + head) * self.max_length + positions.view(-1, 1)).reshape(-1)
 
-    def _attention(self, index, attn, x, write, attend, cos, sin) -> torch.Tensor:
-        batch, length, _ = x.shape
+    def _attention(self, index, attn, x, write, parts, sizes, cos, sin) -> torch.Tensor:
+        n = x.shape[0]
         fused = self._fused[index]
         q, k, v = (attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)) if fused is None else fused.qkv(x)
-        q = q.reshape(batch, length, self.n_heads, self.head_dim).transpose(1, 2)
-        k = k.reshape(batch, length, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = v.reshape(batch, length, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        q = _rotate(q.view(n, self.n_heads, self.head_dim), cos, sin)
+        k = _rotate(k.view(n, self.n_kv_heads, self.head_dim), cos, sin)
         k_layer, v_layer = self.k_cache[index], self.v_cache[index]
         k_layer.view(-1, self.head_dim).index_copy_(0, write, k.reshape(-1, self.head_dim))
         v_layer.view(-1, self.head_dim).index_copy_(0, write, v.reshape(-1, self.head_dim))
-        out = attend(q, k_layer, v_layer, self.n_heads != self.n_kv_heads)
-        return attn.o_proj(out.transpose(1, 2).reshape(batch, length, self.n_heads * self.head_dim))
+        gqa = self.n_heads != self.n_kv_heads
+        outs = [part(q_part, k_layer, v_layer, gqa)
+                for part, q_part in zip(parts, q.split(sizes) if len(parts) > 1 else (q,))]
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        return attn.o_proj(out.reshape(n, self.n_heads * self.head_dim))
+
+
+class _DecodeRows:
+    """Queries ``[rows, heads, head_dim]``, one per row, attending as ``plan`` says."""
+
+    def __init__(self, plan):
+        self.plan = plan
+
+    def __call__(self, q, k_layer, v_layer, gqa: bool) -> torch.Tensor:
+        return self.plan(q.unsqueeze(2), k_layer, v_layer, gqa).squeeze(2)
+
+
+class _Chunk:
+    """A prompt chunk's queries ``[tokens, heads, head_dim]``, attending as ``plan`` (a one-slot range) says."""
+
+    def __init__(self, plan):
+        self.plan = plan
+
+    def __call__(self, q, k_layer, v_layer, gqa: bool) -> torch.Tensor:
+        return self.plan(q.transpose(0, 1).unsqueeze(0), k_layer, v_layer, gqa)[0].transpose(0, 1)
 
 
 class _RangeAttention:
