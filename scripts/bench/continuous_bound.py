@@ -15,7 +15,9 @@ seeded draws as ``python -m scripts.bench``) on a saturated server:
   prompt and decoding until its longest output ends, finished rows dropped (as the handler
   does);
 * an ideal continuous batcher: every decode step carries all 8 slots, prompts prefilled
-  without padding, no scheduling or serving cost at all.
+  without padding in chunks of ``--chunk`` tokens, each chunk in the same forward pass as a
+  decode step of the other slots (as the scheduler runs them), no scheduling or serving cost
+  at all. The pass costs the chunk's prefill plus a measured marginal cost for the rows.
 
 The ratio of the two bounds what continuous scheduling itself can gain on this load and
 machine when both sides run the same decode steps. It is not a bound on the served ratio:
@@ -73,7 +75,30 @@ def prefill_rate(backend, prompt: int, chunk: int, repeats: int) -> float:
     return prompt / statistics.median(samples)
 
 
-def replay(schedule, slots: int, step_ms: dict, prefill_tps: float) -> dict:
+def merged_rows_ms(backend, rows: int, chunk: int, context: int, repeats: int) -> float:
+    """Median ms that ``rows`` decode rows add to a pass that prefills a ``chunk``-token prompt chunk."""
+    from llama_engine.backends.base import PrefillChunk
+
+    ids = torch.randint(3, 2000, (chunk,), generator=torch.Generator().manual_seed(2)).tolist()
+    slots, tokens, target = list(range(rows)), [5] * rows, rows
+    for slot in slots:
+        backend.free_slot(slot)
+        backend.prefill_slot(slot, ids[:1] * context)
+
+    def timed(decode_slots):
+        backend.free_slot(target)
+        start = time.perf_counter()
+        backend.step_slots(decode_slots, tokens[:len(decode_slots)], [PrefillChunk(target, ids, 0)])
+        elapsed = time.perf_counter() - start
+        for slot in decode_slots:
+            backend._lengths[slot] -= 1
+        return elapsed
+
+    pairs = [(timed(slots), timed([])) for _ in range(repeats + 1)][1:]
+    return statistics.median(both - alone for both, alone in pairs) * 1e3
+
+
+def replay(schedule, slots: int, step_ms: dict, prefill_tps: float, chunk: int, merged_ms: float) -> dict:
     tokens = sum(out for _, _, out in schedule)
     micro_decode = micro_prefill = micro_steps = 0.0
     for first in range(0, len(schedule), slots):
@@ -82,7 +107,10 @@ def replay(schedule, slots: int, step_ms: dict, prefill_tps: float) -> dict:
         micro_steps += longest
         micro_decode += sum(step_ms[sum(1 for _, _, out in batch if out > s)] for s in range(longest)) / 1e3
         micro_prefill += len(batch) * max(inp for _, inp, _ in batch) / prefill_tps
-    ideal_decode = tokens / slots * step_ms[slots] / 1e3
+    # A pass that prefills a chunk also decodes the other slots - 1 rows at ``merged_ms``.
+    merged_steps = sum(-(-inp // chunk) for _, inp, _ in schedule)
+    pure_steps = max(tokens - merged_steps * (slots - 1), 0) / slots
+    ideal_decode = (pure_steps * step_ms[slots] + merged_steps * merged_ms) / 1e3
     ideal_prefill = sum(inp for _, inp, _ in schedule) / prefill_tps
     micro_s, ideal_s = micro_decode + micro_prefill, ideal_decode + ideal_prefill
     return dict(requests=len(schedule), tokens=tokens, micro_rows_per_step=tokens / micro_steps,
@@ -117,14 +145,16 @@ def main(argv=None) -> int:
     backend = TorchSlotBackend.from_pretrained(str(args.model), args.slots, args.max_length, args.dtype, "cpu")
     steps = step_times(backend, args.slots, context, args.repeats)
     tps = prefill_rate(backend, max(load["inputs"]), args.chunk, max(3, args.repeats // 2))
-    r = replay(schedule, args.slots, steps, tps)
+    merged = merged_rows_ms(backend, args.slots - 1, args.chunk, context, args.repeats)
+    r = replay(schedule, args.slots, steps, tps, args.chunk, merged)
 
     print(f"{args.model.name}, {args.dtype}, {args.threads} threads, {args.slots} slots; load: {args.rate} req/s "
           f"for {args.duration} s, inputs {load['inputs']}, outputs {load['outputs']} (seed {args.seed}): "
           f"{r['requests']} requests, {r['tokens']} output tokens")
     print(f"decode step at {context} positions, ms by rows: "
           + ", ".join(f"{rows}: {ms:.1f}" for rows, ms in steps.items()))
-    print(f"chunked prefill ({args.chunk} per call): {tps:.0f} prompt tokens/s")
+    print(f"chunked prefill ({args.chunk} per call): {tps:.0f} prompt tokens/s; {args.slots - 1} decode rows in "
+          f"the same pass add {merged:.1f} ms (a decode step alone: {steps[args.slots - 1]:.1f} ms)")
     print(f"micro-batching: {r['micro_rows_per_step']:.2f} rows per decode step; decode {r['micro_decode_s']:.1f} s "
           f"+ padded prefill {r['micro_prefill_s']:.1f} s -> {r['micro_tps']:.1f} tok/s")
     print(f"ideal continuous ({args.slots} rows every step, no cost besides the model): decode "
