@@ -184,7 +184,7 @@ def test_one_pass_with_chunks_and_decode_rows_matches_hf_logits(engine, waste, m
 
 
 def test_a_chunk_that_fails_its_checks_stays_out_of_the_pass(engine):
-    """A wrong start gets its own ValueError; the other chunk and the decode rows still run."""
+    """A wrong start or a slot used twice gets its own ValueError; the rest of the step still runs."""
     from llama_engine.backends.base import PrefillChunk
 
     backend = TorchSlotBackend(engine.backend.model, max_slots=4, max_length=MAX_LENGTH)
@@ -193,8 +193,11 @@ def test_a_chunk_that_fails_its_checks_stays_out_of_the_pass(engine):
     with torch.inference_mode():
         ref_a, ref_b = model(torch.tensor([a + [5]])).logits[0, -1], model(torch.tensor([b])).logits[0, -1]
     backend.prefill_slot(0, a)
-    out = backend.step_slots([0], [5], [PrefillChunk(1, b[:3], start=2), PrefillChunk(2, b, 0)])
+    out = backend.step_slots([0], [5], [PrefillChunk(1, b[:3], start=2), PrefillChunk(2, b, 0),
+                                        PrefillChunk(0, b, len(a)), PrefillChunk(2, b, 0)])
     assert isinstance(out.prefills[0], ValueError) and "cannot prefill from 2" in str(out.prefills[0])
+    for twice in out.prefills[2:]:  # a decoding slot, a slot already prefilled in this step
+        assert isinstance(twice, ValueError) and "appears twice" in str(twice)
     assert backend.slot_length(1) == 0
     torch.testing.assert_close(out.prefills[1], ref_b, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(out.decode[0], ref_a, atol=1e-4, rtol=1e-4)

@@ -1,6 +1,7 @@
 """HF transformers on CPU (or CUDA when present): eager forward passes with a KV cache."""
 from __future__ import annotations
 
+import itertools
 import logging
 from typing import List, Optional, Sequence
 
@@ -317,11 +318,14 @@ class TorchSlotBackend(SlotBackend):
         the pass; a failure of the pass itself is every part's.
         """
         out = StepLogits(prefills=[None] * len(prefills))
-        valid = []
+        valid, taken = [], set(slots)
         for i, chunk in enumerate(prefills):
             try:
+                if chunk.slot in taken:
+                    raise ValueError(f"slot {chunk.slot} appears twice in one step")
                 self.check_prefill(chunk.slot, len(chunk.token_ids), chunk.start)
                 valid.append(i)
+                taken.add(chunk.slot)
             except ValueError as exc:
                 out.prefills[i] = exc
         slots = list(slots)
@@ -362,7 +366,8 @@ class TorchSlotBackend(SlotBackend):
         token_slots = slots + [chunk.slot for chunk in chunks for _ in chunk.token_ids]
         token_positions = lengths + [chunk.start + k for chunk in chunks for k in range(len(chunk.token_ids))]
         sizes = [len(slots)] * bool(slots) + [len(chunk.token_ids) for chunk in chunks]
-        last = list(range(len(slots))) + [sum(sizes[:j + 1]) - 1 for j in range(bool(slots), len(sizes))]
+        ends = list(itertools.accumulate(sizes))
+        last = list(range(len(slots))) + [end - 1 for end in ends[bool(slots):]]
         logits = self._forward(ids, token_slots, token_positions, parts, sizes, last)
         for s in slots:
             self._lengths[s] += 1
