@@ -324,8 +324,8 @@ class ContinuousScheduler:
 
     def _chunk(self, handle: RequestHandle, budget: int) -> List[int]:
         """The next prompt tokens of ``handle`` to prefill within ``budget``."""
-        prompt = handle.prepared.prompt_ids
-        return list(prompt[handle.prefilled:handle.prefilled + self._chunk_size(len(prompt) - handle.prefilled, budget)])
+        prompt, start = handle.prepared.prompt_ids, handle.prefilled
+        return list(prompt[start:start + self._chunk_size(len(prompt) - start, budget)])
 
     def _prefilled(self, handle: RequestHandle, n: int, logits) -> None:
         """``n`` more prompt tokens of ``handle`` are in its slot; a complete prompt gets its first token."""
