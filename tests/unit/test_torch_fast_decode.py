@@ -221,3 +221,21 @@ def test_slot_backend_on_a_shared_model_leaves_it_usable_and_fused_equals_separa
         logits.append(torch.stack(got))
     torch.testing.assert_close(model(ids).logits, before, atol=0, rtol=0)
     torch.testing.assert_close(logits[0], logits[1], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_slot_rotary_is_hf_rotary_bit_for_bit(dtype):
+    """``_rotate`` with the signed-sin table: HF's ``apply_rotary_pos_emb``, not merely close to it."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from llama_engine.backends.torch_backend import _rotate, _signed_sin
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(5, 4, 3, 64, generator=gen).to(dtype)  # [batch, heads, positions, head_dim]
+    k = torch.randn(5, 2, 3, 64, generator=gen).to(dtype)
+    angles = torch.randn(5, 3, 32, generator=gen) * 50
+    cos, sin = torch.cat([angles.cos()] * 2, -1).to(dtype), torch.cat([angles.sin()] * 2, -1).to(dtype)
+    want_q, want_k = apply_rotary_pos_emb(q, k, cos, sin)
+    signed = _signed_sin(sin).unsqueeze(1)
+    assert torch.equal(_rotate(q, cos.unsqueeze(1), signed), want_q)
+    assert torch.equal(_rotate(k, cos.unsqueeze(1), signed), want_k)

@@ -7,7 +7,6 @@ from typing import List, Optional, Sequence
 
 import torch
 from transformers import DynamicCache
-from transformers.models.llama.modeling_llama import rotate_half
 
 from .base import Backend, PrefillChunk, SlotBackend, StepLogits
 from .fast_linear import FusedLlamaProjections, pack_linears
@@ -260,7 +259,7 @@ class TorchSlotBackend(SlotBackend):
         shape = (cfg.num_hidden_layers, max_slots, self.n_kv_heads, max_length, self.head_dim)
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self._cos, self._sin = self._rope_tables()
+        self._cos, self._signed_sin = self._rope_tables()
         self._lengths: List[int] = [0] * max_slots
         self._fused = self._fuse_projections(owns_model) if fuse else [None] * cfg.num_hidden_layers
         logger.info("torch slot backend: %d slots x %d positions, %.1f MiB of KV cache", max_slots, max_length,
@@ -285,14 +284,14 @@ class TorchSlotBackend(SlotBackend):
 
     @torch.inference_mode()
     def _rope_tables(self):
-        """cos/sin for every position, from the model's own rotary module (rope_theta, rope_scaling)."""
+        """cos and signed sin (see :func:`_rotate`) for every position, from the model's own rotary module."""
         rotary = self.model.model.rotary_emb
         if "dynamic" in getattr(rotary, "rope_type", "default"):
             raise ValueError("dynamic RoPE scaling depends on the sequence length; the slot cache needs a fixed table")
         positions = torch.arange(self.max_length, device=self.device).unsqueeze(0)
         probe = torch.zeros(1, dtype=self.dtype, device=self.device)
         cos, sin = rotary(probe, positions)
-        return cos[0], sin[0]
+        return cos[0], _signed_sin(sin[0])
 
     def slot_length(self, slot: int) -> int:
         return self._lengths[slot]
@@ -408,7 +407,7 @@ class TorchSlotBackend(SlotBackend):
         ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         positions = torch.tensor(positions, device=self.device)
         write = self._write_index(torch.tensor(slots, device=self.device), positions)
-        cos, sin = self._cos[positions].unsqueeze(1), self._sin[positions].unsqueeze(1)  # [N, 1, D]
+        cos, sin = self._cos[positions].unsqueeze(1), self._signed_sin[positions].unsqueeze(1)  # [N, 1, D]
         hidden = inner.embed_tokens(ids)
         for index, layer in enumerate(inner.layers):
             attn_in = layer.input_layernorm(hidden)
@@ -432,9 +431,15 @@ class TorchSlotBackend(SlotBackend):
     def _attention(self, index, attn, x, write, parts, sizes, cos, sin) -> torch.Tensor:
         n = x.shape[0]
         fused = self._fused[index]
-        q, k, v = (attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)) if fused is None else fused.qkv(x)
-        q = _rotate(q.view(n, self.n_heads, self.head_dim), cos, sin)
-        k = _rotate(k.view(n, self.n_kv_heads, self.head_dim), cos, sin)
+        if fused is None:
+            q = _rotate(attn.q_proj(x).view(n, self.n_heads, self.head_dim), cos, sin)
+            k = _rotate(attn.k_proj(x).view(n, self.n_kv_heads, self.head_dim), cos, sin)
+            v = attn.v_proj(x)
+        else:  # q and k are side by side in the fused product: one rotation for both
+            heads = self.n_heads + self.n_kv_heads
+            qkv = fused.qkv_proj(x).view(n, heads + self.n_kv_heads, self.head_dim)
+            qk = _rotate(qkv[:, :heads], cos, sin)
+            q, k, v = qk[:, :self.n_heads], qk[:, self.n_heads:], qkv[:, heads:]
         k_layer, v_layer = self.k_cache[index], self.v_cache[index]
         k_layer.view(-1, self.head_dim).index_copy_(0, write, k.reshape(-1, self.head_dim))
         v_layer.view(-1, self.head_dim).index_copy_(0, write, v.reshape(-1, self.head_dim))
@@ -504,9 +509,19 @@ class _RowAttention:
                                enable_gqa=gqa) for b, (slot, span) in enumerate(self.rows)])
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Llama's rotary embedding, with HF's own ``rotate_half``."""
-    return x * cos + rotate_half(x) * sin
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Llama's rotary embedding, bit for bit HF's ``x * cos + rotate_half(x) * sin``.
+
+    ``rotate_half(x) * sin`` is ``roll(x, D/2) * signed_sin`` with the first half of ``sin``
+    negated (:func:`_signed_sin`): the same products (a sign moves from one factor to the
+    other), in one op instead of two slices, a negation and a concatenation.
+    """
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
+
+
+def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    half = sin.shape[-1] // 2
+    return torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
 
 
 def _additive_mask(positions: torch.Tensor, span: int, dtype: torch.dtype) -> torch.Tensor:
