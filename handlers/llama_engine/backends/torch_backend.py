@@ -1,7 +1,6 @@
 """HF transformers on CPU (or CUDA when present): eager forward passes with a KV cache."""
 from __future__ import annotations
 
-import itertools
 import logging
 from typing import List, Optional, Sequence
 
@@ -338,7 +337,7 @@ class TorchSlotBackend(SlotBackend):
         try:
             decode, chunk_logits = self._step(slots, tokens, [prefills[i] for i in valid])
         except Exception as exc:  # noqa: BLE001 - the pass was shared: every part in it failed
-            decode, chunk_logits = (exc if slots else out.decode), [exc] * len(valid)
+            decode, chunk_logits = exc, [exc] * len(valid)
         if slots:
             out.decode = decode
         for i, logits in zip(valid, chunk_logits):
@@ -353,20 +352,21 @@ class TorchSlotBackend(SlotBackend):
         as one matrix; only attention is per part (:class:`_DecodeRows`, :class:`_Chunk`).
         """
         lengths = [self._lengths[s] for s in slots]
-        parts = []
+        ids, token_slots, token_positions = list(tokens), list(slots), list(lengths)
+        parts, sizes, last = [], [], list(range(len(slots)))
         if slots:
             positions = torch.tensor(lengths, device=self.device).unsqueeze(1)
             parts.append(_DecodeRows(self._decode_attention(slots, lengths, positions)))
+            sizes.append(len(slots))
         for chunk in chunks:
-            positions = torch.arange(chunk.start, chunk.start + len(chunk.token_ids), device=self.device)
-            parts.append(_Chunk(_RangeAttention(chunk.slot, 1, positions.unsqueeze(0),
-                                                chunk.start + len(chunk.token_ids), self.dtype)))
-        ids = list(tokens) + [t for chunk in chunks for t in chunk.token_ids]
-        token_slots = slots + [chunk.slot for chunk in chunks for _ in chunk.token_ids]
-        token_positions = lengths + [chunk.start + k for chunk in chunks for k in range(len(chunk.token_ids))]
-        sizes = [len(slots)] * bool(slots) + [len(chunk.token_ids) for chunk in chunks]
-        ends = list(itertools.accumulate(sizes))
-        last = list(range(len(slots))) + [end - 1 for end in ends[bool(slots):]]
+            n, end = len(chunk.token_ids), chunk.start + len(chunk.token_ids)
+            ids += chunk.token_ids
+            token_slots += [chunk.slot] * n
+            token_positions += range(chunk.start, end)
+            positions = torch.arange(chunk.start, end, device=self.device).unsqueeze(0)
+            parts.append(_Chunk(_RangeAttention(chunk.slot, 1, positions, end, self.dtype)))
+            sizes.append(n)
+            last.append(len(ids) - 1)
         logits = self._forward(ids, token_slots, token_positions, parts, sizes, last)
         for s in slots:
             self._lengths[s] += 1
