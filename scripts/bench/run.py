@@ -608,13 +608,14 @@ def main(argv=None) -> int:
     return 1 if results["systems"].get("torchserve", {}).get("status") == "failed" else 0
 
 
-ROUND_TRIP_LINE = re.compile(r"continuous batching: (\d+) calls, ([\d.]+) ms in the handler and ([\d.]+) ms in "
-                             r"the frontend round trip per call")
+ROUND_TRIP_LINE = re.compile(r"continuous batching: (\d+) calls, ([\d.]+) ms in the handler "
+                             r"\(([\d.]+) ms of it in scheduler steps\) and ([\d.]+) ms in the frontend round trip per call")
 
 
 def round_trips(model_log: str) -> List[dict]:
-    """The continuous handler's periodic lines: calls, ms per call inside it and between calls."""
-    return [{"calls": int(m[1]), "handler_ms": float(m[2]), "round_trip_ms": float(m[3])}
+    """The continuous handler's periodic lines (``RoundTrips`` in the handler): calls, ms per call
+    inside it (and of that in scheduler steps) and between calls."""
+    return [{"calls": int(m[1]), "handler_ms": float(m[2]), "step_ms": float(m[3]), "round_trip_ms": float(m[4])}
             for m in ROUND_TRIP_LINE.finditer(model_log)]
 
 

@@ -3,6 +3,8 @@ llama-server stream as the real server sends it."""
 from __future__ import annotations
 
 import json
+
+import pytest
 from pathlib import Path
 
 from bench.clients import LlamaServerAdapter, RequestRecord
@@ -119,3 +121,23 @@ def test_summary_counts_streams_whose_server_count_differs_from_what_streamed():
     silent = RequestRecord("x", 4, 3, start=0.0, token_times=[1.0, 2.0, 3.0], end=3.0)
     run = summarize([good, off, silent])
     assert run["streamed_vs_reported"] == 1 and run["short_streams"] == 0
+
+
+def test_round_trip_lines_of_the_continuous_handler_parse(caplog):
+    """The bench reads the handler's own periodic line; a reworded line would silently read as none."""
+    import logging
+
+    import llama_handler
+    from bench.run import round_trips
+
+    trips = llama_handler.RoundTrips(every=1.0)
+    with caplog.at_level(logging.INFO, logger=llama_handler.logger.name):
+        trips.record(0.0, 0.040, busy=True)
+        trips.stepping += 0.030
+        trips.record(0.043, 1.2, busy=True)
+    parsed = round_trips(caplog.text)
+    assert len(parsed) == 1
+    assert parsed[0]["calls"] == 2
+    assert parsed[0]["handler_ms"] == pytest.approx(598.5, abs=0.01)
+    assert parsed[0]["step_ms"] == pytest.approx(15.0, abs=0.01)
+    assert parsed[0]["round_trip_ms"] == pytest.approx(1.5, abs=0.01)
