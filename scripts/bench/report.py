@@ -125,11 +125,21 @@ def ratios(results: dict) -> dict:
 
 
 def continuous_ratios(runs) -> dict:
-    """Continuous batching against micro-batching, both served, on the same Poisson schedule."""
+    """Continuous batching against micro-batching, both served: the same Poisson schedule, and the
+    same static waves back to back (the ``paired-variants`` rows)."""
+    out = {}
+    waves = sorted((r for r in runs if r.get("system") == CONTINUOUS and r.get("scenario") == "paired-variants"
+                    and r.get("ok") and r.get("continuous_over_micro_median")), key=lambda r: r["concurrency"])
+    for run in waves[-1:]:
+        out["continuous_static_vs_micro"] = _ratio(
+            run["continuous_over_micro_median"], "report", lambda v: True,
+            f"{run['concurrency']} streams arriving together: continuous-batching output tok/s / micro-batching "
+            f"output tok/s, median of {len(run['continuous_over_micro'])} back-to-back A/B pairs of the same wave",
+            concurrency=run["concurrency"], pairs=run["continuous_over_micro"])
     micro, cont = find(runs, SERVED, "poisson"), find(runs, CONTINUOUS, "poisson")
     if not (micro and cont):
-        return {}
-    return {
+        return out
+    return {**out,
         "continuous_throughput_vs_micro": _ratio(
             cont["output_tokens_per_s"] / micro["output_tokens_per_s"], ">= 2.0", lambda v: v >= 2.0,
             "Poisson run: continuous-batching output tok/s / micro-batching output tok/s (same schedule, same "
@@ -438,7 +448,10 @@ ahead of micro-batching on the Poisson load at all: `.venv/bin/python -m scripts
    in round 1, continuous first in round 2), both servers up and the idle one waiting; their Poisson row
    gathers every round's requests, its tok/s is the mean of the rounds' and `round_ratios` holds
    continuous / micro per round. The in-process engine has no scheduler, so it does not run the Poisson
-   load.
+   load. Before the Poisson rounds, the two variants also run the same static wave (full run: 8 streams,
+   256 in, 128 out) back to back, alternated over 3 pairs (the "paired-variants" rows;
+   `continuous_over_micro` holds continuous / micro per pair), so that their static-load comparison
+   carries no drift between sweeps minutes apart.
 
 ### Definitions
 

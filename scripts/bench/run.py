@@ -174,32 +174,34 @@ def poisson_rates(ok: int, wall_s: float, schedule) -> dict:
                 drain_s=round(wall_s - last, 2))
 
 
-def paired(inprocess_runner, served_runner, prompts: Prompts, plan: dict, runs: List[dict], monitor) -> None:
-    """The same waves on the engine in-process and through the server, alternated A/B, B/A, ...
+def paired(first, second, prompts: Prompts, plan: dict, runs: List[dict], monitor, *, scenario: str = "paired",
+           ratio: str = "served_over_inprocess", concurrency=None) -> None:
+    """The same waves on two systems, alternated A/B, B/A, ...: ``first`` and ``second`` are (name, runner).
 
     The machine's speed drifts between minutes (other processes, other VMs on the host); a ratio
     of two sweeps minutes apart carries that drift, a ratio of back-to-back waves much less.
-    The in-process engine stays loaded while the server is up (idle), and the order alternates.
+    Both systems stay loaded (the idle one waits) and the order alternates. Each system gets a
+    ``scenario`` row per concurrency; ``<ratio>`` holds second / first per round and
+    ``<ratio>_median`` their median.
     """
-    for c in plan["paired_concurrency"]:
+    for c in (plan["paired_concurrency"] if concurrency is None else concurrency):
         if (c, 0) not in prompts.waves:
             continue
         items, n = prompts.waves[(c, 0)], plan["conc_output"]
-        records = {"inprocess": [], "torchserve": []}
+        records = {first[0]: [], second[0]: []}
         ratios = []
         snap = monitor.snapshot()
         for k in range(plan["paired_rounds"]):
-            order = (("inprocess", inprocess_runner), ("torchserve", served_runner))
             rates = {}
-            for name, runner in (order if k % 2 == 0 else order[::-1]):
+            for name, runner in ((first, second) if k % 2 == 0 else (second, first)):
                 wave = runner(items, n)
                 records[name] += wave
                 rates[name] = summarize(wave).get("output_tokens_per_s")
-            if rates["inprocess"] and rates["torchserve"]:
-                ratios.append(round(rates["torchserve"] / rates["inprocess"], 4))
+            if rates[first[0]] and rates[second[0]]:
+                ratios.append(round(rates[second[0]] / rates[first[0]], 4))
         contention = monitor.since(snap)
         for name, recs in records.items():
-            run = summarize(recs, system=name, scenario="paired", input_tokens=plan["conc_input"], output_tokens=n,
+            run = summarize(recs, system=name, scenario=scenario, input_tokens=plan["conc_input"], output_tokens=n,
                             concurrency=c, rounds=plan["paired_rounds"])
             per_round = [summarize(part).get("output_tokens_per_s") for part in _split(recs, c)]
             per_round = [x for x in per_round if x]
@@ -208,10 +210,9 @@ def paired(inprocess_runner, served_runner, prompts: Prompts, plan: dict, runs: 
                 run["output_tokens_per_s_rounds"] = per_round
                 # every request of a paired wave has the same lengths: the convention follows per round
                 run["throughput_seq_tokens_per_s"] = round(run["output_tokens_per_s"] * (plan["conc_input"] + n) / n, 3)
-            run.update(contention, served_over_inprocess=ratios,
-                       served_over_inprocess_median=sorted(ratios)[len(ratios) // 2] if ratios else None)
+            run.update(contention, **{ratio: ratios, f"{ratio}_median": statistics.median(ratios) if ratios else None})
             runs.append(run)
-        log(f"paired A/B at {c} streams: served / in-process per round {ratios}")
+        log(f"{scenario} A/B at {c} streams: {second[0]} / {first[0]} per round {ratios}")
 
 
 def _split(records, size):
@@ -438,16 +439,17 @@ def main(argv=None) -> int:
     # -- 2. the served handler ---------------------------------------------------------------
     from scripts.bench.systems import LlamaCppSystem, TorchServeSystem, VllmSystem
 
-    # The two TorchServe variants run the Poisson load in alternating rounds (see poisson_pairs),
-    # not in their sweeps: the machine's speed drifts more between minutes than they differ.
+    # The two TorchServe variants run the Poisson load and the paired static waves in alternating
+    # rounds (see variant_pairs), not in their sweeps: the machine's speed drifts more between
+    # minutes than they differ.
     pair_names = ("torchserve", "torchserve-continuous")
-    pairing = "poisson" in plan["scenarios"] and all(n in args.systems for n in pair_names)
+    pairing = any(s in plan["scenarios"] for s in ("poisson", "paired")) and all(n in args.systems for n in pair_names)
     kept = {}
 
     def served(name, make_system, describe, after=None):
         """Build, start, warm up and sweep one served variant; ``after(adapter)`` runs while it is up.
 
-        A variant of a Poisson pair stays up afterwards (in ``kept``) for :func:`poisson_pairs`.
+        A variant of a pair stays up afterwards (in ``kept``) for :func:`variant_pairs`.
         """
         t = time.perf_counter()
         status = results["systems"][name] = {"status": "ok"}
@@ -479,16 +481,28 @@ def main(argv=None) -> int:
                 status["timings"] = system.timings
         phases[f"{name.replace('-', '_')}_s"] = time.perf_counter() - t
 
-    def poisson_pairs():
-        """The Poisson schedule on both TorchServe variants, alternated over ``poisson_rounds`` rounds.
+    def variant_pairs():
+        """Both TorchServe variants on the same static waves, then on the Poisson schedule, alternated.
 
-        Round k runs micro then continuous (k even) or the reverse; the idle server waits
-        without using the CPU. Each variant's Poisson run gathers all its rounds (percentiles
-        over every request); its throughput is the mean of its rounds' (each over its own wall
-        time), and ``round_ratios`` holds continuous / micro per round.
+        The static waves (``paired_concurrency`` above 1, ``paired_rounds`` rounds) go through
+        :func:`paired` as ``paired-variants`` rows. Poisson round k runs micro then continuous
+        (k even) or the reverse, over ``poisson_rounds`` rounds; the idle server waits without
+        using the CPU. Each variant's Poisson run gathers all its rounds (percentiles over every
+        request); its throughput is the mean of its rounds' (each over its own wall time), and
+        ``round_ratios`` holds continuous / micro per round.
         """
-        t_pairs = time.perf_counter()
         names = [name for name in pair_names if name in kept]  # both, unless one failed to start
+        if len(names) == 2 and "paired" in plan["scenarios"] and budget.ok("paired variants", 60):
+            t_waves = time.perf_counter()
+            paired(*((name, lambda ps, n, a=kept[name][1]: run_wave(a, ps, n, timeout)) for name in names),
+                   prompts, plan, runs, monitor, scenario="paired-variants", ratio="continuous_over_micro",
+                   concurrency=[c for c in plan["paired_concurrency"] if c > 1])
+            phases["paired_variants_s"] = time.perf_counter() - t_waves
+        if "poisson" in plan["scenarios"] and prompts.schedule:
+            poisson_rounds(names)
+
+    def poisson_rounds(names):
+        t_pairs = time.perf_counter()
         per_round = {name: [] for name in names}
         records = {name: [] for name in names}
         snap = monitor.snapshot()
@@ -526,7 +540,8 @@ def main(argv=None) -> int:
         results["extra"]["torchserve_micro_batches"] = system.step_log()[-200:]
         if engine is not None and "paired" in plan["scenarios"] and plan["paired_rounds"] and budget.ok("paired A/B", 60):
             t_paired = time.perf_counter()
-            paired(engine.run_wave, lambda ps, n: run_wave(adapter, ps, n, timeout), prompts, plan, runs, monitor)
+            paired(("inprocess", engine.run_wave), ("torchserve", lambda ps, n: run_wave(adapter, ps, n, timeout)),
+                   prompts, plan, runs, monitor)
             phases["paired_s"] = time.perf_counter() - t_paired
 
     served("torchserve", lambda: TorchServeSystem(work, config, checkpoint), lambda ts: f"pid {ts.pid}",
@@ -547,9 +562,9 @@ def main(argv=None) -> int:
            after=lambda system, _: results["extra"].update(
                torchserve_continuous_round_trips=round_trips(system.server.model_log())))
 
-    if kept and prompts.schedule:
+    if kept:
         try:
-            poisson_pairs()
+            variant_pairs()
         except Exception:  # noqa: BLE001 - reported, the peers still run
             traceback.print_exc()
     for name, (system, _) in kept.items():

@@ -72,6 +72,13 @@ def test_smoke_runs_cover_each_scenario_with_full_length_streams(smoke):
     assert sorted(r["system"] for r in paired) == ["torchserve", "torchserve-continuous"]
     for run in paired:
         assert run["rounds"] == 1 and len(run["round_ratios"]) == 1 and run["round_ratios"][0] > 0, run
+    # ... and the same static wave back to back, one ratio per pair (2 pairs of 4 streams in --smoke)
+    waves = [r for r in runs if r["scenario"] == "paired-variants"]
+    assert sorted((r["system"], r["concurrency"]) for r in waves) == [("torchserve", 4), ("torchserve-continuous", 4)]
+    for run in waves:
+        assert run["requests"] == 2 * 4 and len(run["continuous_over_micro"]) == 2, run
+        assert all(x > 0 for x in run["continuous_over_micro"]), run
+    assert results["ratios"]["continuous_static_vs_micro"]["inputs"]["pairs"] == waves[0]["continuous_over_micro"]
     for run in runs:
         assert run["ok"] == run["requests"] > 0, run
         assert run["short_streams"] == 0, run  # EOS is suppressed: every stream has its max_new_tokens
