@@ -24,10 +24,10 @@ def find(runs, system, scenario, **match) -> Optional[dict]:
 
 
 def _ratio(value, goal_text, test, definition, **inputs) -> dict:
-    if value is None:
-        return {"value": None, "goal": goal_text, "met": None, "definition": definition, "inputs": inputs}
-    return {"value": round(value, 4), "goal": goal_text, "met": bool(test(value)), "definition": definition,
-            "inputs": inputs}
+    """A ratio against its goal; ``test`` None (a figure only reported) leaves ``met`` None."""
+    met = None if value is None or test is None else bool(test(value))
+    return {"value": None if value is None else round(value, 4), "goal": goal_text, "met": met,
+            "definition": definition, "inputs": inputs}
 
 
 def _ttft_growth(runs, system):
@@ -109,7 +109,7 @@ def ratios(results: dict) -> dict:
         if peer and best:
             peers[name] = peer["output_tokens_per_s"]
             out[f"peer_ratio_{name}"] = _ratio(
-                best["output_tokens_per_s"] / peer["output_tokens_per_s"], "report", lambda v: True,
+                best["output_tokens_per_s"] / peer["output_tokens_per_s"], "report", None,
                 f"served output tok/s ({best['system']}) / {name} output tok/s at {c} streams", concurrency=c)
     if peers:
         strongest = max(peers, key=peers.get)
@@ -132,7 +132,7 @@ def continuous_ratios(runs) -> dict:
                     and r.get("ok") and r.get("continuous_over_micro_median")), key=lambda r: r["concurrency"])
     for run in waves[-1:]:
         out["continuous_static_vs_micro"] = _ratio(
-            run["continuous_over_micro_median"], "report", lambda v: True,
+            run["continuous_over_micro_median"], "report", None,
             f"{run['concurrency']} streams arriving together: continuous-batching output tok/s / micro-batching "
             f"output tok/s, median of {len(run['continuous_over_micro'])} back-to-back A/B pairs of the same wave",
             concurrency=run["concurrency"], pairs=run["continuous_over_micro"])
