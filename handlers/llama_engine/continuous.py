@@ -299,18 +299,23 @@ class ContinuousScheduler:
         Returns ``(handle, chunk token ids)`` pairs, admitting waiting requests into free slots.
         """
         budget, chunks = self.max_prefill_tokens_per_step, []
-        for handle in sorted((h for h in self._active.values() if h.state == PREFILLING), key=lambda h: h.slot):
-            if budget == 0:
-                return chunks
-            chunks.append((handle, self._chunk(handle, budget)))
-            budget -= len(chunks[-1][1])
-        while budget > 0 and self._free:
-            handle = self._admit()
+        candidates = self._prefill_candidates()
+        while budget > 0:
+            handle = next(candidates, None)
             if handle is None:
                 break
             chunks.append((handle, self._chunk(handle, budget)))
             budget -= len(chunks[-1][1])
         return chunks
+
+    def _prefill_candidates(self):
+        """Prompts under way (by slot), then waiting requests admitted one at a time as they are drawn."""
+        yield from sorted((h for h in self._active.values() if h.state == PREFILLING), key=lambda h: h.slot)
+        while self._free:
+            handle = self._admit()
+            if handle is None:
+                return
+            yield handle
 
     def _admit(self) -> Optional[RequestHandle]:
         with self._lock:

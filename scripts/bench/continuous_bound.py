@@ -21,9 +21,10 @@ seeded draws as ``python -m scripts.bench``) on a saturated server:
 
 The ratio of the two bounds what continuous scheduling itself can gain on this load and
 machine when both sides run the same decode steps. A second replay makes every step cost
-what a 1-row step does: the limit of the schedule itself, however cheap extra rows become. It is not a bound on the served ratio:
-the served micro-batching handler runs the static backend (HF's forward over a growing
-cache), whose steps cost more than the slot backend's, so the served ratio can exceed it.
+what a 1-row step does: the limit of the schedule itself, however cheap extra rows become.
+Neither is a bound on the served ratio: the served micro-batching handler runs the static
+backend (HF's forward over a growing cache), whose steps cost more than the slot backend's,
+so the served ratio can exceed them.
 """
 from __future__ import annotations
 

@@ -130,7 +130,8 @@ def continuous_ratios(runs) -> dict:
     out = {}
     waves = sorted((r for r in runs if r.get("system") == CONTINUOUS and r.get("scenario") == "paired-variants"
                     and r.get("ok") and r.get("continuous_over_micro_median")), key=lambda r: r["concurrency"])
-    for run in waves[-1:]:
+    if waves:
+        run = waves[-1]
         out["continuous_static_vs_micro"] = _ratio(
             run["continuous_over_micro_median"], "report", None,
             f"{run['concurrency']} streams arriving together: continuous-batching output tok/s / micro-batching "
