@@ -14,25 +14,32 @@ STORE := model_store
 SERVE_DIR := $(BUILD)/serve
 ENGINE_SRC := $(shell find handlers -name '*.py' -not -path '*/__pycache__/*')
 PYTEST_ARGS ?=
+SERVE_ARGS ?=
 CHECKPOINT ?= $(BUILD)/tiny-llama
 BUILD_SCRIPTS := scripts/build_model.py scripts/build_archive.py scripts/prepare_checkpoint.py
 
+# MODEL may name several model-configs, comma-separated: each is built, served and streamed.
+comma := ,
+MODELS := $(subst $(comma), ,$(MODEL))
 ifeq ($(ARCHIVE_FORMAT),tgz)
-ARCHIVE := $(STORE)/$(MODEL).tar.gz
+ARCHIVE_OF = $(STORE)/$(1).tar.gz
 else
-ARCHIVE := $(STORE)/$(MODEL)/MAR-INF/MANIFEST.json
+ARCHIVE_OF = $(STORE)/$(1)/MAR-INF/MANIFEST.json
 endif
+ARCHIVES := $(foreach m,$(MODELS),$(call ARCHIVE_OF,$(m)))
 
-.PHONY: demo test build serve stop stream check-prereqs venv clean neuron-smoke upload deploy undeploy sagemaker-local bench bench-peers bench-models
+.PHONY: demo test build check-models serve stop stream check-prereqs venv clean neuron-smoke upload deploy undeploy sagemaker-local bench bench-peers bench-models
 
 demo: serve
-	@echo "--- streaming with curl -N (tokens appear as they are generated):"
-	curl -sS -N http://127.0.0.1:8080/predictions/$(MODEL) \
-	  -H "Authorization: Bearer $$($(BIN)/python scripts/tsctl.py key)" \
-	  -H 'Content-Type: application/json' \
-	  -d '{"inputs": "$(PROMPT)", "parameters": {"max_new_tokens": 40}}'
-	@echo "--- the same prompt, printed as text by scripts/stream.py:"
-	$(BIN)/python scripts/stream.py "$(PROMPT)" --max-new-tokens 40 --details
+	@for m in $(MODELS); do \
+	  echo "--- $$m: streaming with curl -N (tokens appear as they are generated):"; \
+	  curl -sS -N --fail-with-body $$($(BIN)/python scripts/tsctl.py url --workdir $(SERVE_DIR))/predictions/$$m \
+	    -H "Authorization: Bearer $$($(BIN)/python scripts/tsctl.py key --workdir $(SERVE_DIR))" \
+	    -H 'Content-Type: application/json' \
+	    -d '{"inputs": "$(PROMPT)", "parameters": {"max_new_tokens": 40}}' || exit 1; \
+	  echo "--- $$m: the same prompt, printed as text by scripts/stream.py:"; \
+	  $(BIN)/python scripts/stream.py "$(PROMPT)" --model $$m --workdir $(SERVE_DIR) --max-new-tokens 40 --details || exit 1; \
+	done
 	@echo "--- the server is still running; stop it with: make stop"
 
 check-prereqs:
@@ -55,21 +62,26 @@ $(CHECKPOINT)/config.json:
 	@echo "no checkpoint at $(CHECKPOINT): run make build MODEL=$(MODEL) CHECKPOINT=/path/to/hf-checkpoint" >&2; exit 1
 endif
 
-build: $(ARCHIVE)
+build: check-models $(ARCHIVES)
+
+check-models:
+	@for m in $(MODELS); do test -f model-config/$$m.yaml || { \
+	  echo "no model-config/$$m.yaml; MODEL is one of: $$(ls model-config | sed 's/\.yaml$$//' | tr '\n' ' ')" >&2; exit 1; }; done
 
 # Prepare the checkpoint, compile into a shipped cache when the config compiles, package.
-$(ARCHIVE): $(CHECKPOINT)/config.json model-config/$(MODEL).yaml $(ENGINE_SRC) $(BUILD_SCRIPTS) handlers/requirements-model.txt | $(VENV)/.installed
-	PATH=$(abspath $(BIN)):$$PATH $(BIN)/python scripts/build_model.py --config model-config/$(MODEL).yaml \
+$(call ARCHIVE_OF,%): $(CHECKPOINT)/config.json model-config/%.yaml $(ENGINE_SRC) $(BUILD_SCRIPTS) handlers/requirements-model.txt | $(VENV)/.installed
+	PATH=$(abspath $(BIN)):$$PATH $(BIN)/python scripts/build_model.py --config model-config/$*.yaml \
 	  --checkpoint $(CHECKPOINT) --export-path $(STORE) --archive-format $(ARCHIVE_FORMAT)
 
 serve: build
-	PATH=$(abspath $(BIN)):$$PATH $(BIN)/python scripts/tsctl.py start --workdir $(SERVE_DIR) --model-store $(STORE)
+	PATH=$(abspath $(BIN)):$$PATH $(BIN)/python scripts/tsctl.py start --workdir $(SERVE_DIR) --model-store $(STORE) \
+	  --models $(MODEL) $(SERVE_ARGS)
 
 stop:
 	@if [ -x $(BIN)/python ]; then $(BIN)/python scripts/tsctl.py stop --workdir $(SERVE_DIR); else echo "nothing to stop"; fi
 
 stream: | $(VENV)/.installed
-	$(BIN)/python scripts/stream.py "$(PROMPT)" --details
+	@for m in $(MODELS); do echo "--- $$m"; $(BIN)/python scripts/stream.py "$(PROMPT)" --model $$m --workdir $(SERVE_DIR) --details || exit 1; done
 
 test: $(BUILD)/tiny-llama/config.json | $(VENV)/.installed
 	PATH=$(abspath $(BIN)):$$PATH $(BIN)/python -m pytest $(PYTEST_ARGS)

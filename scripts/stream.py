@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_URL = "http://127.0.0.1:8080"
 
 
 class LineIterator:
@@ -72,18 +73,37 @@ def iter_messages(chunks: Iterable) -> Iterator[dict]:
         yield json.loads(line.decode("utf-8"))
 
 
+def local_url(workdir: Path) -> str:
+    """The inference address of the server started from ``workdir`` (``make serve``'s), else the default."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from tsctl import read_properties
+
+    config = workdir / "config.properties"
+    if config.is_file():
+        return read_properties(config).get("inference_address", DEFAULT_URL)
+    return DEFAULT_URL
+
+
 def local_chunks(args, body: dict) -> Iterator[bytes]:
+    """The response body's chunks; a stream cut short (its worker died) is a RuntimeError that says so."""
     import requests
 
     sys.path.insert(0, str(ROOT / "scripts"))
     from tsctl import read_key
 
     headers = {"Authorization": f"Bearer {read_key(args.workdir)}", "Content-Type": "application/json"}
-    with requests.post(f"{args.url}/predictions/{args.model}", json=body, headers=headers, stream=True,
-                       timeout=600) as response:
-        if response.status_code != 200:
-            raise RuntimeError(f"HTTP {response.status_code}: {response.text}")
-        yield from response.iter_content(chunk_size=None)
+    url = f"{args.url or local_url(args.workdir)}/predictions/{args.model}"
+    try:
+        with requests.post(url, json=body, headers=headers, stream=True,
+                           timeout=(10, args.read_timeout)) as response:
+            if response.status_code != 200:
+                raise RuntimeError(f"HTTP {response.status_code}: {response.text}")
+            yield from response.iter_content(chunk_size=None)
+    except requests.exceptions.ChunkedEncodingError as exc:
+        raise RuntimeError(f"the stream from {url} was cut before its last message (did the worker die? "
+                           f"see the server's logs): {exc}") from None
+    except requests.exceptions.Timeout:
+        raise RuntimeError(f"no data from {url} for {args.read_timeout:.0f} s (--read-timeout)") from None
 
 
 def sagemaker_chunks(args, body: dict) -> Iterator[dict]:
@@ -99,14 +119,17 @@ def sagemaker_chunks(args, body: dict) -> Iterator[dict]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("prompt")
-    parser.add_argument("--url", default="http://127.0.0.1:8080")
-    parser.add_argument("--model", default="tiny-llama")
+    parser.add_argument("--url", help="TorchServe's inference address (default: the one of --workdir's "
+                        f"config.properties, else {DEFAULT_URL})")
+    parser.add_argument("--model", default="tiny-llama", help="the model name in /predictions/<model>")
     parser.add_argument("--workdir", type=Path, default=ROOT / "build" / "serve",
                         help="where torchserve was started (holds key_file.json)")
     parser.add_argument("--sagemaker-endpoint", help="stream from this SageMaker endpoint instead")
     parser.add_argument("--region", help="AWS region of the endpoint (default: the boto3 chain's)")
-    parser.add_argument("--max-new-tokens", type=int)
-    parser.add_argument("--temperature", type=float)
+    parser.add_argument("--max-new-tokens", type=int, help="tokens to generate (default: the model-config's)")
+    parser.add_argument("--temperature", type=float, help="sample at this temperature (default: greedy)")
+    parser.add_argument("--read-timeout", type=float, default=300,
+                        help="seconds to wait for the next chunk before giving up (default 300)")
     parser.add_argument("--details", action="store_true", help="print finish reason, TTFT and tokens/s")
     args = parser.parse_args(argv)
 
@@ -128,7 +151,10 @@ def main(argv=None) -> int:
             print(message.get("token", {}).get("text", ""), end="", flush=True)
             final = message if "details" in message else final
     except RuntimeError as exc:
-        print(exc, file=sys.stderr)
+        print(f"\nerror: {exc}", file=sys.stderr)
+        return 1
+    if not final and not args.sagemaker_endpoint:
+        print("\nerror: the stream ended without its final message", file=sys.stderr)
         return 1
     total = time.perf_counter() - started
     print()

@@ -209,23 +209,79 @@ def stop_group(pid: int, timeout: float = 30.0, reap=None) -> None:
             time.sleep(0.2)
 
 
+def load_models_value(models: str, model_store: Path) -> str:
+    """TorchServe's ``load_models`` for a comma list of model names in ``model_store``.
+
+    A name is served from its archive directory (``no-archive``), else from ``<name>.tar.gz``
+    or ``<name>.mar``; a name with none of them is an error that says how to build it.
+    """
+    entries = []
+    for name in [m.strip() for m in models.split(",") if m.strip()]:
+        if (model_store / name).is_dir():
+            entries.append(name)
+            continue
+        archive = next((f"{name}{ext}" for ext in (".tar.gz", ".mar") if (model_store / f"{name}{ext}").is_file()), None)
+        if archive is None:
+            raise FileNotFoundError(f"no model {name!r} in {model_store}; build it with `make build MODEL={name}`")
+        entries.append(f"{name}={archive}")
+    if not entries:
+        raise ValueError("no model named; pass --models NAME[,NAME...]")
+    return ",".join(entries)
+
+
+def health(workdir: Path, timeout: float = 5.0) -> str:
+    """What a readiness probe needs: /ping with the inference key, and every model's workers READY.
+
+    TorchServe 0.12 answers /ping with 400 unless it carries the inference key, so a plain
+    HTTP probe cannot be used while token authorization is on. Raises on anything unhealthy.
+    """
+    props = read_properties(workdir / "config.properties")
+    server = TorchServe(workdir, Path(props["model_store"]), base_config=workdir / "config.properties")
+    r = requests.get(server.url() + "/ping", headers=server.auth_headers(), timeout=timeout)
+    if r.status_code != 200 or r.json().get("status") != "Healthy":
+        raise RuntimeError(f"/ping answered {r.status_code}: {r.text.strip()[:200]}")
+    if not server._models_ready():
+        raise RuntimeError(f"not every model of load_models={props.get('load_models')} has a READY worker")
+    return f"healthy: {props.get('load_models')}"
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description="start/stop the local TorchServe")
+    parser = argparse.ArgumentParser(description="Start and stop the local TorchServe, print its key, check its health.")
     sub = parser.add_subparsers(dest="cmd", required=True)
-    start = sub.add_parser("start")
-    start.add_argument("--workdir", type=Path, default=ROOT / "build" / "serve")
-    start.add_argument("--model-store", type=Path, default=ROOT / "model_store")
-    start.add_argument("--timeout", type=float, default=600)
-    stop = sub.add_parser("stop")
-    stop.add_argument("--workdir", type=Path, default=ROOT / "build" / "serve")
+    default_workdir = ROOT / "build" / "serve"
+    start = sub.add_parser("start", help="start TorchServe in the background and wait until its models are READY")
+    start.add_argument("--workdir", type=Path, default=default_workdir, help="config, keys, logs and pid file")
+    start.add_argument("--model-store", type=Path, default=ROOT / "model_store", help="where the built archives are")
+    start.add_argument("--models", help="comma list of model names to serve (default: load_models of config.properties)")
+    start.add_argument("--timeout", type=float, default=600, help="seconds to wait for READY")
+    start.add_argument("--free-ports", action="store_true",
+                       help="listen on free loopback ports instead of config.properties' 8080-8082 (`tsctl url` tells them)")
+    stop = sub.add_parser("stop", help="stop the server started from --workdir (by its process group)")
+    stop.add_argument("--workdir", type=Path, default=default_workdir, help="the workdir given to start")
     key = sub.add_parser("key", help="print the inference key")
-    key.add_argument("--workdir", type=Path, default=ROOT / "build" / "serve")
+    key.add_argument("--workdir", type=Path, default=default_workdir, help="the workdir given to start")
+    url = sub.add_parser("url", help="print the inference address of the server started from --workdir")
+    url.add_argument("--workdir", type=Path, default=default_workdir, help="the workdir given to start")
+    url.add_argument("--api", choices=sorted(ADDRESS_KEYS), default="inference", help="which API's address")
+    probe = sub.add_parser("health", help="exit 0 when /ping (with the inference key) is Healthy and every model READY")
+    probe.add_argument("--workdir", type=Path, default=default_workdir, help="the workdir given to start")
+    probe.add_argument("--timeout", type=float, default=5, help="seconds per HTTP call")
     args = parser.parse_args(argv)
 
-    pid_file = args.workdir / "torchserve.pid"
     if args.cmd == "key":
         print(read_key(args.workdir))
         return 0
+    if args.cmd == "url":
+        print(read_properties(args.workdir / "config.properties")[ADDRESS_KEYS[args.api]])
+        return 0
+    if args.cmd == "health":
+        try:
+            print(health(args.workdir, args.timeout))
+            return 0
+        except (OSError, ValueError, KeyError, RuntimeError, requests.RequestException) as exc:
+            print(f"unhealthy: {exc}", file=sys.stderr)
+            return 1
+    pid_file = args.workdir / "torchserve.pid"
     if args.cmd == "stop":
         if not pid_file.exists():
             print("no server running (no pid file)")
@@ -234,6 +290,10 @@ def main(argv=None) -> int:
         pid_file.unlink()
         print("torchserve stopped")
         return 0
+    return start_server(args, pid_file)
+
+
+def start_server(args, pid_file: Path) -> int:
     if pid_file.exists():
         try:
             os.killpg(int(pid_file.read_text()), 0)
@@ -241,9 +301,16 @@ def main(argv=None) -> int:
             return 1
         except ProcessLookupError:
             pid_file.unlink()
+    models = args.models or read_properties(ROOT / "config.properties").get("load_models", "")
+    try:
+        load_models = load_models_value(models, args.model_store)
+    except (FileNotFoundError, ValueError) as exc:
+        print(exc, file=sys.stderr)
+        return 1
     args.workdir.mkdir(parents=True, exist_ok=True)
     (args.workdir / "key_file.json").unlink(missing_ok=True)
-    server = TorchServe(args.workdir, args.model_store)
+    server = TorchServe(args.workdir, args.model_store, models=load_models,
+                        ports=free_ports() if args.free_ports else None)
     process = server.start()
     pid_file.write_text(str(process.pid))
     try:
@@ -253,7 +320,8 @@ def main(argv=None) -> int:
         stop_group(process.pid)
         pid_file.unlink(missing_ok=True)
         return 1
-    print(f"torchserve ready in {seconds:.1f} s at {server.url()} (pid {process.pid}); "
+    names = ", ".join(f"{server.url()}/predictions/{m.split('=')[0]}" for m in load_models.split(","))
+    print(f"torchserve ready in {seconds:.1f} s (pid {process.pid}): {names}; "
           f"logs in {args.workdir}/logs, inference key in {args.workdir}/key_file.json")
     return 0
 

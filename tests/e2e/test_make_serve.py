@@ -1,0 +1,91 @@
+"""The README's serving commands, run through the real Makefile: `make demo`, `make stream`,
+`make stop` with MODEL naming non-default models (one, and a comma list), `tsctl health`.
+
+The server gets free loopback ports (``SERVE_ARGS=--free-ports``) and its own store and work
+directory, so a developer's own `make serve` on 8080 is neither needed nor disturbed.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import requests
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from tsctl import read_key, read_properties  # noqa: E402
+
+MODELS = ("tiny-llama-continuous", "tiny-llama")
+
+
+def make(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MAKE")}
+    return subprocess.run(["make", "--no-print-directory", "-C", str(ROOT), *args], capture_output=True,
+                          text=True, timeout=timeout, env=env)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, tiny_model_dir):
+    """`make demo MODEL=tiny-llama-continuous,tiny-llama`, stopped by `make stop` afterwards."""
+    work = tmp_path_factory.mktemp("make-serve")
+    where = [f"STORE={work / 'store'}", f"SERVE_DIR={work / 'serve'}", "SERVE_ARGS=--free-ports",
+             f"CHECKPOINT={tiny_model_dir}"]
+    demo = make("demo", f"MODEL={','.join(MODELS)}", "PROMPT=Once upon a time", *where)
+    try:
+        yield demo, work / "serve", where
+    finally:
+        stopped = make("stop", *where)
+        assert "torchserve stopped" in stopped.stdout, stopped.stdout + stopped.stderr
+
+
+def test_make_demo_serves_and_streams_every_model_named(served):
+    demo, workdir, _ = served
+    assert demo.returncode == 0, demo.stdout[-3000:] + demo.stderr[-3000:]
+    load_models = read_properties(workdir / "config.properties")["load_models"]
+    assert load_models.split(",") == list(MODELS)
+    for model in MODELS:
+        assert f"--- {model}: streaming with curl -N" in demo.stdout
+    # curl's NDJSON lines and stream.py's summary, once per model
+    assert demo.stdout.count('"finish_reason": "length"') == len(MODELS), demo.stdout[-2000:]
+    assert demo.stderr.count("[finish_reason=length") == len(MODELS), demo.stderr[-2000:]
+
+
+def test_non_default_model_is_addressed_by_its_name(served):
+    _, workdir, _ = served
+    url = read_properties(workdir / "config.properties")["inference_address"]
+    headers = {"Authorization": f"Bearer {read_key(workdir)}"}
+    for model in MODELS:
+        r = requests.post(f"{url}/predictions/{model}", headers=headers, timeout=60,
+                          json={"inputs": "The function returns", "stream": False, "parameters": {"max_new_tokens": 4, "details": True}})
+        assert r.status_code == 200, (model, r.text)
+        assert r.json()[0]["details"]["generated_tokens"] == 4
+
+
+def test_make_stream_addresses_the_model_given(served):
+    _, _, where = served
+    result = make("stream", "MODEL=tiny-llama-continuous", "PROMPT=The function returns", *where, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "--- tiny-llama-continuous" in result.stdout
+    assert "[finish_reason=" in result.stderr
+
+
+def test_health_needs_the_inference_key_and_tsctl_health_carries_it(served):
+    _, workdir, _ = served
+    url = read_properties(workdir / "config.properties")["inference_address"]
+    assert requests.get(f"{url}/ping", timeout=10).status_code == 400  # TorchServe 0.12 with token auth on
+    probe = subprocess.run([sys.executable, str(ROOT / "scripts" / "tsctl.py"), "health", "--workdir", str(workdir)],
+                           capture_output=True, text=True, timeout=60)
+    assert probe.returncode == 0, probe.stderr
+    assert probe.stdout.strip() == f"healthy: {','.join(MODELS)}"
+
+
+def test_make_build_names_the_configs_when_the_model_is_unknown(tmp_path):
+    result = make("build", "MODEL=tiny-llama,no-such-model", f"STORE={tmp_path / 'store'}")
+    assert result.returncode != 0
+    assert "no model-config/no-such-model.yaml; MODEL is one of:" in result.stderr
+    assert "tiny-llama-continuous" in result.stderr
+    assert not (tmp_path / "store").exists()

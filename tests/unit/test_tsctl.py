@@ -1,0 +1,33 @@
+"""scripts/tsctl.py: which archive each model name is served from, and what start refuses."""
+from __future__ import annotations
+
+import pytest
+
+from tsctl import load_models_value, main
+
+
+def test_each_name_is_served_from_its_directory_or_archive(tmp_path):
+    (tmp_path / "tiny-llama" / "MAR-INF").mkdir(parents=True)
+    (tmp_path / "packed.tar.gz").write_bytes(b"")
+    (tmp_path / "classic.mar").write_bytes(b"")
+    value = load_models_value("tiny-llama, packed,classic", tmp_path)
+    assert value == "tiny-llama,packed=packed.tar.gz,classic=classic.mar"
+
+
+def test_a_model_not_in_the_store_says_how_to_build_it(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"no model 'llama-2-7b' in .*make build MODEL=llama-2-7b"):
+        load_models_value("llama-2-7b", tmp_path)
+    with pytest.raises(ValueError, match="no model named"):
+        load_models_value(" , ", tmp_path)
+
+
+def test_start_refuses_an_unbuilt_model_before_starting_anything(tmp_path, capsys):
+    rc = main(["start", "--workdir", str(tmp_path / "serve"), "--model-store", str(tmp_path), "--models", "nope"])
+    assert rc == 1
+    assert "make build MODEL=nope" in capsys.readouterr().err
+    assert not (tmp_path / "serve" / "torchserve.pid").exists()
+
+
+def test_health_of_a_server_that_never_started_is_a_clear_failure(tmp_path, capsys):
+    assert main(["health", "--workdir", str(tmp_path)]) == 1
+    assert capsys.readouterr().err.startswith("unhealthy:")
