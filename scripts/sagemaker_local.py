@@ -35,7 +35,6 @@ MODEL_NAME = "model"  # the toolkit registers the artifact under this name
 CONTAINER_PROPERTIES = {
     "enable_envvars_config": "true",
     "decode_input_request": "false",
-    "disable_token_authorization": "true",
     "enable_model_api": "false",
     "default_workers_per_model": "1",
     "default_response_timeout": "600",
@@ -49,12 +48,19 @@ def make_read_only(root: Path) -> None:
 
 
 def container_server(model_dir: Path, workdir: Path, env=None) -> TorchServe:
-    """A TorchServe configured as the SageMaker container starts it, on free loopback ports."""
+    """A TorchServe configured as the SageMaker container starts it, on free loopback ports.
+
+    Its environment is the one ``make deploy`` gives the endpoint (``sagemaker_deploy.DEFAULT_ENV``),
+    which is what turns token authorization off: the properties alone leave it on, so a deploy
+    that forgot the variable would fail here as SageMaker's /ping would.
+    """
+    from sagemaker_deploy import DEFAULT_ENV
+
     ports = {"inference": free_port(), "management": free_port(), "metrics": free_port()}
     props = {**CONTAINER_PROPERTIES, "load_models": f"{MODEL_NAME}={model_dir}"}
     store = workdir / ".sagemaker" / "ts" / "models"
     store.mkdir(parents=True, exist_ok=True)
-    return TorchServe(workdir, store, ports=ports, base_config=None, extra=props, env=env)
+    return TorchServe(workdir, store, ports=ports, base_config=None, extra=props, env={**DEFAULT_ENV, **(env or {})})
 
 
 def main(argv=None) -> int:

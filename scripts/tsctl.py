@@ -90,9 +90,17 @@ class TorchServe:
 
     def auth_headers(self, kind: str = "inference") -> Dict[str, str]:
         """Bearer headers, or none when token authorization is off (as in the SageMaker container)."""
-        if self.props.get("disable_token_authorization") == "true":
+        if not self.token_authorization:
             return {}
         return {"Authorization": f"Bearer {read_key(self.workdir, kind)}"}
+
+    @property
+    def token_authorization(self) -> bool:
+        """On unless the properties turn it off, or (with enable_envvars_config) TS_DISABLE_TOKEN_AUTHORIZATION."""
+        if self.props.get("disable_token_authorization") == "true":
+            return False
+        from_env = self.env().get("TS_DISABLE_TOKEN_AUTHORIZATION", "").lower() == "true"
+        return not (self.props.get("enable_envvars_config") == "true" and from_env)
 
     def env(self) -> Dict[str, str]:
         env = dict(os.environ)

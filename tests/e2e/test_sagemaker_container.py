@@ -70,3 +70,10 @@ def test_plain_prompt_sent_as_json_content_type_like_the_article(container, toke
 def test_bad_request_is_a_400_through_invocations(container):
     r = requests.post(container.url() + "/invocations", json={"inputs": "x", "parameters": {"top_p": 7}}, timeout=60)
     assert r.status_code == 400 and r.json()["parameter"] == "top_p"
+
+
+def test_the_deploy_environment_is_what_lets_sagemakers_ping_through(container):
+    assert "disable_token_authorization" not in sagemaker_local.CONTAINER_PROPERTIES
+    assert container.extra_env["TS_DISABLE_TOKEN_AUTHORIZATION"] == "true"
+    assert container.auth_headers() == {}
+    assert not (container.workdir / "key_file.json").exists()

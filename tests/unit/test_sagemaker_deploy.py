@@ -101,7 +101,8 @@ def expected_model(env=None):
         "PrimaryContainer": {
             "Image": IMAGE,
             "ModelDataSource": {"S3DataSource": {"S3Uri": S3_URI, "S3DataType": "S3Prefix", "CompressionType": "None"}},
-            "Environment": {"TS_INSTALL_PY_DEP_PER_MODEL": "true", "OMP_WAIT_POLICY": "PASSIVE", **(env or {})},
+            "Environment": {"TS_INSTALL_PY_DEP_PER_MODEL": "true", "OMP_WAIT_POLICY": "PASSIVE",
+                            "TS_DISABLE_TOKEN_AUTHORIZATION": "true", **(env or {})},
         },
     }
 
