@@ -6,6 +6,7 @@ and reproduce the Neuron persistent compile cache layout and hit/miss behaviour.
 """
 from __future__ import annotations
 
+import hashlib
 import inspect
 import json
 import os
@@ -18,6 +19,7 @@ import torch
 from transformers import AutoConfig, LlamaForCausalLM
 
 DOUBLE = Path(__file__).resolve().parents[1] / "neuron_double"
+ROOT = DOUBLE.parents[1]
 DOUBLE_PACKAGES = ("transformers_neuronx", "neuronxcc", "torch_neuronx")
 
 
@@ -40,15 +42,18 @@ def tnx():
 
 
 ENV_VARS = ("NEURON_COMPILE_CACHE_URL", "NEURON_CC_FLAGS", "FAKE_NEURONXCC_VERSION", "FAKE_NEURON_COMPILE_SECONDS",
-            "NEURON_RT_NUM_CORES", "NEURON_RT_VISIBLE_CORES", "FAKE_NEURON_DEVICES", "FAKE_NEURON_INSTANCE_TYPE")
+            "NEURON_RT_NUM_CORES", "NEURON_RT_VISIBLE_CORES", "FAKE_NEURON_DEVICES", "FAKE_NEURON_INSTANCE_TYPE",
+            "FAKE_NEURON_CORE_REGISTRY")
 SMALL = dict(batch_size=[1, 2], n_positions=128, context_length_estimate=[16, 32])
 PROMPTS = ["The quick brown fox jumps over the lazy dog and", "Python"]
 
 
 def _clean_env(mp, cache_dir):
+    """No Neuron env vars, an empty persistent cache, and a core registry of its own (a host nobody else uses)."""
     for var in ENV_VARS:
         mp.delenv(var, raising=False)
     mp.setenv("NEURON_COMPILE_CACHE_URL", str(cache_dir))
+    mp.setenv("FAKE_NEURON_CORE_REGISTRY", str(cache_dir.parent / "cores"))
 
 
 @pytest.fixture(autouse=True)
@@ -238,6 +243,31 @@ def test_prompt_longer_than_largest_bucket_still_works_but_is_counted(compiled, 
     assert compiled.slow_context_encodings == before + 1
 
 
+def test_reset_is_counted_with_the_bytes_a_real_reset_writes(compiled):
+    calls, written = compiled.reset_calls, compiled.reset_bytes
+    compiled.reset()
+    compiled.reset()
+    # tiny model: 4 layers x (k, v) x caches of batch 1 and 2 x 128 positions x 4 KV heads x 32 x 4 bytes (f32)
+    assert compiled.kv_cache_bytes() == 4 * 2 * (1 + 2) * 128 * 4 * 32 * 4
+    assert (compiled.reset_calls - calls, compiled.reset_bytes - written) == (2, 2 * compiled.kv_cache_bytes())
+
+
+def test_a_context_encoding_at_position_0_replaces_the_previous_batch_without_reset(compiled, hf_model):
+    """As on the device: the new batch's prompt overwrites what it will read, the rest is masked."""
+    gen = torch.Generator().manual_seed(3)
+    first, second = torch.randint(3, 2048, (1, 30), generator=gen), torch.randint(3, 2048, (1, 7), generator=gen)
+    compiled.reset()
+    calls = compiled.reset_calls
+    compiled(first)
+    for position in range(30, 60):  # the first batch fills positions far past the second one's
+        compiled(torch.tensor([[5]]), torch.tensor([position]))
+    torch.testing.assert_close(compiled(second), hf_model(second).logits[:, -1], atol=1e-4, rtol=1e-4)
+    nxt = torch.tensor([[11]])
+    torch.testing.assert_close(compiled(nxt, torch.tensor([7])),
+                               hf_model(torch.cat([second, nxt], dim=1)).logits[:, -1], atol=1e-4, rtol=1e-4)
+    assert compiled.reset_calls == calls
+
+
 # ---- 5. sample ----------------------------------------------------------------------
 
 def test_greedy_left_padded_batch_equals_hf_generate_of_each_prompt(compiled, hf_model, tokenizer, left_padded):
@@ -358,6 +388,18 @@ def test_continuous_batching_slots(tnx, tiny_model_dir, hf_model, tokenizer):
         model(torch.tensor([[5]]), torch.tensor([[3]]), torch.tensor([2]))
 
 
+def test_continuous_batching_with_one_sequence_fails_in_to_neuron_like_the_real_context_insert(tnx, tiny_model_dir):
+    """layers/attention.py fused_kv_update_cache: inserting a prompt needs n_seqs > n_active_seqs (1)."""
+    cfg = tnx.NeuronConfig(continuous_batching=tnx.ContinuousBatchingConfig(max_num_seqs=1))
+    model = tnx.LlamaForSampling.from_pretrained(tiny_model_dir, batch_size=1, n_positions=128,
+                                                 context_length_estimate=[16, 32], neuron_config=cfg)
+    before = _stats(tnx)
+    with pytest.raises(NotImplementedError, match=r"^Updating 2D cache_ids is not implemented for n_active_tokens=16, "
+                                                  r"n_positions=16, n_seqs=1, n_active_seqs=1\.$"):
+        model.to_neuron()
+    assert _stats(tnx) == before, "nothing compiles: the HLO cannot even be built"
+
+
 # ---- 3. persistent cache ------------------------------------------------------------
 
 def test_first_compile_misses_and_writes_the_real_layout(tnx, tiny_model_dir, cache_dir):
@@ -368,14 +410,14 @@ def test_first_compile_misses_and_writes_the_real_layout(tnx, tiny_model_dir, ca
                       ("token", 128, 1), ("token", 128, 2)]
     assert not any(e["hit"] for e in model.compile_log)
     assert _stats(tnx)["misses"] - before["misses"] == 6 and _stats(tnx)["hits"] == before["hits"]
-    version_dir = cache_dir / "neuronxcc-2.15.143.0"
+    version_dir = cache_dir / "neuronxcc-2.16.345.0"
     modules = sorted(version_dir.iterdir())
     assert len(modules) == 6
     for entry in model.compile_log:
         path = Path(entry["module_dir"])
         assert path.parent == version_dir
         hlo, flags = path.name.removeprefix("MODULE_").split("+")
-        assert len(hlo) == 20 and len(flags) == 8 and hlo == entry["hlo_hash"]
+        assert len(hlo) == 20 and flags == "39f12043" and hlo == entry["hlo_hash"]
         assert sorted(p.name for p in path.iterdir()) == [
             "compile_flags.json", "model.done", "model.hlo_module.pb", "model.neff"]
         assert json.loads((path / "compile_flags.json").read_text()) == [
@@ -392,7 +434,9 @@ def test_same_settings_hit_and_changes_miss(tnx, tiny_model_dir, cache_dir, monk
 
     assert not any(e["hit"] for e in _build(tnx, tiny_model_dir, batch_size=4).compile_log)
     assert not any(e["hit"] for e in _build(tnx, tiny_model_dir, amp="bf16").compile_log)
+    monkeypatch.setenv("FAKE_NEURON_DEVICES", "4")  # 8 NeuronCores for tp_degree 8
     assert not any(e["hit"] for e in _build(tnx, tiny_model_dir, tp_degree=8).compile_log)
+    monkeypatch.delenv("FAKE_NEURON_DEVICES")
     assert not any(e["hit"] for e in _build(tnx, tiny_model_dir, neuron_config=tnx.NeuronConfig(fuse_qkv=True)).compile_log)
 
     monkeypatch.setenv("NEURON_CC_FLAGS", "-O1")
@@ -407,6 +451,25 @@ def test_same_settings_hit_and_changes_miss(tnx, tiny_model_dir, cache_dir, monk
     upgraded = _build(tnx, tiny_model_dir)
     assert not any(e["hit"] for e in upgraded.compile_log)
     assert (cache_dir / "neuronxcc-2.16.372.0").is_dir()
+
+
+def test_cache_key_hashes_follow_the_real_functions(tnx):
+    """compiler.get_hash_module (cache key: str(hlo), no flags) and base.hash_hlo (save/load names:
+    the serialized HLO) are different hashes of the same graph."""
+    hlo = {"graph": "token", "bucket": 128, "batch_size": 2}
+    text = tnx.compiler.hlo_text(hlo)
+    assert tnx.compiler.get_hash_module(hlo, None) == hashlib.sha256(text.encode()).hexdigest()[:20]
+    assert tnx.compiler.get_hash_module(hlo, "--a=1 --b") == hashlib.sha256((text + "--a=1--b").encode()).hexdigest()[:20]
+    assert tnx.base.hash_hlo(hlo) == hashlib.sha256(tnx.compiler.serialize(hlo)).hexdigest()[:20] + ".neff"
+    assert tnx.base.hash_hlo(hlo)[:20] != tnx.compiler.get_hash_module(hlo, None)
+
+
+def test_flags_hash_is_md5_of_the_json_flag_list_like_a_real_cache_entry(tnx):
+    """MODULE_5ac5ea8b15390a9a05af+39f12043 is a real entry compiled with the default flags (SDK 2.20)."""
+    flags = tnx.compiler.compile_flags()
+    assert flags == ["--model-type=transformer", "--auto-cast=none", "--execute-repetition=1"]
+    assert tnx.compiler.hash_flags(flags) == "39f12043"
+    assert tnx.compiler.hash_flags(["-O1", *flags[1:]]) != "39f12043"
 
 
 def test_compilation_worker_count_does_not_change_the_key(tnx, tiny_model_dir):
@@ -451,7 +514,9 @@ def test_save_and_load_round_trip(tnx, tiny_model_dir, tmp_path, monkeypatch, le
     model = _build(tnx, tiny_model_dir)
     artifacts = tmp_path / "artifacts"
     model.save(str(artifacts))
-    assert sorted(p.name for p in artifacts.iterdir()) == sorted(f"{e['hlo_hash']}.neff" for e in model.compile_log)
+    assert sorted(p.name for p in artifacts.iterdir()) == sorted(e["neff_file"] for e in model.compile_log)
+    # save()'s names hash the serialized HLO; the cache key hashes its text form: never the same
+    assert all(e["neff_file"] != f"{e['hlo_hash']}.neff" for e in model.compile_log)
 
     monkeypatch.setenv("NEURON_COMPILE_CACHE_URL", str(tmp_path / "empty-cache"))
     before = _stats(tnx)
@@ -505,16 +570,86 @@ def test_select_tokens(tnx):
     assert picked.shape == (3, 1) and bool((scores.gather(1, picked) >= scores.topk(5).values[:, -1:]).all())
 
 
+# ---- NeuronCores: one process each ---------------------------------------------------
+
+HOLDER = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from torch_neuronx import _fake_nrt
+print(_fake_nrt.init(), flush=True)
+sys.stdin.read()  # hold the cores until the test closes stdin
+"""
+
+
+def hold_cores(**env):
+    """Another process that takes NeuronCores (on this test's registry) and keeps them until released."""
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(DOUBLE)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env={**os.environ, **env})
+    proc.cores = json.loads(proc.stdout.readline())
+    return proc
+
+
+def release(proc):
+    proc.stdin.close()
+    proc.wait(timeout=30)
+
+
+def test_a_neuron_core_belongs_to_one_process_until_it_exits(tnx, tiny_model_dir):
+    holder = hold_cores(NEURON_RT_VISIBLE_CORES="0-1")
+    try:
+        assert holder.cores == [0, 1]
+        with pytest.raises(RuntimeError, match=rf"Logical Neuron Core\(s\) not available - Requested:2 Available:0; "
+                                               rf"held by another process: nc0 \(pid {holder.pid}\), nc1 \(pid {holder.pid}\)"):
+            _build(tnx, tiny_model_dir, batch_size=1)
+        listed = json.loads(subprocess.run([str(DOUBLE / "bin" / "neuron-ls"), "-j"], check=True, capture_output=True,
+                                           text=True).stdout)
+        assert [p["pid"] for p in listed[0]["neuron_processes"]] == [holder.pid]
+    finally:
+        release(holder)
+    model = _build(tnx, tiny_model_dir, batch_size=1)  # the exited process's claim is stale
+    assert model.neuron_cores == [0, 1]
+    assert _build(tnx, tiny_model_dir, batch_size=1).neuron_cores == [0, 1]  # this process already holds them
+
+
+def test_the_runtime_gives_free_cores_or_the_ones_named(tnx, tiny_model_dir, monkeypatch):
+    monkeypatch.setenv("FAKE_NEURON_DEVICES", "2")  # 4 NeuronCores
+    holder = hold_cores(NEURON_RT_NUM_CORES="2")
+    try:
+        assert holder.cores == [0, 1]
+        monkeypatch.setenv("NEURON_RT_NUM_CORES", "2")
+        assert _build(tnx, tiny_model_dir, batch_size=1).neuron_cores == [2, 3]
+        monkeypatch.delenv("NEURON_RT_NUM_CORES")
+        monkeypatch.setenv("NEURON_RT_VISIBLE_CORES", "1-2")
+        with pytest.raises(RuntimeError, match=rf"Requested:nc1-nc2 .*held by another process: nc1 \(pid {holder.pid}\)\. "):
+            _build(tnx, tiny_model_dir, batch_size=1)
+        monkeypatch.setenv("NEURON_RT_VISIBLE_CORES", "4-5")
+        with pytest.raises(RuntimeError, match="this host has 4"):
+            _build(tnx, tiny_model_dir, batch_size=1)
+    finally:
+        release(holder)
+
+
 # ---- SDK packaging, versions and neuron-ls ----------------------------------------------
 
 def test_versions(tnx, monkeypatch):
     import neuronxcc
     import torch_neuronx
 
-    assert tnx.__version__ == "0.13.1322" and torch_neuronx.__version__
-    assert neuronxcc.__version__ == "2.15.143.0"
+    assert tnx.__version__ == "0.13.322" and torch_neuronx.__version__ == "2.5.1.2.4.0"
+    assert neuronxcc.__version__ == "2.16.345.0"
     monkeypatch.setenv("FAKE_NEURONXCC_VERSION", "2.14.227.0")
     assert neuronxcc.__version__ == "2.14.227.0"
+
+
+def test_versions_are_the_sdk_release_pinned_in_requirements_neuron(tnx):
+    import neuronxcc
+    import torch_neuronx
+
+    pins = dict(line.split("==") for line in (ROOT / "requirements-neuron.txt").read_text().splitlines()
+                if "==" in line and not line.lstrip().startswith("#"))
+    double = {"neuronx-cc": neuronxcc.__version__, "torch-neuronx": torch_neuronx.__version__,
+              "transformers-neuronx": tnx.__version__}
+    assert double == {name: pins[name] for name in double}
 
 
 def test_neuron_ls(monkeypatch):

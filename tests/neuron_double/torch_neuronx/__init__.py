@@ -1,8 +1,9 @@
 """Test double of the ``torch_neuronx`` package (torch-neuronx, the PyTorch Neuron plugin).
 
 Only ``__version__`` is provided (real value format: ``<torch version>.<plugin version>``,
-here the torch-neuronx 2.1.2.2.3.2 wheel that ships with Neuron SDK 2.20/2.21), so that
-code which merely records the installed SDK versions can run without the SDK.
+here torch-neuronx 2.5.1.2.4.0 of Neuron SDK 2.21.0, as pinned in requirements-neuron.txt),
+so that code which merely records the installed SDK versions can run without the SDK.
+``_fake_nrt`` stands in for the Neuron runtime that the real plugin starts.
 """
 
-__version__ = "2.1.2.2.3.2"
+__version__ = "2.5.1.2.4.0"

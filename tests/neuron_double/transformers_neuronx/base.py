@@ -1,13 +1,20 @@
 """Test double of ``transformers_neuronx/base.py`` (aws-neuron/transformers-neuronx, 0.13.x):
 ``NeuronModelBase``, the top-level model API.
 
-* ``to_neuron()``: read the weights (into an HF model, float32 whatever ``amp``), then
-  either read the artifacts of ``load(dir)`` (``FileNotFoundError`` on a hash miss, as in
-  the real ``set_neff_bytes``) or ``compile()`` every graph through the simulated
-  persistent cache (``compiler.py``), then ``setup()``.
+* ``to_neuron()``: start the runtime (``ops.init()``: this process takes its NeuronCores,
+  ``RuntimeError`` if another live process holds one), read the weights (into an HF model,
+  float32 whatever ``amp``), build the graphs (continuous batching with one sequence fails
+  here, as the real context-insert HLO does), then either read the artifacts of
+  ``load(dir)`` (``FileNotFoundError`` on a hash miss, as in the real ``set_neff_bytes``) or
+  ``compile()`` every graph through the simulated persistent cache (``compiler.py``), then
+  ``setup()``.
 * Graphs: one context-encoding graph per (context bucket x context batch size) and one
   token-generation graph per (n_positions bucket x batch size).
-* ``save(dir)`` writes one ``<hlo hash>.neff`` per graph; ``load(dir)`` only records ``dir``.
+* ``save(dir)`` writes one file per graph named ``hash_hlo(hlo_module)`` (sha256 of the
+  serialized HLO, 20 hex digits, ``.neff``; flags not included); ``load(dir)`` only records ``dir``.
+* ``reset()`` zeroes every layer's KV cache from the host in the real SDK (``ops.parallel_write``
+  of zeros for k and v, every layer, every batch size); the double counts the calls
+  (``reset_calls``) and the bytes a real reset would write (``reset_bytes``).
 * ``forward`` checks what the real runtime would trip on (uncompiled batch size, a cache
   position past ``max(n_positions)``) and delegates numerics to ``decoder.HFDecoder``.
 """
@@ -15,22 +22,27 @@ import math
 import os
 import time
 
+import hashlib
+
 import torch
 
-from transformers_neuronx import bucket, compiler, module, sampling
+from transformers_neuronx import bucket, compiler, module, ops, sampling
+from transformers_neuronx.constants import GQA
 from transformers_neuronx.decoder import HFDecoder
 
 #: NeuronConfig fields that do not change the compiled graphs.
 _NON_HLO_FIELDS = {"compilation_worker_count", "dist", "rank_id", "local_tp", "layer_partition", "num_layers"}
 
 
-def _visible_core_count(spec):
-    """Number of cores in a ``NEURON_RT_VISIBLE_CORES`` value such as ``0-3`` or ``0,2``."""
-    count = 0
-    for part in spec.split(','):
-        lo, _, hi = part.strip().partition('-')
-        count += int(hi) - int(lo) + 1 if hi else 1
-    return count
+#: Bytes per KV-cache element for each ``amp`` (the cache has the amp dtype).
+_AMP_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
+
+
+def hash_hlo(hlo_module):
+    """As the real ``base.hash_hlo``: the ``save()``/``load()`` file name of one graph."""
+    hash_gen = hashlib.sha256()
+    hash_gen.update(compiler.serialize(hlo_module))
+    return str(hash_gen.hexdigest())[:20] + '.neff'
 
 
 class NeuronModelBase(module.PretrainedModel):
@@ -39,18 +51,23 @@ class NeuronModelBase(module.PretrainedModel):
     def _init_runtime_state(self):
         self.compile_log = []
         self.slow_context_encodings = 0
+        self.reset_calls = 0
+        self.reset_bytes = 0
+        self.neuron_cores = []
         self.ignored_sample_kwargs = {}
         self._neffs = {}
-        self._graph_hashes = []
+        self._graph_files = []
         self._decoder = None
         self._generation_config = self.neuron_config.on_device_generation
 
     # ---- top-level API -------------------------------------------------------------
 
     def to_neuron(self):
-        self._neffs, self._graph_hashes, self.compile_log = {}, [], []
+        self._neffs, self._graph_files, self.compile_log = {}, [], []
+        self.neuron_cores = ops.init()
         self._check_cores()
         self._load_weights()
+        self._build_hlo()
         if hasattr(self, "_compiled_artifacts_directory"):
             self._load_compiled_artifacts(self._compiled_artifacts_directory)
         else:
@@ -66,8 +83,9 @@ class NeuronModelBase(module.PretrainedModel):
         graphs = self._graphs()
         misses = 0
         for kind, bucket, batch_size in graphs:
-            hlo_hash, neff, module_dir, hit = compiler.compile_description(self._hlo_description(kind, bucket, batch_size))
-            self._record(kind, bucket, batch_size, hlo_hash, neff, module_dir, hit)
+            hlo_module = self._hlo_description(kind, bucket, batch_size)
+            hlo_hash, neff, module_dir, hit = compiler.compile_description(hlo_module)
+            self._record(kind, bucket, batch_size, hlo_hash, hash_hlo(hlo_module), neff, module_dir, hit)
             misses += not hit
         seconds = float(os.environ.get("FAKE_NEURON_COMPILE_SECONDS", "0") or 0)
         if misses and seconds > 0:
@@ -83,19 +101,37 @@ class NeuronModelBase(module.PretrainedModel):
             raise FileExistsError(f'Artifacts should be saved to a directory. Found existing file: {directory}')
         assert self.is_compiled(), "cannot save a model which has not been successfully compiled"
         os.makedirs(directory, exist_ok=True)
-        for hlo_hash in self._graph_hashes:
-            with open(os.path.join(directory, f"{hlo_hash}.neff"), 'wb') as f:
-                f.write(self._neffs[hlo_hash])
+        for name in self._graph_files:
+            with open(os.path.join(directory, name), 'wb') as f:
+                f.write(self._neffs[name])
 
     def load(self, directory):
         self._compiled_artifacts_directory = directory
 
     def is_compiled(self):
-        return bool(self._graph_hashes) and all(h in self._neffs for h in self._graph_hashes)
+        return bool(self._graph_files) and all(h in self._neffs for h in self._graph_files)
 
     def reset(self):
+        """Zero every KV cache. On the device this is a host-to-device write of all of them
+        (``kv_cache_bytes()``), and no upstream sampling loop calls it: stale entries are masked."""
+        self.reset_calls += 1
         if self._decoder is not None:
+            self.reset_bytes += self.kv_cache_bytes()
             self._decoder.reset()
+
+    def kv_cache_bytes(self):
+        """What one real ``reset()`` writes: layers x (k, v) x every batch size's cache.
+
+        Cache shape as the real ``DecoderLayer.init_caches`` (SBH): ``[max(n_positions), batch,
+        KV heads padded to a multiple of tp_degree (not with shard-over-batch), head size]``
+        in the ``amp`` dtype.
+        """
+        cfg = self.config
+        kv_heads = cfg.num_key_value_heads
+        if self.neuron_config.group_query_attention != GQA.SHARD_OVER_BATCH:
+            kv_heads = math.ceil(kv_heads / cfg.tp_degree) * cfg.tp_degree
+        per_row = max(self.token_buckets) * kv_heads * cfg.attention_head_size * _AMP_BYTES[cfg.amp]
+        return cfg.num_hidden_layers * 2 * sum(batch * per_row for batch in self.batch_sizes)
 
     def update_generation_config(self, generation_config):
         self._generation_config = generation_config
@@ -122,18 +158,35 @@ class NeuronModelBase(module.PretrainedModel):
             "neuron_config": neuron,
         }
 
-    def _record(self, kind, bucket, batch_size, hlo_hash, neff, module_dir, hit):
-        self._neffs[hlo_hash] = neff
-        self._graph_hashes.append(hlo_hash)
-        self.compile_log.append({"graph": kind, "bucket": bucket, "batch_size": batch_size,
-                                 "module_dir": module_dir, "hit": hit, "hlo_hash": hlo_hash})
+    def _record(self, kind, bucket, batch_size, hlo_hash, neff_file, neff, module_dir, hit):
+        self._neffs[neff_file] = neff
+        self._graph_files.append(neff_file)
+        self.compile_log.append({"graph": kind, "bucket": bucket, "batch_size": batch_size, "module_dir": module_dir,
+                                 "hit": hit, "hlo_hash": hlo_hash, "neff_file": neff_file})
+
+    def _build_hlo(self):
+        """Checks the real HLO builders make while ``load_weights()`` builds every graph.
+
+        Continuous batching: the context graph writes one prompt into a KV cache of
+        ``max_num_seqs`` sequences (``layers/attention.py`` ``fused_kv_update_cache``, 2-D
+        ``cache_ids``). Its insert branch needs ``n_seqs > n_active_seqs`` (here 1); with one
+        sequence no branch matches and the real code raises ``NotImplementedError``.
+        """
+        cb = self.neuron_config.continuous_batching
+        if not cb or not self.context_buckets:
+            return
+        n_seqs, size = cb.batch_size_for_shared_caches, min(self.context_buckets)
+        if n_seqs <= 1:
+            raise NotImplementedError(f"Updating 2D cache_ids is not implemented for n_active_tokens={size}, "
+                                      f"n_positions={size}, n_seqs={n_seqs}, n_active_seqs=1.")
 
     def _load_compiled_artifacts(self, directory):
         if not os.path.isdir(directory):
             raise FileNotFoundError(f'Did not find directory: {directory}.')
         for kind, bucket, batch_size in self._graphs():
-            hlo_hash = compiler.hash_description(self._hlo_description(kind, bucket, batch_size))
-            path = os.path.join(directory, f"{hlo_hash}.neff")
+            hlo_module = self._hlo_description(kind, bucket, batch_size)
+            neff_file = hash_hlo(hlo_module)
+            path = os.path.join(directory, neff_file)
             try:
                 with open(path, 'rb') as f:
                     neff = f.read()
@@ -143,17 +196,16 @@ class NeuronModelBase(module.PretrainedModel):
                     'are trying to load is the same type and has the same parameters as the one you saved or '
                     f'call "save" on this model to reserialize it. (missing: {path})') from None
             compiler.compiler_stats["loaded"] += 1
-            self._record(kind, bucket, batch_size, hlo_hash, neff, path, True)
+            self._record(kind, bucket, batch_size, compiler.get_hash_module(hlo_module, None), neff_file, neff, path,
+                         True)
 
     def _check_cores(self):
-        """The runtime gives a process the cores in NEURON_RT_NUM_CORES / NEURON_RT_VISIBLE_CORES;
-        a model sharded over more (tp_degree) cannot load."""
-        tp = self.config.tp_degree
-        for var, count in (("NEURON_RT_NUM_CORES", int), ("NEURON_RT_VISIBLE_CORES", _visible_core_count)):
-            value = os.environ.get(var)
-            if value and count(value) < tp:
-                raise RuntimeError(f"{var}={value} gives this process {count(value)} NeuronCore(s), "
-                                   f"but the model needs tp_degree={tp}")
+        """A model sharded over more cores (tp_degree) than the runtime gave this process cannot load."""
+        tp, got = self.config.tp_degree, len(self.neuron_cores)
+        if got < tp:
+            source = next((f"{var}={os.environ[var]}" for var in ("NEURON_RT_VISIBLE_CORES", "NEURON_RT_NUM_CORES")
+                           if os.environ.get(var)), "this host")
+            raise RuntimeError(f"{source} gives this process {got} NeuronCore(s), but the model needs tp_degree={tp}")
 
     def _load_weights(self):
         if not hasattr(self, "_checkpoint"):

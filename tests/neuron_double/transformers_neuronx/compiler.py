@@ -15,10 +15,22 @@ What is reproduced:
   ``model.done``.  ``model.done`` present means a hit; otherwise the graph is
   "compiled" (the files are written, ``model.done`` last).
 
-The HLO is replaced by an HLO-equivalent description (a dict built by the model);
-its hash is the first 20 hex digits of a sha256, like the real ``get_hash_module``.
-The flags hash is the first 8 hex digits of an md5 of the flags with spaces removed.
-Cache-control options (``--cache_dir``, ``--retry_failed_compilation``) are not part of it.
+The HLO is replaced by an HLO-equivalent description (a dict built by the model).
+Two hashes of it exist, as in the real SDK, and they differ:
+
+* ``get_hash_module(hlo_module, flags)`` (real ``compiler.py``): the first 20 hex digits of
+  a sha256 over ``str(hlo_module)`` (here ``hlo_text``), plus the flags with spaces removed
+  when ``flags`` is not None.  The cache key is ``get_hash_module(hlo_module, None)``:
+  the HLO part of ``MODULE_<hlo hash>+<flags hash>``, flags not included.
+* ``base.hash_hlo(hlo_module)`` (real ``base.py``): sha256 over
+  ``hlo_module.SerializeToString()`` (here ``serialize``): the file names of
+  ``save(dir)`` / ``load(dir)``.
+
+The flags hash (libneuronxla's cache) is the first 8 hex digits of the md5 of
+``json.dumps(<list of flag tokens>)``; checked against a real cache entry of SDK 2.20,
+``MODULE_5ac5ea8b15390a9a05af+39f12043`` for the default flags.  Leaving the
+cache-control options (``--cache_dir``, ``--retry_failed_compilation``) out of that list
+is the double's assumption: libneuronxla's source is not public.
 """
 import hashlib
 import json
@@ -86,14 +98,29 @@ def cache_root() -> str:
     return url
 
 
-def hash_description(description: dict) -> str:
-    """HLO hash: 20 hex digits of sha256 over the canonical JSON description."""
-    text = json.dumps(description, sort_keys=True, separators=(',', ':'))
-    return hashlib.sha256(text.encode('utf-8')).hexdigest()[:20]
+def hlo_text(hlo_module: dict) -> str:
+    """The double's ``str(hlo_module)`` (the protobuf text format in the real SDK)."""
+    return json.dumps(hlo_module, sort_keys=True, indent=1)
+
+
+def serialize(hlo_module: dict) -> bytes:
+    """The double's ``hlo_module.SerializeToString()``; also what ``model.hlo_module.pb`` holds."""
+    return json.dumps(hlo_module, sort_keys=True, separators=(',', ':')).encode('utf-8')
+
+
+def get_hash_module(hlo_module, flags):
+    """As the real ``get_hash_module``: sha256 of ``str(hlo_module)`` (+ flags without spaces)."""
+    hash_gen = hashlib.sha256()
+    text = hlo_text(hlo_module)
+    if flags is not None:
+        text += flags.replace(" ", "")
+    hash_gen.update(text.encode('utf-8'))
+    return str(hash_gen.hexdigest())[:20]
 
 
 def hash_flags(flags: list) -> str:
-    return hashlib.md5(' '.join(flags).replace(' ', '').encode('utf-8')).hexdigest()[:8]
+    """The persistent cache's flags hash: md5 of ``json.dumps`` of the flag tokens."""
+    return hashlib.md5(json.dumps(flags).encode('utf-8')).hexdigest()[:8]
 
 
 def fake_neff(hlo_hash: str, flags_hash: str, compiler_version: str) -> bytes:
@@ -120,7 +147,7 @@ def compile_description(description: dict):
     """
     version = neuronxcc.__version__
     flags = compile_flags()
-    hlo_hash, flags_hash = hash_description(description), hash_flags(flags)
+    hlo_hash, flags_hash = get_hash_module(description, None), hash_flags(flags)
     module_dir = os.path.join(cache_root(), f"neuronxcc-{version}", f"MODULE_{hlo_hash}+{flags_hash}")
     if os.path.isfile(os.path.join(module_dir, 'model.done')):
         with open(os.path.join(module_dir, 'model.neff'), 'rb') as f:
@@ -129,8 +156,7 @@ def compile_description(description: dict):
         return hlo_hash, neff, module_dir, True
     os.makedirs(module_dir, exist_ok=True)
     neff = fake_neff(hlo_hash, flags_hash, version)
-    text = json.dumps(description, sort_keys=True, indent=1)
-    _write(os.path.join(module_dir, 'model.hlo_module.pb'), text.encode())
+    _write(os.path.join(module_dir, 'model.hlo_module.pb'), serialize(description))
     _write(os.path.join(module_dir, 'compile_flags.json'), json.dumps(flags).encode())
     _write(os.path.join(module_dir, 'model.neff'), neff)
     _write(os.path.join(module_dir, 'model.done'), b'')

@@ -5,7 +5,9 @@ Here the numerics are delegated to a Hugging Face ``LlamaForCausalLM`` (float32)
 ``transformers.DynamicCache``.  The real KV cache is a fixed array of ``max(n_positions)``
 slots addressed by ``cache_ids``; the double keeps the filled prefix of it:
 
-* a write at position 0 starts a fresh cache (context encoding, or a 1-token prompt);
+* a write at position 0 starts a fresh cache (context encoding, or a 1-token prompt): on the
+  device it overwrites the positions the new batch reads, and the attention mask hides the
+  previous batch's entries beyond them, so no ``reset()`` is needed between batches;
 * a write at ``p < filled`` discards positions ``>= p`` first (the real graph masks them out);
 * a write at ``p > filled`` would read never-written slots, so it is a ``ValueError``;
 * any position ``>= max(n_positions)`` is a ``ValueError`` (the real cache has no such slot).
@@ -29,7 +31,8 @@ class HFDecoder:
         self.reset()
 
     def reset(self):
-        """Forget every cached position (static batch and continuous-batching slots)."""
+        """Forget every cached position (static batch and continuous-batching slots), as the
+        device's zeroed caches hold nothing a later read may use."""
         self._cache, self._filled, self._rows = None, 0, None
         self._slots = {}
 
