@@ -110,7 +110,7 @@ PASSTHROUGH_FRONTEND_KEYS = frozenset({
 AMPS = ("f32", "f16", "bf16")
 GQA_MODES = ("shard-over-heads", "shard-over-batch", "replicated-heads", "all-gather-heads")
 NEURON_KEYS = frozenset({"tp_degree", "amp", "n_positions", "context_length_estimate", "neuron_cc_flags",
-                         "gqa", "visible_cores"})
+                         "gqa", "visible_cores", "compilation_worker_count"})
 TORCH_KEYS = frozenset({"dtype", "device", "compile"})
 
 
@@ -140,6 +140,10 @@ class HandlerConfig:
     neuron_cc_flags: str = "--model-type=transformer"
     gqa: str = "shard-over-heads"
     visible_cores: Optional[str] = None
+    #: Graphs neuronx-cc compiles at once (transformers-neuronx ``NeuronConfig(compilation_worker_count)``).
+    #: Each compile of a 7B graph can take several GiB of host RAM; null compiles every graph at
+    #: once (the SDK's default), 1 one at a time (the safe default on a 16 GiB inf2.xlarge).
+    compilation_worker_count: Optional[int] = 1
 
     _TYPES = {
         "backend": (str, False), "model_path": (str, False), "dtype": (str, False),
@@ -148,7 +152,7 @@ class HandlerConfig:
         "compile_cache": (str, False), "allow_recompile": (bool, False), "compile": (bool, False),
         "tp_degree": (int, True), "amp": (str, False), "n_positions": ((int, list), True),
         "context_length_estimate": ((int, list), True), "neuron_cc_flags": (str, False),
-        "gqa": (str, False), "visible_cores": (str, True),
+        "gqa": (str, False), "visible_cores": (str, True), "compilation_worker_count": (int, True),
     }
 
     def __post_init__(self):
@@ -156,7 +160,8 @@ class HandlerConfig:
         _check_choice("handler.backend", self.backend, BACKENDS)
         _check_choice("handler.dtype", self.dtype, DTYPES)
         _check_choice("handler.device", self.device, DEVICES)
-        for key in ("max_length", "max_new_tokens", "max_input_bytes", "torch_threads", "tp_degree"):
+        for key in ("max_length", "max_new_tokens", "max_input_bytes", "torch_threads", "tp_degree",
+                    "compilation_worker_count"):
             _check_positive("handler.", key, getattr(self, key))
         for key in ("model_path", "compile_cache"):
             _check_relative(key, getattr(self, key))
@@ -189,6 +194,9 @@ class HandlerConfig:
                               f"must be smaller than the largest n_positions ({largest}) to leave room for tokens")
         if self.visible_cores is not None and not _core_range(self.visible_cores):
             raise ConfigError(f"handler.visible_cores: expected a core or a range like '0-11', got {self.visible_cores!r}")
+        if "--cache_dir" in self.neuron_cc_flags:
+            raise ConfigError("handler.neuron_cc_flags: --cache_dir would send the compiler to another cache than the "
+                              "one the handler sets up (NEURON_COMPILE_CACHE_URL); remove it")
 
     @property
     def max_prompt_length(self) -> Optional[int]:
@@ -312,6 +320,12 @@ class ModelConfig:
         if self.continuous and self.handler.backend == "torch" and self.handler.compile:
             raise ConfigError("handler.compile: not supported with continuousBatching yet; set compile: false, "
                               "or continuousBatching: false to use micro-batching")
+        if self.continuous and self.handler.backend == "neuron" and self.frontend.batchSize < 2:
+            raise ConfigError(
+                f"batchSize ({self.frontend.batchSize}): continuous batching on Neuron needs at least 2 slots; "
+                "transformers-neuronx cannot compile the graph that writes a prompt into a KV cache of one sequence "
+                "(fused_kv_update_cache raises NotImplementedError in to_neuron). Set batchSize: 2 or more, or "
+                "continuousBatching: false to serve one sequence at a time")
         if self.handler.backend == "neuron" and self.frontend.maxWorkers > 1:
             raise ConfigError(
                 f"maxWorkers ({self.frontend.maxWorkers}): each Neuron worker holds its tp_degree NeuronCores "

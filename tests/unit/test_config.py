@@ -131,6 +131,9 @@ def test_neuron_config_normalises_buckets():
     ("visible_cores", "a-b", r"handler\.visible_cores: expected a core or a range"),
     ("dtype", "bfloat16", r"handler\.dtype: applies only to backend torch, but backend is neuron"),
     ("compile", True, r"handler\.compile: applies only to backend torch"),
+    ("compilation_worker_count", 0, r"handler\.compilation_worker_count: must be >= 1"),
+    ("compilation_worker_count", "2", r"handler\.compilation_worker_count: expected int or null"),
+    ("neuron_cc_flags", "--model-type=transformer --cache_dir=/tmp/c", r"handler\.neuron_cc_flags: --cache_dir"),
 ])
 def test_bad_neuron_config(key, value, expected):
     data = neuron_base()
@@ -144,6 +147,34 @@ def test_neuron_keys_on_the_torch_backend_are_rejected():
     data["handler"]["tp_degree"] = 2
     with pytest.raises(ConfigError, match=r"handler\.tp_degree: applies only to backend neuron, but backend is torch"):
         load_model_config(data)
+    data = base()
+    data["handler"]["compilation_worker_count"] = 2
+    with pytest.raises(ConfigError, match=r"handler\.compilation_worker_count: applies only to backend neuron"):
+        load_model_config(data)
+
+
+def test_compilation_worker_count_defaults_to_one_compile_at_a_time():
+    data = neuron_base()
+    del data["handler"]["compilation_worker_count"]
+    assert load_model_config(data).handler.compilation_worker_count == 1
+    data["handler"]["compilation_worker_count"] = None  # every graph at once, the SDK's default
+    assert load_model_config(data).handler.compilation_worker_count is None
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "model-config").glob("*inf2-xlarge*.yaml")), ids=lambda p: p.name)
+def test_7b_configs_for_inf2_xlarge_compile_one_graph_at_a_time(path):
+    """A 16 GiB inf2.xlarge cannot run several 7B compiles next to the checkpoint."""
+    assert load_model_config_file(str(path)).handler.compilation_worker_count == 1
+
+
+def test_continuous_batching_on_neuron_needs_two_slots():
+    data = yaml.safe_load((ROOT / "model-config" / "llama-2-7b-inf2-xlarge-continuous.yaml").read_text())
+    data["batchSize"] = 1
+    with pytest.raises(ConfigError, match=r"batchSize \(1\): continuous batching on Neuron needs at least 2 slots.*"
+                                          r"fused_kv_update_cache.*Set batchSize: 2 or more"):
+        load_model_config(data)
+    data["batchSize"] = 2
+    assert load_model_config(data).slots == 2
 
 
 def test_neuron_with_several_workers_is_rejected():
