@@ -3,19 +3,26 @@
 
 1. prepare the checkpoint (safetensors + tokenizer) into ``<build>/model``;
 2. if the config compiles (backend neuron, or torch with ``compile: true``), load the model
-   with the compiler's cache pointed at ``<build>/compile_cache``;
+   with the compiler's cache pointed at the build's cache: for torch, ``<build>/compile_cache``
+   itself; for Neuron, the persistent cache ``<build>/neuron-compile-cache`` that stays on the
+   build host (a rebuild reuses it);
 3. warm up every graph: one generation per context bucket at the compiled batch size, which
-   also compiles the token graph;
+   also compiles the token graph; for Neuron, ``model.save()`` the compiled graphs into
+   ``<build>/compile_cache/neff``;
 4. write the manifest next to the cache and package everything with torch-model-archiver.
 
     python scripts/build_model.py --config model-config/tiny-llama.yaml --checkpoint build/tiny-llama
 
 TorchServe then loads the artifact without compiling: the handler verifies the manifest and
-points the compiler at the shipped cache.
+points the compiler at the shipped cache (Neuron: ``model.load()`` of the saved graphs).
+
+On Neuron the build loads the model onto the NeuronCores, which stay with this process
+until it exits: run it as its own process before TorchServe starts (``neuron_smoke.py`` does).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import sys
 import time
@@ -35,34 +42,47 @@ def step(n: int, total: int, text: str) -> float:
 
 
 def compile_and_manifest(cfg, model_root: Path) -> Path:
-    """Compile into a fresh cache next to the model, warm every graph, write the manifest."""
-    from tqdm import tqdm
-
-    from llama_engine import Engine
+    """Compile, warm every graph, collect what ships into a fresh cache next to the model, write the manifest."""
     from llama_engine.backends import cache_kind_and_settings
-    from llama_engine.compile_cache import write_manifest
-    from llama_engine.continuous import ContinuousScheduler
+    from llama_engine.compile_cache import SAVED_NEFFS, write_manifest
 
     kind, settings = cache_kind_and_settings(cfg.handler, cfg.slots, cfg.continuous)
     cache = model_root / "compile_cache"
     partial = model_root / "compile_cache.partial"
     shutil.rmtree(partial, ignore_errors=True)
-    buckets = list(cfg.handler.context_length_estimate or []) if cfg.handler.backend == "neuron" else []
-    if cfg.continuous:
-        scheduler = ContinuousScheduler.from_config(
-            cfg.handler, str(model_root), cfg.slots, cfg.continuous_batching.max_prefill_tokens_per_step,
-            build_cache_dir=str(partial))
-        for length in tqdm([None] + buckets, desc="warm-up graphs", unit="graph"):
-            scheduler.warmup(prompt_lengths=() if length is None else (length,))
-    else:
-        engine = Engine.from_config(cfg.handler, str(model_root), batch_size=cfg.slots, build_cache_dir=str(partial))
-        for length in tqdm([None] + buckets, desc="warm-up graphs", unit="graph"):
-            engine.warmup(batch_size=cfg.slots, prompt_lengths=() if length is None else (length,))
+    neuron = cfg.handler.backend == "neuron"
+    backend = warm_up(cfg, model_root, model_root / "neuron-compile-cache" if neuron else partial)
+    print(f"    compile cache: {json.dumps(backend.compile_session.report(), sort_keys=True)}")
+    if neuron:
+        backend.model.save(str(partial / SAVED_NEFFS))
+        print(f"    saved {len(list((partial / SAVED_NEFFS).iterdir()))} compiled graphs (model.save) to ship")
     manifest = write_manifest(partial, kind, settings)
     shutil.rmtree(cache, ignore_errors=True)
     partial.rename(cache)
     print(f"    {len(manifest['files'])} cache files, settings {settings}")
     return cache
+
+
+def warm_up(cfg, model_root: Path, build_cache_dir: Path):
+    """Load the model compiling into ``build_cache_dir``, run one generation per graph; the backend."""
+    from tqdm import tqdm
+
+    from llama_engine import Engine
+    from llama_engine.continuous import ContinuousScheduler
+
+    buckets = list(cfg.handler.context_length_estimate or []) if cfg.handler.backend == "neuron" else []
+    if cfg.continuous:
+        runner = ContinuousScheduler.from_config(
+            cfg.handler, str(model_root), cfg.slots, cfg.continuous_batching.max_prefill_tokens_per_step,
+            build_cache_dir=str(build_cache_dir))
+        warm = lambda lengths: runner.warmup(prompt_lengths=lengths)  # noqa: E731
+    else:
+        runner = Engine.from_config(cfg.handler, str(model_root), batch_size=cfg.slots,
+                                    build_cache_dir=str(build_cache_dir))
+        warm = lambda lengths: runner.warmup(batch_size=cfg.slots, prompt_lengths=lengths)  # noqa: E731
+    for length in tqdm([None] + buckets, desc="warm-up graphs", unit="graph"):
+        warm(() if length is None else (length,))
+    return runner.backend
 
 
 def main(argv=None) -> int:

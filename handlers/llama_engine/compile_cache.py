@@ -9,8 +9,12 @@ for an hour. The model directory may be read-only (SageMaker's /opt/ml/model), a
 compilers write lock and index files next to their entries, so the verified cache is
 copied to a writable directory and the compiler is pointed there.
 
-Two kinds share this path: the Neuron persistent cache (``NEURON_COMPILE_CACHE_URL``) and
-TorchInductor's cache (``TORCHINDUCTOR_CACHE_DIR``) for ``compile: true`` on the torch backend.
+Two kinds share this path. For Neuron the shipped directory holds the compiled graphs that
+transformers-neuronx's ``model.save()`` wrote (``neff/<hlo hash>.neff``); the handler loads
+them with ``model.load()``, so a graph that does not match is a ``FileNotFoundError`` and
+never a compile. ``NEURON_COMPILE_CACHE_URL`` still points at the writable copy, which is
+where ``allow_recompile`` compiles. For ``compile: true`` on the torch backend it is
+TorchInductor's cache (``TORCHINDUCTOR_CACHE_DIR``).
 """
 from __future__ import annotations
 
@@ -31,6 +35,8 @@ logger = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 FORMAT = 1
+#: Where the build puts transformers-neuronx's ``model.save()`` output inside the shipped cache.
+SAVED_NEFFS = "neff"
 
 
 class CompileCacheError(RuntimeError):
@@ -169,12 +175,18 @@ class CacheSession:
     path: Path
     shipped: int
     before: frozenset
+    #: True when ``path`` mirrors a shipped cache whose manifest matched this host.
+    verified: bool = False
 
     @classmethod
-    def start(cls, kind: CacheKind, path: Path) -> "CacheSession":
+    def start(cls, kind: CacheKind, path: Path, verified: bool = False) -> "CacheSession":
         os.environ[kind.env_var] = str(path)
         entries = frozenset(_entries(path))
-        return cls(kind, path, len(entries), entries)
+        return cls(kind, path, len(entries), entries, verified)
+
+    def saved_neffs(self) -> Optional[Path]:
+        """The verified ``model.save()`` directory to ``model.load()`` from, or None (compile instead)."""
+        return self.path / SAVED_NEFFS if self.verified and self.kind is NEURON else None
 
     def new_entries(self) -> list:
         return sorted(set(_entries(self.path)) - self.before)
@@ -195,7 +207,8 @@ class CacheSession:
 
 
 def _entries(path: Path) -> list:
-    """Cache entries: Neuron MODULE_* directories, or the files of any other cache."""
+    """Cache entries: Neuron MODULE_* directories, or the files of any other cache (and the
+    saved NEFFs of a shipped Neuron cache, which holds no MODULE_* directory)."""
     path = Path(path)
     if not path.exists():
         return []
@@ -230,7 +243,7 @@ def activate(model_dir: str, cache_name: str, kind: CacheKind, settings: dict,
                        "; ".join(problems))
         target = Path(tempfile.mkdtemp(prefix=f"llama-compile-{kind.name}-"))
     logger.info("compile cache (%s): %s -> %s", kind.name, shipped, target)
-    return CacheSession.start(kind, target)
+    return CacheSession.start(kind, target, verified=manifest is not None and not problems)
 
 
 def _warn_python_path(manifest: dict) -> None:

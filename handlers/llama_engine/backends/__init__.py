@@ -2,7 +2,8 @@
 
 A backend whose stack compiles (Neuron always, torch with ``compile: true``) loads through
 the compile cache shipped in the model directory (``compile_cache.activate``); the build
-step instead passes ``build_cache_dir`` to compile into a fresh cache.
+step instead passes ``build_cache_dir`` to compile into a cache of its own. A Neuron backend
+loads the shipped ``model.save()`` graphs of a verified cache (``CacheSession.saved_neffs``).
 """
 from __future__ import annotations
 
@@ -51,17 +52,17 @@ def prepare_cache(cfg, model_dir: str, batch_size: int, build_cache_dir: Optiona
 
 def create_backend(cfg, model_dir: str, batch_size: int = 1, build_cache_dir: Optional[str] = None) -> Backend:
     session = prepare_cache(cfg, model_dir, batch_size, build_cache_dir)
-    backend = _load(cfg, model_dir, batch_size)
+    backend = _load(cfg, model_dir, batch_size, session)
     backend.compile_session = session
     return backend
 
 
-def _load(cfg, model_dir: str, batch_size: int) -> Backend:
+def _load(cfg, model_dir: str, batch_size: int, session: Optional[compile_cache.CacheSession]) -> Backend:
     model_path = os.path.join(model_dir, cfg.model_path)
     if cfg.backend == "neuron":
         from .neuron_backend import NeuronBackend
 
-        return NeuronBackend(model_path, cfg, batch_size)
+        return NeuronBackend(model_path, cfg, batch_size, saved_neffs=session.saved_neffs())
     if cfg.compile:
         from .torch_backend import CompiledTorchBackend
 
@@ -82,7 +83,7 @@ def create_slot_backend(cfg, model_dir: str, max_slots: int, build_cache_dir: Op
     if cfg.backend == "neuron":
         from .neuron_backend import NeuronSlotBackend
 
-        backend = NeuronSlotBackend(model_path, cfg, max_slots)
+        backend = NeuronSlotBackend(model_path, cfg, max_slots, saved_neffs=session.saved_neffs())
     else:
         from .torch_backend import TorchSlotBackend
 

@@ -5,11 +5,20 @@ backend is chosen. The runtime environment (``NEURON_RT_NUM_CORES`` or
 ``NEURON_RT_VISIBLE_CORES``, ``NEURON_CC_FLAGS``) is set before ``transformers_neuronx`` is
 imported, because the runtime reads it once when it initialises.
 
+Loading: the build saved the compiled graphs with ``model.save()`` into the shipped cache; the
+handler calls ``model.load(dir)`` before ``to_neuron()``, so a graph that does not match
+(other settings, flags, checkpoint or SDK) is a ``FileNotFoundError`` at once, never an hour
+of compiling. Only ``handler.allow_recompile: true`` then compiles, through the persistent
+cache. The compiler flags come from ``handler.neuron_cc_flags`` alone: a different
+``NEURON_CC_FLAGS`` in the environment is refused, since ``load()`` does not look at flags.
+
 Decoding follows transformers-neuronx's own ``sample_loop_llama``: one ``forward`` over the
 left-padded prompts with ``start_ids`` (each row's first real token), then one ``forward``
 per token with a 1-D ``cache_ids`` holding the shared position. All rows of a batch share
 cache positions, so the longest prompt plus the longest answer must fit ``n_positions``
-(``shared_positions``; the engine plans batches accordingly).
+(``shared_positions``; the engine plans batches accordingly). Like upstream's loops it never
+calls ``model.reset()`` (a host write of every layer's KV cache, gigabytes for 7B): the next
+context encoding overwrites what the new batch reads, and the mask hides the rest.
 
 :class:`NeuronSlotBackend` serves continuous batching the way vLLM's Neuron worker drives
 transformers-neuronx: ``NeuronConfig(continuous_batching=...)`` (right padding, 2-D
@@ -18,16 +27,19 @@ and one token graph for the whole slot batch.
 """
 from __future__ import annotations
 
+import gc
 import glob
 import json
 import logging
 import os
 import shutil
 import subprocess
+from pathlib import Path
 from typing import List, Optional, Sequence
 
 import torch
 
+from ..compile_cache import CompileCacheError
 from ..errors import RequestError
 from .base import Backend, SlotBackend
 
@@ -69,20 +81,27 @@ def configure_runtime(tp_degree: int, visible_cores: Optional[str], cc_flags: st
             raise RuntimeError(f"tp_degree {tp_degree} needs {tp_degree} NeuronCores, this host has {available}; "
                                "use a larger instance or a config with a smaller tp_degree")
         os.environ.setdefault("NEURON_RT_NUM_CORES", str(tp_degree))
-    if os.environ.get("NEURON_CC_FLAGS", cc_flags) != cc_flags:
-        logger.warning("NEURON_CC_FLAGS=%r from the environment replaces handler.neuron_cc_flags %r",
-                       os.environ["NEURON_CC_FLAGS"], cc_flags)
-    os.environ.setdefault("NEURON_CC_FLAGS", cc_flags)
+    set_compiler_flags(cc_flags)
 
 
-def load_neuron_model(model_path: str, cfg, batch_size: int, continuous_batching: bool = False,
-                      padding_side: str = "left"):
-    """Configure the runtime, then build and ``to_neuron()`` the model for ``cfg``'s buckets.
+def set_compiler_flags(cc_flags: str) -> None:
+    """``NEURON_CC_FLAGS`` = ``handler.neuron_cc_flags``; refuse an environment that says otherwise.
 
-    ``continuous_batching`` builds a KV cache of ``batch_size`` independent sequences
-    (``ContinuousBatchingConfig``); the SDK then forces right padding.
+    The flags are part of the persistent cache's key but not of ``model.load()``'s file
+    names, so an environment override would either compile at load or run graphs built
+    with other flags than the environment asks for.
     """
-    configure_runtime(cfg.tp_degree, cfg.visible_cores, cfg.neuron_cc_flags)
+    env_flags = os.environ.get("NEURON_CC_FLAGS")
+    if env_flags is not None and env_flags.split() != cc_flags.split():
+        raise RuntimeError(
+            f"NEURON_CC_FLAGS={env_flags!r} in the environment differs from handler.neuron_cc_flags {cc_flags!r}, "
+            "which the model is built with; unset NEURON_CC_FLAGS (the handler sets it), or put the flags in "
+            "handler.neuron_cc_flags and rebuild the model")
+    os.environ["NEURON_CC_FLAGS"] = cc_flags
+
+
+def _new_model(model_path: str, cfg, batch_size: int, continuous_batching: bool, padding_side: str):
+    """``from_pretrained`` with ``cfg``'s buckets and NeuronConfig; nothing loaded onto the cores yet."""
     from transformers_neuronx import NeuronAutoModelForCausalLM, NeuronConfig
     from transformers_neuronx.config import ContinuousBatchingConfig
     from transformers_neuronx.constants import GQA
@@ -90,11 +109,41 @@ def load_neuron_model(model_path: str, cfg, batch_size: int, continuous_batching
     extra = {}
     if continuous_batching:
         extra["continuous_batching"] = ContinuousBatchingConfig(batch_size_for_shared_caches=batch_size)
-    neuron_config = NeuronConfig(group_query_attention=GQA(cfg.gqa), padding_side=padding_side, **extra)
-    model = NeuronAutoModelForCausalLM.from_pretrained(
+    neuron_config = NeuronConfig(group_query_attention=GQA(cfg.gqa), padding_side=padding_side,
+                                 compilation_worker_count=cfg.compilation_worker_count, **extra)
+    return NeuronAutoModelForCausalLM.from_pretrained(
         model_path, batch_size=batch_size, tp_degree=cfg.tp_degree, amp=cfg.amp,
         n_positions=list(cfg.n_positions), context_length_estimate=list(cfg.context_length_estimate),
         neuron_config=neuron_config)
+
+
+def load_neuron_model(model_path: str, cfg, batch_size: int, continuous_batching: bool = False,
+                      padding_side: str = "left", saved_neffs: Optional[Path] = None):
+    """Configure the runtime, then build and ``to_neuron()`` the model for ``cfg``'s buckets.
+
+    ``continuous_batching`` builds a KV cache of ``batch_size`` independent sequences
+    (``ContinuousBatchingConfig``); the SDK then forces right padding. ``saved_neffs`` is a
+    ``model.save()`` directory to load the graphs from instead of compiling; a miss fails
+    with ``CompileCacheError`` unless ``cfg.allow_recompile``, which then compiles.
+    """
+    configure_runtime(cfg.tp_degree, cfg.visible_cores, cfg.neuron_cc_flags)
+    args = (model_path, cfg, batch_size, continuous_batching, padding_side)
+    if saved_neffs is not None:
+        model = _new_model(*args)
+        model.load(str(saved_neffs))
+        try:
+            model.to_neuron()
+            return model
+        except FileNotFoundError as exc:
+            if not cfg.allow_recompile:
+                raise CompileCacheError(
+                    f"the compiled graphs shipped in {saved_neffs} do not match this model: {exc}\nNothing was "
+                    "compiled. Rebuild the model with these settings (`make build MODEL=<config>`), or set "
+                    "handler.allow_recompile: true to compile at load (slow: minutes to an hour on Neuron)") from exc
+            logger.warning("compile cache: %s; compiling at load because handler.allow_recompile is true", exc)
+            del model  # its weights are on the cores: free them before loading them again
+            gc.collect()
+    model = _new_model(*args)
     model.to_neuron()
     return model
 
@@ -102,8 +151,8 @@ def load_neuron_model(model_path: str, cfg, batch_size: int, continuous_batching
 class NeuronBackend(Backend):
     shared_positions = True
 
-    def __init__(self, model_path: str, cfg, batch_size: int):
-        self.model = load_neuron_model(model_path, cfg, batch_size, padding_side="left")
+    def __init__(self, model_path: str, cfg, batch_size: int, saved_neffs: Optional[Path] = None):
+        self.model = load_neuron_model(model_path, cfg, batch_size, padding_side="left", saved_neffs=saved_neffs)
         self.batch_sizes = (batch_size,)
         self.max_length = max(cfg.n_positions)
         self.max_prompt_length = max(cfg.context_length_estimate)
@@ -111,7 +160,6 @@ class NeuronBackend(Backend):
         self._position = 0
 
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        self.model.reset()
         self._start_ids = attention_mask.argmax(dim=1).to(torch.int32)
         self._position = input_ids.shape[1]
         return self.model.forward(input_ids, cache_ids=None, start_ids=self._start_ids).float()
@@ -160,14 +208,16 @@ class NeuronSlotBackend(SlotBackend):
 
     incremental_prefill = False
 
-    def __init__(self, model_path: str, cfg, max_slots: int):
-        if max_slots < 1:
-            raise ValueError(f"max_slots must be >= 1, got {max_slots}")
+    def __init__(self, model_path: str, cfg, max_slots: int, saved_neffs: Optional[Path] = None):
+        if max_slots < 2:
+            raise ValueError(f"continuous batching on Neuron needs max_slots >= 2, got {max_slots}: transformers-neuronx "
+                             "cannot compile the context-insert graph for a KV cache of one sequence")
         self.context_buckets = sorted(cfg.context_length_estimate)
         if not self.context_buckets or self.context_buckets[0] < 2:
             raise ValueError("continuous batching on Neuron needs context_length_estimate buckets of at least 2 "
                              f"tokens, got {list(cfg.context_length_estimate)}")
-        self.model = load_neuron_model(model_path, cfg, max_slots, continuous_batching=True, padding_side="right")
+        self.model = load_neuron_model(model_path, cfg, max_slots, continuous_batching=True, padding_side="right",
+                                       saved_neffs=saved_neffs)
         self.max_slots = max_slots
         self.max_length = max(cfg.n_positions)
         self.max_prefill_chunk = self.max_prompt_length = max(self.context_buckets)
