@@ -1,10 +1,14 @@
 #!/usr/bin/env python3
 """End-to-end smoke run on an Inferentia2 host (``make neuron-smoke MODEL=... CHECKPOINT=...``).
 
-1. builds the artifact (compile into the shipped cache, warm every graph, manifest, archive);
+1. builds the artifact (compile, warm every graph, save the compiled graphs, manifest,
+   archive) in a process of its own: the build loads the model onto the NeuronCores, and the
+   Neuron runtime gives a core to one process until that process exits, so the build must
+   be gone before TorchServe's worker asks for the same cores;
 2. starts TorchServe from it and checks that loading compiled nothing (every graph hit the cache);
 3. streams a prompt;
-4. runs a short benchmark (TTFT and tokens/s at concurrency 1 and the compiled batch size);
+4. runs a short benchmark (TTFT and tokens/s at concurrency 1 and the compiled batch size:
+   the micro-batch, or the slot count with continuous batching);
 5. prints a report and writes it to ``build/neuron-smoke/<model>/report.json``.
 
 Each step prints what it does; the run stops at the first failure with the reason.
@@ -14,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -24,7 +29,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT / "handlers"))
 
-import build_model  # noqa: E402
 import loadtest  # noqa: E402
 from tsctl import TorchServe, free_port  # noqa: E402
 
@@ -32,6 +36,18 @@ from tsctl import TorchServe, free_port  # noqa: E402
 def compile_report(log: str) -> dict:
     found = re.findall(r"compile cache: (\{.*\})", log)
     return json.loads(found[-1]) if found else {}
+
+
+def build_in_subprocess(config: Path, checkpoint: Path, model: str, work: Path, store: Path) -> int:
+    """scripts/build_model.py as a child process; it exits, freeing the NeuronCores, before TorchServe starts."""
+    cmd = [sys.executable, str(ROOT / "scripts" / "build_model.py"), "--config", str(config), "--checkpoint",
+           str(checkpoint), "--name", model, "--build-dir", str(work / "build"), "--export-path", str(store)]
+    return subprocess.run(cmd).returncode
+
+
+def benchmark_concurrency(cfg) -> list:
+    """Concurrency 1 and the compiled batch size: the slot count with continuous batching, else the micro-batch."""
+    return sorted({1, cfg.slots})
 
 
 def stream_prompt(url: str, headers: dict, prompt: str, max_new_tokens: int) -> dict:
@@ -76,8 +92,10 @@ def main(argv=None) -> int:
     print(f"== 1. build {args.model} (compile + warm-up + manifest + archive)", flush=True)
     started = time.perf_counter()
     if not args.skip_build:
-        build_model.main(["--config", str(config), "--checkpoint", str(args.checkpoint), "--name", args.model,
-                          "--build-dir", str(work / "build"), "--export-path", str(store)])
+        code = build_in_subprocess(config, args.checkpoint, args.model, work, store)
+        if code != 0:
+            print(f"FAIL: the build exited with {code}; see its output above")
+            return 1
     report["build_s"] = round(time.perf_counter() - started, 1)
 
     print("== 2. start TorchServe from the artifact; loading must compile nothing", flush=True)
@@ -101,7 +119,7 @@ def main(argv=None) -> int:
 
         print("== 4. short benchmark", flush=True)
         report["benchmark"] = [loadtest.run_round(url, headers, c, args.max_new_tokens)
-                               for c in sorted({1, cfg.micro_batching.micro_batch_size})]
+                               for c in benchmark_concurrency(cfg)]
     finally:
         server.stop()
 

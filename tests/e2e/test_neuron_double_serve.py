@@ -1,9 +1,12 @@
 """The Neuron path through a real TorchServe, with the Neuron SDK test double in the worker:
 the artifact loads with 0 compiles from a read-only store, streams, and the shape contract
-reaches the client as 4xx. The smoke script that `make neuron-smoke` runs passes too."""
+reaches the client as 4xx. The smoke script that `make neuron-smoke` runs passes too, and
+the sequence it used to run (build in its own process, then TorchServe) fails, because a
+NeuronCore belongs to one process until it exits."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -67,20 +70,31 @@ def test_shape_contract_is_a_400_that_names_the_limit(neuron_server, body, param
 
 
 def test_neuron_smoke_script_passes_against_the_double(tiny_model_dir, tmp_path):
+    """The build runs as a process of its own and has exited, with its NeuronCores, when
+    TorchServe's worker asks for them on the same host (one core registry for all three)."""
+    host = tmp_path / "host-cores"
     out = subprocess.run([sys.executable, str(ROOT / "scripts" / "neuron_smoke.py"), "--model", MODEL,
                           "--checkpoint", str(tiny_model_dir), "--workdir", str(tmp_path / "smoke"),
                           "--max-new-tokens", "8"],
-                         env=subprocess_env(), capture_output=True, text=True, timeout=600)
+                         env=subprocess_env(FAKE_NEURON_CORE_REGISTRY=host), capture_output=True, text=True,
+                         timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     report = json.loads((tmp_path / "smoke" / "report.json").read_text())
     assert report["compile_cache"]["new_entries"] == 0
     assert report["stream"]["details"]["generated_tokens"] == 8
     assert {b["concurrency"] for b in report["benchmark"]} == {1, 4}
+    assert sorted(p.name for p in host.glob("nc*")) == ["nc0", "nc1"], "the build and the worker took the cores here"
 
 
-def test_a_changed_compiler_version_fails_the_load_fast_with_the_reason(neuron_store, tmp_path):
-    ts = TorchServe(tmp_path / "ts", neuron_store, models=MODEL, ports=free_ports(),
-                    env=subprocess_env(FAKE_NEURONXCC_VERSION="2.16.0.0"))
+def test_building_in_the_process_that_then_starts_torchserve_fails_on_the_cores(tiny_model_dir, tmp_path):
+    """What neuron_smoke did before: the build loads the model onto the cores in this process,
+    which lives on, so TorchServe's worker on the same host cannot have them."""
+    host = str(tmp_path / "host-cores")
+    with neuron_double(NEURON_COMPILE_CACHE_URL=str(tmp_path / "unused-cache"), FAKE_NEURON_CORE_REGISTRY=host):
+        build_model.main(["--config", str(CONFIG), "--checkpoint", str(tiny_model_dir), "--name", MODEL,
+                          "--build-dir", str(tmp_path / "build"), "--export-path", str(tmp_path / "store")])
+    ts = TorchServe(tmp_path / "ts", tmp_path / "store", models=MODEL, ports=free_ports(),
+                    env=subprocess_env(FAKE_NEURON_CORE_REGISTRY=host))
     ts.start()
     try:
         with pytest.raises(RuntimeError) as info:
@@ -88,7 +102,21 @@ def test_a_changed_compiler_version_fails_the_load_fast_with_the_reason(neuron_s
     finally:
         ts.stop()
     message = str(info.value)
-    assert "neuronx-cc: compiled with 2.15.143.0, installed 2.16.0.0" in message
+    assert "Logical Neuron Core(s) not available" in message
+    assert f"nc0 (pid {os.getpid()}), nc1 (pid {os.getpid()})" in message
+
+
+def test_a_changed_compiler_version_fails_the_load_fast_with_the_reason(neuron_store, tmp_path):
+    ts = TorchServe(tmp_path / "ts", neuron_store, models=MODEL, ports=free_ports(),
+                    env=subprocess_env(FAKE_NEURONXCC_VERSION="2.17.0.0"))
+    ts.start()
+    try:
+        with pytest.raises(RuntimeError) as info:
+            ts.wait_ready(timeout=120)
+    finally:
+        ts.stop()
+    message = str(info.value)
+    assert "neuronx-cc: compiled with 2.16.345.0, installed 2.17.0.0" in message
     assert "make build MODEL=" in message
 
 
