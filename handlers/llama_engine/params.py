@@ -13,6 +13,9 @@ from .errors import RequestError
 
 MAX_STOP_SEQUENCES = 8
 MAX_STOP_LENGTH = 256
+# A temperature this small samples the top token anyway, and dividing float32 logits by it
+# overflows: it means greedy, as in vLLM (_SAMPLING_EPS).
+GREEDY_TEMPERATURE = 1e-5
 
 
 def _is_int(value: Any) -> bool:
@@ -28,9 +31,9 @@ def _is_number(value: Any) -> bool:
 class SamplingParams:
     """One request's parameters.
 
-    Normalised forms: ``temperature == 0`` and ``top_k == 1`` both mean greedy decoding, and
-    ``do_sample`` is then False; a single ``stop`` string becomes a list; integers given for
-    float parameters become floats.
+    Normalised forms: ``temperature == 0`` (or below ``GREEDY_TEMPERATURE``) and ``top_k == 1``
+    mean greedy decoding, and ``do_sample`` is then False; a single ``stop`` string becomes a
+    list; integers given for float parameters become floats.
     """
 
     max_new_tokens: Optional[int] = None
@@ -64,7 +67,7 @@ class SamplingParams:
         self.temperature = float(self.temperature)
         self.top_p = float(self.top_p)
         self.repetition_penalty = float(self.repetition_penalty)
-        if self.temperature == 0 or self.top_k == 1:
+        if self.temperature < GREEDY_TEMPERATURE or self.top_k == 1:
             self.do_sample = False
 
     def _check_max_new_tokens(self) -> None:

@@ -15,6 +15,15 @@ import torch
 
 from .params import SamplingParams
 
+_MAX = torch.finfo(torch.float32).max
+
+
+def _finite(scores: torch.Tensor) -> torch.Tensor:
+    """Scores that a softmax can take: an extreme penalty or temperature overflows float32 to
+    +-inf (or 0 * inf = nan), and one such score would make the whole row nan. Masked scores
+    are set to -inf only after this."""
+    return torch.nan_to_num(scores, nan=0.0, posinf=_MAX, neginf=-_MAX)
+
 
 class TokenSelector:
     def __init__(self, params: SamplingParams, prompt_ids: Sequence[int] = ()):
@@ -38,13 +47,17 @@ class TokenSelector:
         ids = torch.tensor(sorted(set(self._seen)), device=logits.device)
         scores = logits[ids]
         logits = logits.clone()
-        logits[ids] = torch.where(scores > 0, scores / penalty, scores * penalty)
+        logits[ids] = _finite(torch.where(scores > 0, scores / penalty, scores * penalty))
         return logits
 
     def warp(self, logits: torch.Tensor) -> torch.Tensor:
-        """Apply temperature, top-k and top-p to one row of logits ``[vocab]``."""
+        """Apply temperature, top-k and top-p to one row of logits ``[vocab]``.
+
+        The most likely token always survives top-k and top-p, so a row never loses every
+        token (a ``top_p`` below float32's smallest number would otherwise drop them all).
+        """
         p = self.params
-        logits = logits / p.temperature
+        logits = _finite(logits / p.temperature)
         if 0 < p.top_k < logits.shape[-1]:
             kth = torch.topk(logits, p.top_k).values[-1]
             logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -53,6 +66,7 @@ class TokenSelector:
             sorted_probs = sorted_logits.softmax(-1)
             mass_before = sorted_probs.cumsum(-1) - sorted_probs
             drop_sorted = mass_before >= p.top_p
+            drop_sorted[0] = False
             drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
             logits = logits.masked_fill(drop, float("-inf"))
         return logits
