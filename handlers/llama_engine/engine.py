@@ -164,15 +164,16 @@ def prepare_request(tokenizer, request: GenerationRequest, max_length: int, max_
         prompt_ids = tokenizer(request.prompt, add_special_tokens=False)["input_ids"]
     else:
         prompt_ids = tokenizer(request.prompt)["input_ids"]
+    field = "inputs" if request.messages is None else "messages"
     bucket = max_prompt_length
     if bucket is not None and len(prompt_ids) > bucket:
         raise RequestError(
             f"the prompt is {len(prompt_ids)} tokens; the limit is {bucket} tokens "
-            "(the largest compiled context bucket, handler.context_length_estimate)", "inputs")
+            "(the largest compiled context bucket, handler.context_length_estimate)", field)
     if len(prompt_ids) >= max_length:
         raise RequestError(
             f"the prompt is {len(prompt_ids)} tokens; the limit is {max_length - 1} tokens "
-            f"(handler.max_length {max_length} holds the prompt and the answer)", "inputs")
+            f"(handler.max_length {max_length} holds the prompt and the answer)", field)
     room = max_length - len(prompt_ids)
     requested = request.params.max_new_tokens
     if requested is None:

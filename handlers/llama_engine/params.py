@@ -27,6 +27,16 @@ def _is_number(value: Any) -> bool:
             and math.isfinite(value))
 
 
+def check_text(value: str, name: str) -> str:
+    """A string that cannot be UTF-8 (a lone surrogate from a JSON ``\\ud800`` escape) is a 400."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise RequestError(f"{name} is not valid Unicode (a lone surrogate at character {exc.start})",
+                           name) from None
+    return value
+
+
 @dataclass
 class SamplingParams:
     """One request's parameters.
@@ -104,6 +114,8 @@ def _normalise_stop(stop: Any) -> List[str]:
         raise RequestError(f"stop must be a string or a list of strings, got {stop!r}", "stop")
     if any(not s for s in stop):
         raise RequestError("stop must not contain empty strings", "stop")
+    for s in stop:
+        check_text(s, "stop")
     if len(stop) > MAX_STOP_SEQUENCES:
         raise RequestError(f"stop has {len(stop)} sequences; at most {MAX_STOP_SEQUENCES} are accepted", "stop")
     if any(len(s) > MAX_STOP_LENGTH for s in stop):

@@ -13,8 +13,14 @@ schema for ``"stream": true`` or ``Accept: text/event-stream``, one JSON documen
 JSON document (TGI's default), so a request with its User-Agent and no key gets that.
 
 A body sent as ``application/json`` that is not JSON at all (it does not start with ``{`` or
-``[``) is taken as plain text, because the SageMaker examples send plain prompts that way.
-A body that starts like JSON but does not parse is a 400.
+``[``) is taken as plain text, because the SageMaker examples send plain prompts that way;
+a whole body that is one JSON string (``"..."``) is that string. A body that starts like JSON
+but does not parse is a 400, and so is JSON nested deeper than :data:`MAX_JSON_DEPTH`: it is
+refused before it is decoded, so no body can reach Python's recursion limit.
+
+Bodies arrive as the client's bytes (the handler turns TorchServe's own decoding off), so
+the size limit counts the bytes that were sent. Objects that a caller has already decoded
+are accepted too, checked for depth without recursion before anything else touches them.
 """
 from __future__ import annotations
 
@@ -23,11 +29,13 @@ from dataclasses import dataclass, field
 from typing import List, Optional, Union
 
 from .errors import RequestError
-from .params import SamplingParams
+from .params import SamplingParams, check_text
 
 NDJSON, SSE, JSON_BODY = "ndjson", "sse", "json"
 JSON_KEYS = ("inputs", "messages", "parameters", "stream")
 ROLES = ("system", "user", "assistant")
+# The deepest valid body is 3 levels ({"messages": [{...}]}, {"parameters": {"stop": [...]}}).
+MAX_JSON_DEPTH = 32
 Body = Union[bytes, bytearray, str, dict, list, None]
 
 
@@ -63,9 +71,17 @@ def _parse_body(body: Body, content_type: Optional[str], max_bytes: int) -> Gene
         body = _decode_utf8(bytes(body), max_bytes)
     if isinstance(body, str):
         _check_size(len(body.encode("utf-8")), max_bytes)
-        return _parse_text(body, content_type, max_bytes)
+        return _parse_text(body, content_type)
+    if isinstance(body, (dict, list)):  # decoded before it reached us: bound its depth before anything recurses
+        if _nested_deeper_than(body, MAX_JSON_DEPTH):
+            raise _too_deep()
+        encoded = json.dumps(body, ensure_ascii=False, separators=(",", ":"))
+        _check_size(len(encoded.encode("utf-8", "surrogatepass")), max_bytes)
+    return _parse_value(body)
+
+
+def _parse_value(body) -> GenerationRequest:
     if isinstance(body, dict):
-        _check_size(len(json.dumps(body).encode("utf-8")), max_bytes)
         return _parse_json_object(body)
     if isinstance(body, list):
         raise RequestError("a JSON array is not accepted; send one JSON object per request", "inputs")
@@ -92,18 +108,77 @@ def _is_json_type(content_type: Optional[str]) -> bool:
     return bool(content_type) and "json" in content_type.split(";")[0].lower()
 
 
-def _parse_text(text: str, content_type: Optional[str], max_bytes: int) -> GenerationRequest:
+def _parse_text(text: str, content_type: Optional[str]) -> GenerationRequest:
     stripped = text.lstrip()
     if _is_json_type(content_type) and stripped[:1] in ("{", "["):
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise RequestError(f"invalid JSON body: {exc.msg} at line {exc.lineno} column {exc.colno}",
-                               "inputs") from None
-        return _parse_body(data, content_type, max_bytes)
+        return _parse_value(_load_json(text))
+    if _is_json_type(content_type) and stripped[:1] == '"':
+        text = _json_string(text)
     if not text.strip():
         raise RequestError("empty prompt; send the prompt as the request body", "inputs")
-    return GenerationRequest(prompt=text)
+    return GenerationRequest(prompt=check_text(text, "inputs"))
+
+
+def _load_json(text: str):
+    """Decode a JSON body; every way it can fail is a 400 (never a RecursionError or a 500)."""
+    if _text_nested_deeper_than(text, MAX_JSON_DEPTH):
+        raise _too_deep()
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise RequestError(f"invalid JSON body: {exc.msg} at line {exc.lineno} column {exc.colno}",
+                           "inputs") from None
+    except (ValueError, RecursionError) as exc:  # an integer over Python's 4300 digits, say
+        raise RequestError(f"invalid JSON body: {exc}", "inputs") from None
+
+
+def _json_string(text: str) -> str:
+    """The prompt a whole-body JSON string stands for; text that is not one stays as it is."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, str) else text
+
+
+def _too_deep() -> RequestError:
+    return RequestError(f"the JSON body is nested deeper than {MAX_JSON_DEPTH} levels", "inputs")
+
+
+def _text_nested_deeper_than(text: str, limit: int) -> bool:
+    """Whether JSON text opens more than ``limit`` arrays/objects at once (strings skipped), in one pass."""
+    if text.count("[") + text.count("{") <= limit:
+        return False
+    depth, in_string, escaped = 0, False, False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch == "[" or ch == "{":
+            depth += 1
+            if depth > limit:
+                return True
+        elif ch == "]" or ch == "}":
+            depth -= 1
+    return False
+
+
+def _nested_deeper_than(value, limit: int) -> bool:
+    """The same for an already decoded value, without recursion."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            if depth > limit:
+                return True
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return False
 
 
 def _parse_json_object(data: dict) -> GenerationRequest:
@@ -124,6 +199,7 @@ def _parse_json_object(data: dict) -> GenerationRequest:
         raise RequestError(f"inputs must be a string, got {type(prompt).__name__}", "inputs")
     if not prompt.strip():
         raise RequestError("inputs must not be empty", "inputs")
+    check_text(prompt, "inputs")
     return GenerationRequest(prompt=prompt, params=params, output=output)
 
 
@@ -138,6 +214,7 @@ def _check_messages(messages) -> List[dict]:
                                "messages")
         if not isinstance(message["content"], str):
             raise RequestError(f"messages[{i}].content must be a string", "messages")
+        check_text(message["content"], "messages")
         if message["role"] == "system" and i != 0:
             raise RequestError(f"messages[{i}]: a system message may only come first", "messages")
     turns = [m["role"] for m in messages if m["role"] != "system"]
