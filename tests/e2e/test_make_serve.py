@@ -89,3 +89,33 @@ def test_make_build_names_the_configs_when_the_model_is_unknown(tmp_path):
     assert "no model-config/no-such-model.yaml; MODEL is one of:" in result.stderr
     assert "tiny-llama-continuous" in result.stderr
     assert not (tmp_path / "store").exists()
+
+
+def probe_example() -> dict:
+    """The Kubernetes probes of docs/operations.md, as a user would paste them."""
+    import yaml
+
+    text = (ROOT / "docs" / "operations.md").read_text()
+    block = text.split("<!-- probe-example -->", 1)[1].split("```yaml", 1)[1].split("```", 1)[0]
+    return yaml.safe_load(block)
+
+
+def test_the_documented_kubernetes_probes_pass_against_a_served_model(served):
+    _, workdir, _ = served
+    probes = probe_example()
+    for name in ("startupProbe", "readinessProbe"):
+        command = [str(workdir) if part == "build/serve" else part for part in probes[name]["exec"]["command"]]
+        assert command[-1] == str(workdir), command
+        result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, (name, result.stderr)
+    live = probes["livenessProbe"]["httpGet"]
+    metrics = read_properties(workdir / "config.properties")["metrics_address"]
+    assert live["port"] == 8082  # config.properties' metrics port; this server's is a free one
+    assert requests.get(f"{metrics}{live['path']}", timeout=10).status_code == 200
+
+
+def test_the_documented_readiness_probe_fails_when_no_server_runs(tmp_path):
+    command = probe_example()["readinessProbe"]["exec"]["command"]
+    command = [str(tmp_path) if part == "build/serve" else part for part in command]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and "unhealthy" in result.stderr
