@@ -425,10 +425,26 @@ def _as_request_error(error: BaseException) -> RequestError:
 _service = None
 
 
+def take_raw_bodies() -> None:
+    """Have TorchServe's worker hand every body over as the client's bytes.
+
+    By default the worker ``json.loads`` each ``application/json`` body in its message loop
+    (``otf_message_handler._retrieve_input_data``) before the handler runs: the handler then
+    cannot bound the nesting depth before decoding, counts the size limit on a re-encoding
+    instead of the bytes sent (a 45 kB CJK prompt counted as 90 kB and got a 413), and every
+    JSON body is decoded twice when that decode fails. The worker reads this variable (which
+    ``decode_input_request=false`` in config.properties also sets) for every request, so
+    setting it here, when the model loads, covers any config.properties the archive is served
+    with; ``llama_engine.request`` parses the bytes itself.
+    """
+    os.environ["TS_DECODE_INPUT_REQUEST"] = "false"
+
+
 def handle(data, context):
     """Module-level entry point, as TorchServe calls a handler module."""
     global _service
     if _service is None:
+        take_raw_bodies()
         continuous = load_model_config(context.model_yaml_config).continuous
         _service = ContinuousHandler() if continuous else LlamaHandler()
     if not _service.initialized:
