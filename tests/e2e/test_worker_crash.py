@@ -174,3 +174,23 @@ def test_a_kill_while_idle_costs_the_next_client_only_the_restart(crash_server):
     assert result["text"] == crash_server.baseline["text"]
     print(f"\n[{crash_server.model}] idle kill: the next stream finished {result['ended_at'] - killed_at:.1f} s after "
           f"the kill ({result['seconds']:.1f} s after it was sent)")
+
+
+def test_stream_py_says_the_stream_was_cut(crash_server):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    cli = subprocess.Popen([sys.executable, str(root / "scripts" / "stream.py"), PROMPT, "--model", crash_server.model,
+                            "--workdir", str(crash_server.workdir), "--max-new-tokens", "400"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert cli.stdout.read(20), "stream.py printed no tokens"
+        pid, killed_at = kill_worker(crash_server)
+        _, err = cli.communicate(timeout=HANG)
+    finally:
+        cli.kill()
+    assert cli.returncode == 1
+    assert "was cut before its last message" in err, err
+    wait_for_new_worker(crash_server, pid, killed_at)
