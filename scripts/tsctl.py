@@ -237,6 +237,28 @@ def load_models_value(models: str, model_store: Path) -> str:
     return ",".join(entries)
 
 
+def startup_timeout(load_models: str, model_store: Path, default: float = 600.0) -> float:
+    """Seconds to wait for READY: the largest ``startupTimeout`` of the served archives' model-configs,
+    plus a minute for the frontend and the worker's start, and never less than ``default``.
+
+    A 7B Neuron config allows 1800 s to load; giving up sooner would stop a server that is
+    still loading. Packed archives (``.tar.gz``, ``.mar``) are not opened: ``default`` applies.
+    """
+    import yaml
+
+    longest = 0.0
+    for entry in load_models.split(","):
+        name = entry.split("=", 1)[0]
+        manifest = model_store / name / "MAR-INF" / "MANIFEST.json"
+        if not manifest.is_file():
+            continue
+        config_file = json.loads(manifest.read_text()).get("model", {}).get("configFile")
+        if config_file and (model_store / name / config_file).is_file():
+            config = yaml.safe_load((model_store / name / config_file).read_text()) or {}
+            longest = max(longest, float(config.get("startupTimeout", 120)))
+    return max(default, longest + 60)
+
+
 def health(workdir: Path, timeout: float = 5.0) -> str:
     """What a readiness probe needs: /ping with the inference key, and every model's workers READY.
 
@@ -261,7 +283,8 @@ def main(argv=None) -> int:
     start.add_argument("--workdir", type=Path, default=default_workdir, help="config, keys, logs and pid file")
     start.add_argument("--model-store", type=Path, default=ROOT / "model_store", help="where the built archives are")
     start.add_argument("--models", help="comma list of model names to serve (default: load_models of config.properties)")
-    start.add_argument("--timeout", type=float, default=600, help="seconds to wait for READY")
+    start.add_argument("--timeout", type=float,
+                       help="seconds to wait for READY (default: the models' largest startupTimeout + 60, at least 600)")
     start.add_argument("--free-ports", action="store_true",
                        help="listen on free loopback ports instead of config.properties' 8080-8082 (`tsctl url` tells them)")
     stop = sub.add_parser("stop", help="stop the server started from --workdir (by its process group)")
@@ -322,7 +345,7 @@ def start_server(args, pid_file: Path) -> int:
     process = server.start()
     pid_file.write_text(str(process.pid))
     try:
-        seconds = server.wait_ready(args.timeout)
+        seconds = server.wait_ready(args.timeout or startup_timeout(load_models, args.model_store))
     except (RuntimeError, TimeoutError) as exc:
         print(exc, file=sys.stderr)
         stop_group(process.pid)

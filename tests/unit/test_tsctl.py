@@ -31,3 +31,17 @@ def test_start_refuses_an_unbuilt_model_before_starting_anything(tmp_path, capsy
 def test_health_of_a_server_that_never_started_is_a_clear_failure(tmp_path, capsys):
     assert main(["health", "--workdir", str(tmp_path)]) == 1
     assert capsys.readouterr().err.startswith("unhealthy:")
+
+
+def test_start_waits_as_long_as_the_slowest_models_startup_timeout(tmp_path):
+    import json
+
+    from tsctl import startup_timeout
+
+    for name, seconds in (("quick", 300), ("neuron-7b", 1800)):
+        (tmp_path / name / "MAR-INF").mkdir(parents=True)
+        (tmp_path / name / "MAR-INF" / "MANIFEST.json").write_text(json.dumps({"model": {"configFile": f"{name}.yaml"}}))
+        (tmp_path / name / f"{name}.yaml").write_text(f"startupTimeout: {seconds}\n")
+    (tmp_path / "packed.tar.gz").write_bytes(b"")
+    assert startup_timeout("quick", tmp_path) == 600
+    assert startup_timeout("quick,neuron-7b,packed=packed.tar.gz", tmp_path) == 1860
