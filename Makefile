@@ -28,7 +28,7 @@ ARCHIVE_OF = $(STORE)/$(1)/MAR-INF/MANIFEST.json
 endif
 ARCHIVES := $(foreach m,$(MODELS),$(call ARCHIVE_OF,$(m)))
 
-.PHONY: demo test build check-models serve stop stream check-prereqs venv clean neuron-smoke upload deploy undeploy sagemaker-local bench bench-peers bench-models
+.PHONY: demo test build check-models one-model serve stop stream check-prereqs venv clean neuron-smoke upload deploy undeploy sagemaker-local bench bench-peers bench-models
 
 demo: serve
 	@for m in $(MODELS); do \
@@ -63,6 +63,9 @@ $(CHECKPOINT)/config.json:
 endif
 
 build: check-models $(ARCHIVES)
+
+one-model:
+	@test $(words $(MODELS)) -eq 1 || { echo "this target takes one MODEL, got: $(MODEL)" >&2; exit 1; }
 
 check-models:
 	@for m in $(MODELS); do test -f model-config/$$m.yaml || { \
@@ -110,16 +113,16 @@ ROLE_ARN ?=
 IMAGE_URI ?=
 ENDPOINT ?=
 AWS_ARGS := $(if $(REGION),--region $(REGION)) $(if $(ENDPOINT_URL),--endpoint-url $(ENDPOINT_URL))
-upload: build
+upload: one-model build
 	@test -n "$(S3_URI)" || { echo "set S3_URI=s3://bucket/prefix/" >&2; exit 1; }
 	$(BIN)/python scripts/s3_upload.py $(STORE)/$(MODEL) $(S3_URI) $(AWS_ARGS) $(UPLOAD_ARGS)
 
-deploy: | $(VENV)/.installed
+deploy: one-model | $(VENV)/.installed
 	@test -n "$(S3_URI)" -a -n "$(ROLE_ARN)" -a -n "$(IMAGE_URI)" || { echo "set S3_URI, ROLE_ARN and IMAGE_URI (see README: Deploy to SageMaker)" >&2; exit 1; }
 	$(BIN)/python scripts/sagemaker_deploy.py deploy --config model-config/$(MODEL).yaml --s3-uri $(S3_URI) \
 	  --role-arn $(ROLE_ARN) --image-uri $(IMAGE_URI) $(if $(ENDPOINT),--name $(ENDPOINT)) $(if $(REGION),--region $(REGION)) $(DEPLOY_ARGS)
 
-undeploy: | $(VENV)/.installed
+undeploy: one-model | $(VENV)/.installed
 	@test -n "$(ENDPOINT)" || { echo "set ENDPOINT=<name printed by make deploy>" >&2; exit 1; }
 	$(BIN)/python scripts/sagemaker_deploy.py undeploy --name $(ENDPOINT) $(if $(REGION),--region $(REGION))
 

@@ -119,3 +119,10 @@ def test_the_documented_readiness_probe_fails_when_no_server_runs(tmp_path):
     command = [str(tmp_path) if part == "build/serve" else part for part in command]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 1 and "unhealthy" in result.stderr
+
+
+@pytest.mark.parametrize("target", ["upload", "deploy"])
+def test_upload_and_deploy_take_one_model(target):
+    result = make(target, "MODEL=tiny-llama,tiny-llama-continuous", "S3_URI=s3://bucket/prefix/")
+    assert result.returncode != 0
+    assert "this target takes one MODEL, got: tiny-llama,tiny-llama-continuous" in result.stderr
