@@ -122,7 +122,7 @@ deploy: one-model | $(VENV)/.installed
 	$(BIN)/python scripts/sagemaker_deploy.py deploy --config model-config/$(MODEL).yaml --s3-uri $(S3_URI) \
 	  --role-arn $(ROLE_ARN) --image-uri $(IMAGE_URI) $(if $(ENDPOINT),--name $(ENDPOINT)) $(if $(REGION),--region $(REGION)) $(DEPLOY_ARGS)
 
-undeploy: one-model | $(VENV)/.installed
+undeploy: | $(VENV)/.installed
 	@test -n "$(ENDPOINT)" || { echo "set ENDPOINT=<name printed by make deploy>" >&2; exit 1; }
 	$(BIN)/python scripts/sagemaker_deploy.py undeploy --name $(ENDPOINT) $(if $(REGION),--region $(REGION))
 
