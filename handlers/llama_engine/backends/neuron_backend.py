@@ -129,23 +129,31 @@ def load_neuron_model(model_path: str, cfg, batch_size: int, continuous_batching
     configure_runtime(cfg.tp_degree, cfg.visible_cores, cfg.neuron_cc_flags)
     args = (model_path, cfg, batch_size, continuous_batching, padding_side)
     if saved_neffs is not None:
-        model = _new_model(*args)
-        model.load(str(saved_neffs))
-        try:
-            model.to_neuron()
+        model = _load_saved(args, saved_neffs)
+        if model is not None:
             return model
-        except FileNotFoundError as exc:
-            if not cfg.allow_recompile:
-                raise CompileCacheError(
-                    f"the compiled graphs shipped in {saved_neffs} do not match this model: {exc}\nNothing was "
-                    "compiled. Rebuild the model with these settings (`make build MODEL=<config>`), or set "
-                    "handler.allow_recompile: true to compile at load (slow: minutes to an hour on Neuron)") from exc
-            logger.warning("compile cache: %s; compiling at load because handler.allow_recompile is true", exc)
-            del model  # its weights are on the cores: free them before loading them again
-            gc.collect()
+        gc.collect()  # the failed model's weights are on the cores: free them before loading them again
     model = _new_model(*args)
     model.to_neuron()
     return model
+
+
+def _load_saved(args: tuple, saved_neffs: Path):
+    """``model.load(saved_neffs)`` + ``to_neuron()``; None on a miss that ``allow_recompile`` lets compile."""
+    cfg = args[1]
+    model = _new_model(*args)
+    model.load(str(saved_neffs))
+    try:
+        model.to_neuron()
+        return model
+    except FileNotFoundError as exc:
+        if not cfg.allow_recompile:
+            raise CompileCacheError(
+                f"the compiled graphs shipped in {saved_neffs} do not match this model: {exc}\nNothing was "
+                "compiled. Rebuild the model with these settings (`make build MODEL=<config>`), or set "
+                "handler.allow_recompile: true to compile at load (slow: minutes to an hour on Neuron)") from exc
+        logger.warning("compile cache: %s; compiling at load because handler.allow_recompile is true", exc)
+    return None
 
 
 class NeuronBackend(Backend):
@@ -204,6 +212,10 @@ class NeuronSlotBackend(SlotBackend):
       exceed the largest context bucket. ``prefill_slot(start > 0)`` therefore re-encodes the
       slot's tokens from position 0 (``incremental_prefill = False``), and a prompt longer than
       the largest bucket is refused (``max_prompt_length``).
+
+    It needs at least 2 slots: the context graph inserts a prompt into the shared cache only
+    when it holds more sequences than the one being encoded (``layers/attention.py``
+    ``fused_kv_update_cache``), so with one slot ``to_neuron()`` raises ``NotImplementedError``.
     """
 
     incremental_prefill = False
