@@ -280,6 +280,7 @@ class ContinuousScheduler:
             special_ids=self.special_ids,
             stop_sequences=StopSequences(stops) if stops else None,
             seed=selector.seed,
+            selector=selector,
         )
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         return RequestHandle(rid, prepared, on_event, selector, row)

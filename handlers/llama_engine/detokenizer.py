@@ -39,6 +39,11 @@ class IncrementalDetokenizer:
             return delta
         return ""
 
+    def token_text(self, token_id: int) -> str:
+        """The text ``token_id`` would add after the tokens so far, complete or not (for logprobs)."""
+        context = self._ids[-PROMPT_CONTEXT_TOKENS:]
+        return self._decode(context + [int(token_id)])[len(self._decode(context)):]
+
     def flush(self) -> str:
         """Release whatever is held back (at the end of generation), even if incomplete."""
         prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])

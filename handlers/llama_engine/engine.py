@@ -59,7 +59,7 @@ class Engine:
         return prepare_request(self.tokenizer, request, self.max_length, self.backend.max_prompt_length,
                                self.default_max_new_tokens)
 
-    def _row_state(self, prepared: PreparedRequest, seed: Optional[int] = None) -> RowState:
+    def _row_state(self, prepared: PreparedRequest, seed: Optional[int] = None, selector=None) -> RowState:
         stops = prepared.request.params.stop
         return RowState(
             detokenizer=IncrementalDetokenizer(self.tokenizer, prepared.prompt_ids),
@@ -68,6 +68,7 @@ class Engine:
             special_ids=self.special_ids,
             stop_sequences=StopSequences(stops) if stops else None,
             seed=seed,
+            selector=selector,
         )
 
     def _pad_batch(self, prompts: Sequence[List[int]], batch_size: int):
@@ -111,7 +112,7 @@ class Engine:
                         ) -> List[GenerationResult]:
         batch_size = self.backend.padded_batch_size(len(batch))
         selectors = [TokenSelector(p.request.params, p.prompt_ids) for p in batch]
-        rows = [self._row_state(p, sel.seed) for p, sel in zip(batch, selectors)]
+        rows = [self._row_state(p, sel.seed, sel) for p, sel in zip(batch, selectors)]
         rows += [None] * (batch_size - len(batch))
         selectors += [None] * (batch_size - len(batch))
         streamer = BatchTextStreamer(rows, sink)

@@ -16,6 +16,9 @@ MAX_STOP_LENGTH = 256
 # A temperature this small samples the top token anyway, and dividing float32 logits by it
 # overflows: it means greedy, as in vLLM (_SAMPLING_EPS).
 GREEDY_TEMPERATURE = 1e-5
+MAX_LOGPROBS = 20  # alternatives reported per token (OpenAI's top_logprobs limit, vLLM's default max_logprobs)
+# Set by the OpenAI-compatible API only: not a TGI parameter, so a TGI body naming it gets a 400.
+NOT_TGI = frozenset({"logprobs"})
 
 
 def _is_int(value: Any) -> bool:
@@ -56,6 +59,8 @@ class SamplingParams:
     seed: Optional[int] = None
     return_full_text: bool = False
     details: bool = False
+    # As vLLM's: None reports no alternatives; k reports each token's own text and the k most likely tokens.
+    logprobs: Optional[int] = None
 
     def __post_init__(self):
         self._check_max_new_tokens()
@@ -73,6 +78,8 @@ class SamplingParams:
                                f"got {self.repetition_penalty!r}", "repetition_penalty")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
             raise RequestError(f"seed must be an integer in [0, 2**63), got {self.seed!r}", "seed")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise RequestError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}", "logprobs")
         self.stop = _normalise_stop(self.stop)
         self.temperature = float(self.temperature)
         self.top_p = float(self.top_p)
@@ -98,7 +105,7 @@ class SamplingParams:
             return cls()
         if not isinstance(data, Mapping):
             raise RequestError(f"parameters must be a JSON object, got {type(data).__name__}", "parameters")
-        known = {f.name for f in fields(cls)}
+        known = {f.name for f in fields(cls)} - NOT_TGI
         for key in data:
             if key not in known:
                 raise RequestError(f"unknown parameter {key!r}; accepted: {', '.join(sorted(known))}", key)

@@ -8,6 +8,7 @@ chosen from.
 """
 from __future__ import annotations
 
+import math
 import random
 from typing import List, Optional, Sequence, Tuple
 
@@ -34,6 +35,8 @@ class TokenSelector:
             self.seed = params.seed if params.seed is not None else random.getrandbits(63)
             self.generator = torch.Generator().manual_seed(self.seed)
         self._seen: List[int] = list(prompt_ids) if params.repetition_penalty != 1.0 else []
+        # The most likely tokens (id, log-probability) of the last choice, when params.logprobs asks for them.
+        self.top: List[Tuple[int, float]] = []
 
     @property
     def plain_greedy(self) -> bool:
@@ -81,7 +84,19 @@ class TokenSelector:
         else:
             logprobs = scores.log_softmax(-1)
             token = int(scores.argmax())
+        self.keep_top(logprobs)
         return token, float(logprobs[token])
+
+    def keep_top(self, logprobs: torch.Tensor) -> None:
+        """Remember the ``params.logprobs`` most likely tokens of the distribution the token came from.
+
+        Tokens that top-k or top-p ruled out (log-probability -inf) are left out.
+        """
+        k = self.params.logprobs
+        if not k:
+            return
+        values, ids = torch.topk(logprobs, min(k, logprobs.shape[-1]))
+        self.top = [(i, v) for i, v in zip(ids.tolist(), values.tolist()) if math.isfinite(v)]
 
     def observe(self, token: int) -> None:
         if self.params.repetition_penalty != 1.0:
@@ -93,7 +108,8 @@ def select_tokens(logits: torch.Tensor, selectors: Sequence[Optional[TokenSelect
     """Pick the next token of every row of ``logits [B, vocab]``; a ``None`` selector is a padding row."""
     logits = logits.float()
     tokens = logits.argmax(dim=-1)
-    logprobs = logits.log_softmax(-1).gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+    table = logits.log_softmax(-1)
+    logprobs = table.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
     for row, selector in enumerate(selectors):
         if selector is None:
             continue
@@ -101,5 +117,7 @@ def select_tokens(logits: torch.Tensor, selectors: Sequence[Optional[TokenSelect
             token, logprob = selector.choose(logits[row])
             tokens[row] = token
             logprobs[row] = logprob
+        else:
+            selector.keep_top(table[row])
         selector.observe(int(tokens[row]))
     return tokens, logprobs

@@ -8,12 +8,26 @@ not at the next space, so CJK text and code stream too.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
 from .detokenizer import IncrementalDetokenizer
 from .stopping import FINISH_LENGTH, FINISH_STOP, StoppingCriteria, StopSequences
+
+
+@dataclass
+class TokenLogprobs:
+    """One generated token as OpenAI's logprobs report it (only when ``params.logprobs`` asks).
+
+    ``text`` is the token decoded after the tokens before it, so it keeps its leading space
+    (unlike the streamed text, it is never held back); ``top`` holds the most likely tokens
+    of the same distribution as ``(text, log-probability)``, most likely first.
+    """
+
+    text: str
+    logprob: float
+    top: List[Tuple[str, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -26,6 +40,7 @@ class GenerationResult:
     logprobs: List[float] = field(default_factory=list)
     special: List[bool] = field(default_factory=list)
     seed: Optional[int] = None
+    top_logprobs: List[TokenLogprobs] = field(default_factory=list)  # one per token when params.logprobs asks
 
     @property
     def generated_tokens(self) -> int:
@@ -41,6 +56,7 @@ class TokenEvent:
     logprob: float = 0.0
     result: Optional[GenerationResult] = None
     index: int = 0  # 1-based position of the token in the answer
+    top_logprobs: Optional[TokenLogprobs] = None
 
     @property
     def finished(self) -> bool:
@@ -61,8 +77,11 @@ class RowState:
     pieces: List[str] = field(default_factory=list)
     logprobs: List[float] = field(default_factory=list)
     result: Optional[GenerationResult] = None
+    selector: Optional[Any] = None  # the row's TokenSelector: its ``top`` alternatives, when params.logprobs asks
+    top_logprobs: List[TokenLogprobs] = field(default_factory=list)
 
     def add(self, token_id: int, logprob: float = 0.0) -> TokenEvent:
+        top = self._top_logprobs(token_id, logprob)  # before the detokenizer moves past this token
         self.token_ids.append(token_id)
         self.logprobs.append(logprob)
         text = self.detokenizer.add(token_id)
@@ -79,12 +98,21 @@ class RowState:
         if stopped:
             self._finish(reason)
         return TokenEvent(-1, token_id, text, token_id in self.special_ids, logprob, self.result,
-                          len(self.token_ids))
+                          len(self.token_ids), top)
+
+    def _top_logprobs(self, token_id: int, logprob: float) -> Optional[TokenLogprobs]:
+        if self.selector is None or self.selector.params.logprobs is None:
+            return None
+        text = self.detokenizer.token_text
+        entry = TokenLogprobs(text(token_id), logprob, [(text(t), lp) for t, lp in self.selector.top])
+        self.top_logprobs.append(entry)
+        return entry
 
     def _finish(self, reason: str) -> None:
         self.result = GenerationResult(
             "".join(self.pieces), list(self.token_ids), reason, self.prompt_tokens, list(self.pieces),
-            list(self.logprobs), [t in self.special_ids for t in self.token_ids], self.seed)
+            list(self.logprobs), [t in self.special_ids for t in self.token_ids], self.seed,
+            list(self.top_logprobs))
 
 
 Sink = Callable[[List[TokenEvent]], None]

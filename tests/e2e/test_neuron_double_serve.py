@@ -93,29 +93,25 @@ def test_building_in_the_process_that_then_starts_torchserve_fails_on_the_cores(
     with neuron_double(NEURON_COMPILE_CACHE_URL=str(tmp_path / "unused-cache"), FAKE_NEURON_CORE_REGISTRY=host):
         build_model.main(["--config", str(CONFIG), "--checkpoint", str(tiny_model_dir), "--name", MODEL,
                           "--build-dir", str(tmp_path / "build"), "--export-path", str(tmp_path / "store")])
-    ts = TorchServe(tmp_path / "ts", tmp_path / "store", models=MODEL, ports=free_ports(),
-                    env=subprocess_env(FAKE_NEURON_CORE_REGISTRY=host))
-    ts.start()
-    try:
-        with pytest.raises(RuntimeError) as info:
-            ts.wait_ready(timeout=120)
-    finally:
-        ts.stop()
-    message = str(info.value)
+    message = load_failure(tmp_path, tmp_path / "store", FAKE_NEURON_CORE_REGISTRY=host)
     assert "Logical Neuron Core(s) not available" in message
     assert f"nc0 (pid {os.getpid()}), nc1 (pid {os.getpid()})" in message
 
 
-def test_a_changed_compiler_version_fails_the_load_fast_with_the_reason(neuron_store, tmp_path):
-    ts = TorchServe(tmp_path / "ts", neuron_store, models=MODEL, ports=free_ports(),
-                    env=subprocess_env(FAKE_NEURONXCC_VERSION="2.17.0.0"))
+def load_failure(tmp_path, store, **env) -> str:
+    """Start TorchServe on ``store`` with ``env``; the model must fail to load, and this is why."""
+    ts = TorchServe(tmp_path / "ts", store, models=MODEL, ports=free_ports(), env=subprocess_env(**env))
     ts.start()
     try:
         with pytest.raises(RuntimeError) as info:
             ts.wait_ready(timeout=120)
     finally:
         ts.stop()
-    message = str(info.value)
+    return str(info.value)
+
+
+def test_a_changed_compiler_version_fails_the_load_fast_with_the_reason(neuron_store, tmp_path):
+    message = load_failure(tmp_path, neuron_store, FAKE_NEURONXCC_VERSION="2.17.0.0")
     assert "neuronx-cc: compiled with 2.16.345.0, installed 2.17.0.0" in message
     assert "make build MODEL=" in message
 
