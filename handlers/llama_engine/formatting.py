@@ -9,6 +9,9 @@
   "top_tokens"}\\n\\n``, with ``generated_text`` on the last event and ``details`` there
   only when the request asked for them. ``huggingface_hub.InferenceClient`` parses it.
 * One JSON document for ``"stream": false``: ``[{"generated_text": ..., "details": ...}]``.
+
+A request that came in through the OpenAI-compatible API carries its own formatter
+(``request.api``, see ``openai_format.py``), which these functions hand over to.
 """
 from __future__ import annotations
 
@@ -60,10 +63,14 @@ def sse_event(request: GenerationRequest, event: TokenEvent) -> str:
 
 
 def stream_chunk(request: GenerationRequest, event: TokenEvent) -> str:
+    if request.api is not None:
+        return request.api.stream_chunk(event)
     return sse_event(request, event) if request.output == SSE else ndjson_line(request, event)
 
 
 def full_response(request: GenerationRequest, result: GenerationResult) -> str:
+    if request.api is not None:
+        return request.api.full_response(result)
     answer = {"generated_text": generated_text(request, result)}
     if request.params.details:
         answer["details"] = {
@@ -79,6 +86,8 @@ def full_response(request: GenerationRequest, result: GenerationResult) -> str:
 
 def stream_error(request: GenerationRequest, error: RequestError) -> str:
     """A failure after the stream started: the last NDJSON line, or a TGI error event."""
+    if request.api is not None:
+        return request.api.stream_error(error)
     if request.output == SSE:
         return f"data: {_dumps({'error': error.message, 'error_type': error.to_dict()['error_type']})}\n\n"
     return error.to_json() + "\n"

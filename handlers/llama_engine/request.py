@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import List, Optional, Union
+from typing import Any, List, Optional, Union
 
 from .errors import RequestError
 from .params import SamplingParams, check_text
@@ -45,6 +45,8 @@ class GenerationRequest:
     params: SamplingParams = field(default_factory=SamplingParams)
     output: str = NDJSON
     messages: Optional[List[dict]] = None
+    # The OpenAI-compatible request this one was translated from (openai_api.py); it formats the responses.
+    api: Optional[Any] = None
 
     @property
     def stream(self) -> bool:
