@@ -27,7 +27,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from http import HTTPStatus
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Union
 
 import torch
 from ts.handler_utils.micro_batching import MicroBatching
@@ -37,6 +37,7 @@ from llama_engine import Engine, RequestError, load_model_config, parse_request
 from llama_engine.continuous import ContinuousScheduler, RequestHandle
 from llama_engine.engine import PreparedRequest
 from llama_engine.formatting import CONTENT_TYPES, JSON, full_response, stream_chunk, stream_error
+from llama_engine.openai_api import Reply, as_openai_error, parse_openai
 from llama_engine.request import describe_form_error
 from llama_engine.streamer import GenerationResult
 
@@ -44,16 +45,33 @@ logger = logging.getLogger(__name__)
 
 
 def read_request(context, idx: int, raw: Any, max_input_bytes: int):
-    """Parse request ``idx`` of the frontend batch (body, content type, Accept, User-Agent)."""
+    """Parse request ``idx`` of the frontend batch (body, content type, Accept, User-Agent).
+
+    A request to ``/predictions/<model>/<version>/v1/...`` is one of the OpenAI-compatible
+    API: the frontend passes the path after the version as the ``url_path`` header.
+    """
     if not isinstance(raw, dict):
         raise RequestError("unexpected request layout from the frontend", "inputs")
     body_key = "body" if "body" in raw else "data" if "data" in raw else None
+    path = _url_path(context, idx)
+    if path:
+        return parse_openai(path, raw[body_key] if body_key else None, max_input_bytes, context.model_name)
     if body_key is None:
         raise describe_form_error()
     header = context.get_request_header(idx, body_key) or {}
     content_type = header.get("content-type") if isinstance(header, dict) else None
     return parse_request(raw[body_key], content_type, max_input_bytes,
                          accept=_header(context, idx, "accept"), user_agent=_header(context, idx, "user-agent"))
+
+
+def _url_path(context, idx: int) -> str:
+    return context.get_request_header(idx, "url_path") or ""
+
+
+def api_error(context, idx: int, error: RequestError) -> RequestError:
+    """``error`` in the schema of the API that request ``idx`` was sent to (OpenAI's for ``v1/...``)."""
+    path = _url_path(context, idx)
+    return as_openai_error(error, path) if path else error
 
 
 def _header(context, idx: int, name: str) -> Optional[str]:
@@ -100,6 +118,7 @@ class Slot:
     error: Optional[RequestError] = None
     result: Optional[GenerationResult] = None
     sent: bool = False
+    reply: Optional[Reply] = None  # an answer without generation (v1/models)
 
     @property
     def stream(self) -> bool:
@@ -182,6 +201,9 @@ class LlamaHandler:
         for slot in slots:
             try:
                 request = self._parse(slot)
+                if isinstance(request, Reply):
+                    slot.reply = request
+                    continue
                 slot.prepared = self.engine.prepare(request)
             except RequestError as exc:
                 self._fail(slot, exc)
@@ -238,13 +260,16 @@ class LlamaHandler:
         An error before the first chunk goes out with the final response, as a plain 4xx/5xx:
         the frontend closes the connection after a non-2xx chunk, so it cannot be streamed.
         """
-        slot.error = error
+        slot.error = error = api_error(self.context, slot.index, error)
         if slot.sent:
             self.responder.send({slot.index: stream_error(slot.prepared.request, error)})
 
     def _final_body(self, slot: Slot) -> str:
         if slot.sent:
             return ""
+        if slot.reply is not None:
+            self.responder.set_status(slot.index, slot.reply.status, slot.reply.content_type)
+            return slot.reply.body
         if slot.result is not None:
             self.responder.set_status(slot.index, 200, JSON)
             return full_response(slot.prepared.request, slot.result)
@@ -318,11 +343,13 @@ class ContinuousHandler:
             self.scheduler.cancel(rid)
             del self.live[rid]
 
-    def _admit(self, context, idx: int, rid: str, raw: Any) -> Optional[RequestError]:
-        """Parse and submit a new request; return its error instead of raising."""
+    def _admit(self, context, idx: int, rid: str, raw: Any) -> Optional[Union[RequestError, Reply]]:
+        """Parse and submit a new request; return its error (or its Reply, for v1/models) instead of raising."""
         try:
-            live = LiveRequest(self.scheduler.prepare(read_request(context, idx, raw,
-                                                                   self.config.handler.max_input_bytes)))
+            request = read_request(context, idx, raw, self.config.handler.max_input_bytes)
+            if isinstance(request, Reply):
+                return request
+            live = LiveRequest(self.scheduler.prepare(request))
             live.handle = self.scheduler.submit(live.prepared, functools.partial(self._on_event, live),
                                                 request_id=rid)
         except RequestError as exc:
@@ -363,7 +390,7 @@ class ContinuousHandler:
             if error is None:
                 body = full_response(live.prepared.request, live.handle.result)
             else:
-                error = _as_request_error(error)
+                error = api_error(context, idx, _as_request_error(error))
                 body, status = error.to_json(), error.status
         if first:  # a non-200 status only ever comes with a non-streaming request's JSON
             set_head(context, idx, status, CONTENT_TYPES[live.prepared.request.output] if live.stream else JSON)
@@ -374,7 +401,11 @@ class ContinuousHandler:
         return body, (None if first and done else done)
 
     @staticmethod
-    def _error_response(context, idx: int, error: RequestError):
+    def _error_response(context, idx: int, error: Union[RequestError, Reply]):
+        if isinstance(error, Reply):
+            set_head(context, idx, error.status, error.content_type)
+            return error.body, None
+        error = api_error(context, idx, error)
         set_head(context, idx, error.status, JSON)
         return error.to_json(), None
 
