@@ -21,6 +21,8 @@ HANDLER = ROOT / "handlers" / "llama_handler.py"
 ENGINE = ROOT / "handlers" / "llama_engine"
 MODEL_REQUIREMENTS = ROOT / "handlers" / "requirements-model.txt"
 FORMATS = {"no-archive": "", "tgz": ".tar.gz", "default": ".mar"}
+# Fixed, because it is part of the OpenAI-compatible API's address: /predictions/<model>/1.0/v1.
+ARCHIVE_VERSION = "1.0"
 
 
 def stage(model_dir: Path, stage_dir: Path, compile_cache: Optional[Path] = None) -> Path:
