@@ -30,6 +30,7 @@ import itertools
 import logging
 import os
 import threading
+import time
 from collections import deque
 from typing import Callable, Deque, Dict, List, Optional, Sequence
 
@@ -37,6 +38,7 @@ from .backends.base import PrefillChunk, SlotBackend
 from .detokenizer import IncrementalDetokenizer
 from .engine import PreparedRequest, prepare_request, warmup_prompts
 from .errors import RequestError
+from .metrics import NULL_SINK, MetricsSink
 from .selection import TokenSelector, select_tokens
 from .stopping import StoppingCriteria, StopSequences
 from .streamer import GenerationResult, RowState, TokenEvent
@@ -110,6 +112,8 @@ class ContinuousScheduler:
         self._lock = threading.Condition()
         self._thread: Optional[threading.Thread] = None
         self._stopping = False
+        #: Where requests' events and steps are reported; set it after ``warmup`` (which would count).
+        self.metrics: MetricsSink = NULL_SINK
 
     @classmethod
     def from_config(cls, handler_cfg, model_dir: str, max_slots: int, max_prefill_tokens_per_step: int,
@@ -217,6 +221,7 @@ class ContinuousScheduler:
         if self.idle:
             return False
         self._apply_cancellations()
+        started = time.perf_counter()
         running = sorted((h for h in self._active.values() if h.state == RUNNING), key=lambda h: h.slot)
         chunks = self._plan_prefill()
         out = self.backend.step_slots([h.slot for h in running], [h.next_token for h in running],
@@ -224,6 +229,7 @@ class ContinuousScheduler:
         for (handle, ids), logits in zip(chunks, out.prefills):
             self._prefilled(handle, len(ids), logits)
         self._decoded([h for h in running if h.state == RUNNING], out.decode)
+        self.metrics.steps(1, len(running) + len(chunks), time.perf_counter() - started)
         self.steps += 1
         return True
 
@@ -326,7 +332,8 @@ class ContinuousScheduler:
             handle.slot = heapq.heappop(self._free)
             handle.state = PREFILLING
             self._active[handle.slot] = handle
-            return handle
+        self.metrics.admitted(handle.prepared)
+        return handle
 
     def _chunk(self, handle: RequestHandle, budget: int) -> List[int]:
         """The next prompt tokens of ``handle`` to prefill within ``budget``."""
@@ -379,6 +386,7 @@ class ContinuousScheduler:
         handle.next_token = token
         if handle.first_token_step is None:
             handle.first_token_step = self.steps
+        self.metrics.token(handle.prepared, event.index)
         if event.finished:
             self._release(handle)
             self._close(handle, None)
@@ -420,4 +428,12 @@ class ContinuousScheduler:
         handle.state = FINISHED
         with self._lock:
             self._by_id.pop(handle.request_id, None)
+        self._report_end(handle, reason)
         handle._done.set()
+
+    def _report_end(self, handle: RequestHandle, reason: Optional[str]) -> None:
+        if reason == FINISH_ERROR:
+            error = handle.error
+            self.metrics.error(error.status if isinstance(error, RequestError) else 500, handle.prepared)
+        else:
+            self.metrics.finished(handle.prepared, handle.result.finish_reason, handle.result.generated_tokens)

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
 
 import torch
@@ -17,6 +18,7 @@ from .backends import Backend, create_backend
 from .chat import render_chat
 from .detokenizer import IncrementalDetokenizer
 from .errors import RequestError
+from .metrics import NULL_SINK, MetricsSink, RequestTimes
 from .request import GenerationRequest
 from .selection import TokenSelector, select_tokens
 from .stopping import StoppingCriteria, StopSequences
@@ -30,6 +32,7 @@ class PreparedRequest:
     request: GenerationRequest
     prompt_ids: List[int]
     max_new_tokens: int
+    times: RequestTimes = field(default_factory=RequestTimes)  # for the metrics sink
 
 
 class Engine:
@@ -82,13 +85,14 @@ class Engine:
             attention_mask[row, longest - len(ids):] = 1
         return input_ids, attention_mask
 
-    def generate(self, batch: Sequence[PreparedRequest], sink: Optional[Sink] = None
-                 ) -> List[GenerationResult]:
-        """Generate for every request; rows report through ``sink`` under their index in ``batch``."""
+    def generate(self, batch: Sequence[PreparedRequest], sink: Optional[Sink] = None,
+                 metrics: MetricsSink = NULL_SINK) -> List[GenerationResult]:
+        """Generate for every request; rows report through ``sink`` under their index in ``batch``,
+        and each request's admission, tokens, end and the steps go to ``metrics``."""
         results: List[GenerationResult] = []
         for start, group in self._plan(batch):
             group_sink = sink if start == 0 or sink is None else _offset_sink(sink, start)
-            results.extend(self._generate_group(group, group_sink))
+            results.extend(self._generate_group(group, _metered_sink(group_sink, group, metrics), metrics))
         return results
 
     def _plan(self, batch: Sequence[PreparedRequest]):
@@ -108,8 +112,8 @@ class Engine:
         return groups
 
     @torch.inference_mode()
-    def _generate_group(self, batch: Sequence[PreparedRequest], sink: Optional[Sink] = None
-                        ) -> List[GenerationResult]:
+    def _generate_group(self, batch: Sequence[PreparedRequest], sink: Optional[Sink] = None,
+                        metrics: MetricsSink = NULL_SINK) -> List[GenerationResult]:
         batch_size = self.backend.padded_batch_size(len(batch))
         selectors = [TokenSelector(p.request.params, p.prompt_ids) for p in batch]
         rows = [self._row_state(p, sel.seed, sel) for p, sel in zip(batch, selectors)]
@@ -118,9 +122,13 @@ class Engine:
         streamer = BatchTextStreamer(rows, sink)
         input_ids, attention_mask = self._pad_batch([p.prompt_ids for p in batch], batch_size)
         live = list(range(batch_size))  # streamer row of each backend row
+        for prepared in batch:
+            metrics.admitted(prepared)
+        started, steps, rows_worked = time.perf_counter(), 0, 0
         try:
             logits = self.backend.prefill(input_ids, attention_mask)
             while True:
+                steps, rows_worked = steps + 1, rows_worked + len(streamer.active_rows)
                 tokens, logprobs = select_tokens(logits, [selectors[r] for r in live])
                 streamer.put_rows(live, tokens, logprobs)
                 if streamer.finished:
@@ -129,6 +137,7 @@ class Engine:
                 logits = self.backend.decode(tokens)
         finally:
             self.backend.release()
+            metrics.steps(steps, rows_worked, time.perf_counter() - started)
         return streamer.results()[: len(batch)]
 
     def _shrink(self, streamer: BatchTextStreamer, live: List[int], tokens: torch.Tensor):
@@ -160,6 +169,7 @@ def prepare_request(tokenizer, request: GenerationRequest, max_length: int, max_
     ``max_length`` holds the prompt and the answer; ``max_prompt_length`` is the longest prompt
     the backend encodes at full speed (None: no such limit).
     """
+    times = RequestTimes()  # received now, before tokenizing
     if request.messages is not None:
         request.prompt = render_chat(tokenizer, request.messages)
         prompt_ids = tokenizer(request.prompt, add_special_tokens=False)["input_ids"]
@@ -185,7 +195,7 @@ def prepare_request(tokenizer, request: GenerationRequest, max_length: int, max_
             f"for only {room} of handler.max_length {max_length}", "max_new_tokens")
     else:
         max_new = requested
-    return PreparedRequest(request, prompt_ids, max_new)
+    return PreparedRequest(request, prompt_ids, max_new, times)
 
 
 def warmup_prompts(tokenizer, request: GenerationRequest, lengths: Sequence[int],
@@ -195,6 +205,24 @@ def warmup_prompts(tokenizer, request: GenerationRequest, lengths: Sequence[int]
     new = request.params.max_new_tokens
     return [PreparedRequest(request, (tokenizer("")["input_ids"] + [filler] * length)[:length],
                             min(new, max_length - length)) for length in lengths]
+
+
+def _metered_sink(sink: Optional[Sink], batch: Sequence[PreparedRequest], metrics: MetricsSink) -> Optional[Sink]:
+    """``sink`` that also reports each row's tokens and end to ``metrics`` (after ``sink`` has them)."""
+    if metrics is NULL_SINK:
+        return sink
+
+    def metered(events):
+        seen = [(batch[event.row], event.index, event.result) for event in events]  # before ``sink`` shifts rows
+        if sink is not None:
+            sink(events)
+        for prepared, index, result in seen:
+            if index:  # 0: a closing event without a token
+                metrics.token(prepared, index)
+            if result is not None:
+                metrics.finished(prepared, result.finish_reason, result.generated_tokens)
+
+    return metered
 
 
 def _offset_sink(sink: Sink, offset: int) -> Sink:
