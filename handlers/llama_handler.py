@@ -40,6 +40,7 @@ from llama_engine.formatting import CONTENT_TYPES, JSON, full_response, stream_c
 from llama_engine.openai_api import Reply, as_openai_error, parse_openai
 from llama_engine.request import describe_form_error
 from llama_engine.streamer import GenerationResult
+from llama_metrics import TorchServeMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -87,14 +88,17 @@ def set_head(context, idx: int, status: int, content_type: str) -> None:
     context.set_response_content_type(idx, content_type)
 
 
-def warm_up_and_report(warmup: bool, warm, backend, started: float) -> None:
-    """Called when the model has loaded: run ``warm()`` if asked, log both times and the compile cache's report."""
+def warm_up_and_report(warmup: bool, warm, backend, started: float, metrics=None) -> None:
+    """Called when the model has loaded: run ``warm()`` if asked, log both times and the compile cache's
+    report (its hits and misses also go to ``metrics``)."""
     loaded = time.perf_counter()
     if warmup:
         warm()
     logger.info("load %.1f s, warm-up %.1f s", loaded - started, time.perf_counter() - loaded)
     if backend.compile_session is not None:
-        backend.compile_session.report()
+        stats = backend.compile_session.report()
+        if metrics is not None:
+            metrics.compile_cache(stats)
 
 
 def set_torch_threads(config) -> int:
@@ -174,8 +178,9 @@ class LlamaHandler:
         model_dir = context.system_properties.get("model_dir")
         micro = self.config.micro_batching
         self.engine = Engine.from_config(self.config.handler, model_dir, batch_size=micro.micro_batch_size)
+        self.metrics = TorchServeMetrics(context.metrics, context.model_name, micro.micro_batch_size)
         warm_up_and_report(self.config.handler.warmup, lambda: self.engine.warmup(batch_size=micro.micro_batch_size),
-                           self.engine.backend, started)
+                           self.engine.backend, started, self.metrics)
         self.micro_batching = MicroBatching(self, micro_batch_size=micro.micro_batch_size,
                                             parallelism=micro.parallelism)
         self.initialized = True
@@ -187,10 +192,13 @@ class LlamaHandler:
         self.context = context
         self.responder = Responder(context)
         slots = [Slot(index=i, raw=item) for i, item in enumerate(data)]
+        for _ in slots:
+            self.metrics.received()
         logger.info("batch of %d requests, micro_batch_size %d", len(slots),
                     self.micro_batching.micro_batch_size)
         done = self.micro_batching.handle(slots)
         finals = {slot.index: self._final_body(slot) for slot in done}
+        self._report_outcomes(done)
         context.metrics.add_time("HandlerTime", round((time.perf_counter() - started) * 1000, 2), None, "ms")
         return [finals[i] for i in range(len(data))]
 
@@ -221,7 +229,7 @@ class LlamaHandler:
         started = time.perf_counter()
         try:
             results = self.engine.generate([s.prepared for s in runnable],
-                                           sink=functools.partial(self._send_events, runnable))
+                                           sink=functools.partial(self._send_events, runnable), metrics=self.metrics)
         except Exception as exc:  # noqa: BLE001 - the error belongs to this micro-batch only
             logger.exception("generation failed")
             for slot in runnable:
@@ -263,6 +271,15 @@ class LlamaHandler:
         slot.error = error = api_error(self.context, slot.index, error)
         if slot.sent:
             self.responder.send({slot.index: stream_error(slot.prepared.request, error)})
+
+    def _report_outcomes(self, slots: List[Slot]) -> None:
+        """Count each request without a result (the engine counted the others) and record the counts."""
+        for slot in slots:
+            if slot.reply is not None:
+                self.metrics.answered()
+            elif slot.result is None:
+                self.metrics.error(slot.error.status if slot.error else 500, slot.prepared)
+        self.metrics.flush()
 
     def _final_body(self, slot: Slot) -> str:
         if slot.sent:
@@ -309,7 +326,10 @@ class ContinuousHandler:
         self.scheduler = ContinuousScheduler.from_config(
             self.config.handler, context.system_properties.get("model_dir"), self.config.slots,
             settings.max_prefill_tokens_per_step)
-        warm_up_and_report(self.config.handler.warmup, self.scheduler.warmup, self.scheduler.backend, started)
+        self.metrics = TorchServeMetrics(context.metrics, context.model_name, self.config.slots, continuous=True)
+        warm_up_and_report(self.config.handler.warmup, self.scheduler.warmup, self.scheduler.backend, started,
+                           self.metrics)
+        self.scheduler.metrics = self.metrics  # after the warm-up, whose requests are not counted
         self.initialized = True
         logger.info("model ready in %.1f s (torch threads %d, continuous batching: %d slots, %d prompt tokens "
                     "per step, %d steps per call)", time.perf_counter() - started, threads, self.config.slots,
@@ -318,6 +338,7 @@ class ContinuousHandler:
     def handle(self, data: List[Any], context) -> List[str]:
         started = time.perf_counter()
         bodies = self._handle(data, context)
+        self.metrics.flush(force=not self.live)  # while requests run, at most every second
         self.round_trips.record(started, time.perf_counter(), busy=bool(self.live))
         return bodies
 
@@ -326,6 +347,7 @@ class ContinuousHandler:
         self._drop_departed(set(ids))
         rejected = {i: self._admit(context, i, rid, raw) for i, (rid, raw) in enumerate(zip(ids, data))
                     if rid not in self.live}
+        self._count_new(rejected)
         self._run()
         bodies, last = [], []
         for idx, rid in enumerate(ids):
@@ -336,6 +358,15 @@ class ContinuousHandler:
             last.append(final)
         context.stopping_criteria = [functools.partial(_is_last, flag) for flag in last]
         return bodies
+
+    def _count_new(self, outcomes: Dict[int, Any]) -> None:
+        """Count the new requests, those refused at admission and those answered without generating."""
+        for outcome in outcomes.values():
+            self.metrics.received()
+            if isinstance(outcome, RequestError):
+                self.metrics.error(outcome.status)
+            elif isinstance(outcome, Reply):
+                self.metrics.answered()
 
     def _drop_departed(self, present) -> None:
         for rid in [r for r in self.live if r not in present]:

@@ -1,11 +1,13 @@
 """Package a built model with torch-model-archiver into a TorchServe model store.
 
-The archive holds the thin handler, the ``llama_engine`` package, the model-config YAML, the
+The archive holds the thin handler, the ``llama_engine`` package, the handler's metrics
+adapter (``llama_metrics.py``, next to the handler), the model-config YAML, the
 weights and tokenizer (under ``model/``) and a per-model requirements file. torch-model-archiver
 flattens one level of ``--extra-files`` directories, so the files are staged first in the
 layout they must have inside the model directory::
 
     <stage>/llama_engine/...   ->  <model dir>/llama_engine/...
+    <stage>/llama_metrics.py   ->  <model dir>/llama_metrics.py
     <stage>/model/...          ->  <model dir>/model/...
     <stage>/compile_cache/...  ->  <model dir>/compile_cache/...   (compiled configs only)
 """
@@ -19,6 +21,7 @@ from typing import Optional
 ROOT = Path(__file__).resolve().parent.parent
 HANDLER = ROOT / "handlers" / "llama_handler.py"
 ENGINE = ROOT / "handlers" / "llama_engine"
+METRICS_ADAPTER = ROOT / "handlers" / "llama_metrics.py"
 MODEL_REQUIREMENTS = ROOT / "handlers" / "requirements-model.txt"
 FORMATS = {"no-archive": "", "tgz": ".tar.gz", "default": ".mar"}
 # Fixed, because it is part of the OpenAI-compatible API's address: /predictions/<model>/1.0/v1.
@@ -30,6 +33,7 @@ def stage(model_dir: Path, stage_dir: Path, compile_cache: Optional[Path] = None
         shutil.rmtree(stage_dir)
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
     shutil.copytree(ENGINE, stage_dir / "llama_engine", ignore=ignore)
+    shutil.copy2(METRICS_ADAPTER, stage_dir / METRICS_ADAPTER.name)
     shutil.copytree(model_dir, stage_dir / "model", ignore=ignore)
     if list((stage_dir / "model").glob("*.bin")) or list((stage_dir / "model").glob("*.pt")):
         raise SystemExit(f"{model_dir}: pickle weights (*.bin/*.pt) found; ship safetensors only")

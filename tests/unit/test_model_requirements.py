@@ -9,7 +9,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 # What the PyTorch (Neuronx) inference container already has.
-CONTAINER = {"torch", "ts", "transformers_neuronx", "torch_neuronx", "neuronxcc", "llama_engine"}
+CONTAINER = {"torch", "ts", "transformers_neuronx", "torch_neuronx", "neuronxcc", "llama_engine",
+             "llama_metrics"}  # (the last two ship in the archive)
 IMPORT_TO_DIST = {"yaml": "pyyaml", "transformers": "transformers", "tokenizers": "tokenizers",
                   "safetensors": "safetensors"}
 
