@@ -67,6 +67,9 @@ class TorchServe:
         self.workdir = Path(workdir).resolve()
         self.model_store = Path(model_store).resolve()
         self.props = read_properties(base_config) if base_config is not None else {}
+        if base_config is not None and self.props.get("metrics_config"):
+            # TorchServe resolves it against its working directory, which is ``workdir``.
+            self.props["metrics_config"] = str(Path(base_config).resolve().parent / self.props["metrics_config"])
         self.props["model_store"] = str(self.model_store)
         if models is not None:
             self.props["load_models"] = models
