@@ -240,7 +240,7 @@ def markdown(results: dict, plots: List[Path]) -> str:
                      f"tokens): {_f(extra['decode_tokens_per_s_per_stream'])} decode tok/s, "
                      f"{extra['weight_bytes_per_token'] / 1e6:.0f} MB of weights per token, bound "
                      f"{bound['bandwidth_gb_per_s'] * 1e9 / extra['weight_bytes_per_token']:.1f} tok/s.\n")
-    steps = results.get("extra", {}).get("torchserve_micro_batches") or []
+    served_text = server_metrics_text(results)
     c = 8 if 8 in results["plan"]["concurrency"] else max(results["plan"]["concurrency"])
     cpu_lines = []
     for system in ("inprocess", "torchserve"):
@@ -280,10 +280,31 @@ row was measured (bold from 10%: that row's figures are skewed by them). Memory 
 {' and '.join(f"{100 * s['foreign_cpu_share']:.0f}%" for s in results.get('memory_bandwidth_samples', []))} of the CPUs taken by others.
 
 {poisson_text}{cpu_text}
-{f"TorchServe's own log: {len(steps)} micro-batches, median {sorted(s['ms_per_step'] for s in steps)[len(steps) // 2]:.1f} ms per decode step (generate() time / steps, prefill included)." if steps else ""}
+{served_text}
 
 Plots: {', '.join(f'`{p}`' for p in plots)}.
 """
+
+
+def server_metrics_text(results: dict) -> str:
+    """What each TorchServe variant's own metrics (its metrics API, scraped before and after its
+    sweeps) say: model steps, their time and fill, and latencies from the handler's side."""
+    lines = []
+    for system in ("torchserve", "torchserve-continuous"):
+        m = results.get("extra", {}).get(f"{system.replace('-', '_')}_metrics")
+        if not m or not m.get("steps"):
+            continue
+        lines.append(
+            f"* {system}: {m['requests']} requests, {m['generation_tokens']} tokens generated in {m['steps']} model steps, "
+            f"{_f(m['ms_per_step'], 2)} ms per step, {_f(m['rows_per_step'], 2)} rows per step of {m['batch_capacity']} "
+            f"(fill {_f(100 * m['batch_fill'], 0) if m['batch_fill'] is not None else '-'}%); from the handler taking a request: "
+            f"queue {_f(m['queue_mean_ms'], 1)} ms, TTFT {_f(m['ttft_mean_ms'], 1)} ms, "
+            f"time per output token {_f(m['time_per_output_token_mean_ms'], 2)} ms, end to end "
+            f"{_f(m['e2e_mean_ms'], 1)} ms (means)")
+    if not lines:
+        return ""
+    return ("TorchServe's own metrics (the handler's llama_* metrics on its metrics API, scraped before and after "
+            "the sweeps; a step is a micro-batch's prefill or decode step, or a scheduler step):\n\n" + "\n".join(lines) + "\n")
 
 
 # -- plots -------------------------------------------------------------------------------------

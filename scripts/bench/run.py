@@ -104,18 +104,23 @@ def poisson_lengths(p: dict, max_length: int, seed: int) -> List[tuple]:
 
 
 def sweep(system: str, runner, prompts: Prompts, plan: dict, budget: Budget, runs: List[dict],
-          monitor, schedule_runner=None) -> None:
+          monitor, schedule_runner=None, server=None) -> None:
     """Length sweep, TTFT probes, concurrency sweep and (for servers) the Poisson run.
 
     Before each group of requests: wait (up to ``plan["quiet_wait"]`` s) until the rest of the
-    machine is quiet; after it, record how much CPU other processes took meanwhile.
+    machine is quiet; after it, record how much CPU other processes took meanwhile. With
+    ``server`` (a :class:`~scripts.bench.server_metrics.ServerMetrics`), each row also gets the
+    server's own figures for it (``server``), from its metrics API before and after.
     """
     def measure(what, fn, **labels):
         quiet = monitor.wait_quiet(plan["quiet_wait"]) if plan["quiet_wait"] else None
         snap = monitor.snapshot()
+        scraped = server.snapshot() if server is not None else None
         records = fn()
         run = summarize(records, system=system, **labels)
         run.update(monitor.since(snap))
+        if server is not None:
+            run["server"] = server.since(scraped, requests=len(records))
         if quiet is not None:
             run["quiet_wait"] = quiet
         runs.append(run)
@@ -464,8 +469,11 @@ def main(argv=None) -> int:
             status["detail"] = f"TorchServe {results['versions'].get('torchserve')} {describe(system)} at {adapter.url}"
             log(f"{name} ready in {system.timings['start_to_ready_s']} s (pid {system.pid})")
             run_wave(adapter, [prompts.warm], 4, timeout)
+            server = system.metrics()
+            first = server.snapshot()
             sweep(name, lambda ps, n: run_wave(adapter, ps, n, timeout), prompts, plan, budget, runs, monitor,
-                  schedule_runner=None if keep else lambda s: run_schedule(adapter, s, timeout))
+                  schedule_runner=None if keep else lambda s: run_schedule(adapter, s, timeout), server=server)
+            results["extra"][f"{name.replace('-', '_')}_metrics"] = server.since(first)
             if after is not None:
                 after(system, adapter)
             if keep:
@@ -537,7 +545,6 @@ def main(argv=None) -> int:
         phases["poisson_pairs_s"] = time.perf_counter() - t_pairs
 
     def after_micro(system, adapter):
-        results["extra"]["torchserve_micro_batches"] = system.step_log()[-200:]
         if engine is not None and "paired" in plan["scenarios"] and plan["paired_rounds"] and budget.ok("paired A/B", 60):
             t_paired = time.perf_counter()
             paired(("inprocess", engine.run_wave), ("torchserve", lambda ps, n: run_wave(adapter, ps, n, timeout)),

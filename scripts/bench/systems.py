@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
-import re
 import shutil
 import subprocess
 import time
@@ -24,10 +23,10 @@ from typing import Dict, List, Optional, Tuple
 import requests
 
 from .clients import Adapter, LlamaServerAdapter, OpenAICompletionsAdapter, TorchServeAdapter
+from .server_metrics import ServerMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
 PEERS = ROOT / "build" / "peers"
-STEP_LINE = re.compile(r"micro-batch of (\d+): (\d+) tokens in (\d+) ms \(([\d.]+) ms/step\)")
 
 
 class TorchServeSystem:
@@ -71,12 +70,9 @@ class TorchServeSystem:
     def pid(self) -> Optional[int]:
         return None if self.server is None or self.server.process is None else self.server.process.pid
 
-    def step_log(self) -> List[dict]:
-        """The handler's own per-micro-batch lines: rows, tokens, ms and ms per decode step."""
-        if self.server is None:
-            return []
-        return [{"rows": int(m[1]), "tokens": int(m[2]), "ms": int(m[3]), "ms_per_step": float(m[4])}
-                for m in STEP_LINE.finditer(self.server.model_log())]
+    def metrics(self) -> ServerMetrics:
+        """The handler's own figures, from TorchServe's metrics API (no key, loopback)."""
+        return ServerMetrics(self.server.url("metrics"), self.model_name)
 
     def stop(self) -> None:
         if self.server is not None:

@@ -112,6 +112,24 @@ def test_smoke_ratios_markdown_and_plots(smoke):
     assert results["plan"]["max_minutes"] <= 4 and seconds > 0
 
 
+def test_served_rows_carry_the_servers_own_figures_from_its_metrics_api(smoke):
+    """The handler's metrics, scraped before and after each served row, count what the client saw."""
+    _, results, _, _ = smoke
+    served = [r for r in results["runs"] if "server" in r]
+    assert {r["system"] for r in served} == {"torchserve", "torchserve-continuous"}
+    for run in served:
+        server = run["server"]
+        assert server["requests"] == run["requests"] and server["errors_by_status"] == {}, run
+        assert server["generation_tokens"] == run["total_output_tokens"], run
+        assert server["finish_reasons"] == run["finish_reasons"], run
+        assert 0 < server["ttft_mean_ms"] <= server["e2e_mean_ms"] <= run["e2e_ms"]["max"], run
+        assert 0 < server["batch_fill"] <= 1 and server["ms_per_step"] > 0, run
+    for system in ("torchserve", "torchserve_continuous"):
+        whole = results["extra"][f"{system}_metrics"]
+        rows = [r for r in served if r["system"].replace("-", "_") == system]
+        assert whole["requests"] >= sum(r["requests"] for r in rows) > 0
+
+
 def test_prompts_have_exact_token_lengths(tokenizer):
     factory = PromptFactory(tokenizer, seed=3)
     for n in (2, 17, 256, 768):

@@ -1,0 +1,60 @@
+"""The served handler's own figures for a run: two scrapes of TorchServe's metrics API.
+
+The handler records its llama_* metrics with TorchServe's metrics API (docs/operations.md,
+"Metrics"); a scrape before and one after a run give what the server saw of it: requests by
+outcome, prompt and generated tokens, model steps and their rows, and its latencies from the
+moment it took each request (the client's figures also hold the frontend and the network).
+Histogram quantiles are coarse (TorchServe's fixed buckets), so latencies are means.
+"""
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+from scrape_metrics import Samples, delta, scrape, summary, value
+
+
+class ServerMetrics:
+    def __init__(self, metrics_url: str, model: str):
+        self.metrics_url = metrics_url
+        self.model = model
+
+    def snapshot(self) -> Samples:
+        return scrape(self.metrics_url)
+
+    def since(self, before: Samples, requests: Optional[int] = None, timeout: float = 10.0) -> dict:
+        """Figures between ``before`` and now. With ``requests``, wait (up to ``timeout`` s) until the
+        server has counted that many more: the frontend parses the worker's metric lines a moment
+        after the responses went out."""
+        deadline = time.monotonic() + timeout
+        while True:
+            after = self.snapshot()
+            got = summary(delta(after, before), self.model)
+            if requests is None or got["requests"] >= requests or time.monotonic() > deadline:
+                return figures(got, value(after, "llama_batch_capacity", self.model))
+            time.sleep(0.1)
+
+
+def figures(got: dict, capacity: float) -> dict:
+    """The JSON-friendly subset of a :func:`scrape_metrics.summary` of a delta (``capacity``: the
+    gauge's value, which a delta cannot hold): counts, and ms rounded."""
+    def ms(key):
+        mean = got[key]["mean_s"]
+        return None if mean is None else round(1000 * mean, 3)
+
+    return {
+        "requests": int(got["requests"]),
+        "finish_reasons": {k: int(v) for k, v in got["success_by_finish_reason"].items()},
+        "errors_by_status": {k: int(v) for k, v in got["errors_by_status"].items()},
+        "prompt_tokens": int(got["prompt_tokens"]),
+        "generation_tokens": int(got["generation_tokens"]),
+        "steps": int(got["steps"]),
+        "batch_capacity": int(capacity),
+        "rows_per_step": None if got["rows_per_step"] is None else round(got["rows_per_step"], 3),
+        "batch_fill": None if got["rows_per_step"] is None or not capacity else round(got["rows_per_step"] / capacity, 3),
+        "ms_per_step": None if got["ms_per_step"] is None else round(got["ms_per_step"], 3),
+        "ttft_mean_ms": ms("time_to_first_token"),
+        "time_per_output_token_mean_ms": ms("request_time_per_output_token"),
+        "e2e_mean_ms": ms("e2e_request_latency"),
+        "queue_mean_ms": ms("request_queue_time"),
+    }
