@@ -224,10 +224,8 @@ class TimedSink(MetricsSink):
     def compile_cache(self, stats: dict) -> None:
         hits, misses = compile_cache_counts(stats)
         kind = str(stats.get("kind", "unknown"))
-        with self._lock:
-            self._counts[("llama_compile_cache_hits_total", (kind,))] += hits
-            self._counts[("llama_compile_cache_misses_total", (kind,))] += misses
-        self.flush()
+        self.record("llama_compile_cache_hits_total", hits, (kind,))  # zeros too: "no miss" is the news
+        self.record("llama_compile_cache_misses_total", misses, (kind,))
 
     def flush(self, force: bool = True) -> None:
         if not force:

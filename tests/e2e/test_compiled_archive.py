@@ -50,6 +50,18 @@ def test_served_from_read_only_store_with_no_new_compiles(compiled_server):
     assert report["fxgraph_cache_miss"] == 0 and report["fxgraph_cache_hit"] >= 1
 
 
+def test_compile_cache_hits_and_misses_are_on_the_metrics_api(compiled_server):
+    from scrape_metrics import scrape, value
+
+    report = compile_report(compiled_server.model_log())
+    samples = scrape(compiled_server.url("metrics"))
+    hits = value(samples, "llama_compile_cache_hits_total", MODEL, kind="inductor")
+    assert hits == report["fxgraph_cache_hit"] >= 1
+    misses = [v for (name, labels), v in samples.items()
+              if name == "llama_compile_cache_misses_total" and {("ModelName", MODEL), ("kind", "inductor")} <= labels]
+    assert misses == [0.0]  # recorded as 0, not absent
+
+
 def test_compiled_stream_equals_eager_greedy(compiled_server, tiny_model_dir):
     from llama_engine import Engine, GenerationRequest, SamplingParams
     from llama_engine.config import HandlerConfig
