@@ -39,3 +39,23 @@ def tokenizer(tiny_model_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    """The tiny model's static engine on one torch thread (restored after the module).
+
+    One thread: the tiny model gains nothing from more, and spinning OpenMP threads slow down
+    many-fold while other test processes share the machine. Modules that need other limits
+    define their own ``engine``.
+    """
+    import torch
+
+    from llama_engine import Engine
+    from llama_engine.config import HandlerConfig
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    cfg = HandlerConfig(model_path=tiny_model_dir.name, max_length=256, max_new_tokens=16)
+    yield Engine.from_config(cfg, str(tiny_model_dir.parent))
+    torch.set_num_threads(threads)

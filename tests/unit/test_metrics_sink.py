@@ -12,13 +12,11 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import torch
 import yaml
 
 import llama_handler
-from llama_engine import Engine, GenerationRequest, SamplingParams
+from llama_engine import GenerationRequest, SamplingParams
 from llama_engine.backends.torch_backend import TorchSlotBackend
-from llama_engine.config import HandlerConfig
 from llama_engine.continuous import ContinuousScheduler
 from llama_engine.metrics import (COUNTER, GAUGE, HISTOGRAM, METRICS, SPECS, RequestTimes, TimedSink,
                                   compile_cache_counts)
@@ -134,15 +132,6 @@ def test_compile_cache_hits_and_misses_from_the_cache_report():
 
 
 # -- both batching modes report, in-process on the tiny model ------------------------------------
-
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    cfg = HandlerConfig(model_path=tiny_model_dir.name, max_length=256, max_new_tokens=16)
-    yield Engine.from_config(cfg, str(tiny_model_dir.parent))
-    torch.set_num_threads(threads)
-
 
 def prepared(engine, prompt, n, **params):
     return engine.prepare(GenerationRequest(prompt, SamplingParams(max_new_tokens=n, **params)))

@@ -12,10 +12,9 @@ import torch
 import yaml
 
 from conftest import ROOT
-from llama_engine import Engine, GenerationRequest, RequestError, SamplingParams, load_model_config
+from llama_engine import GenerationRequest, RequestError, SamplingParams, load_model_config
 from llama_engine.backends import create_slot_backend
 from llama_engine.backends.torch_backend import TorchSlotBackend
-from llama_engine.config import HandlerConfig
 from llama_engine.continuous import FINISH_ERROR, ContinuousScheduler
 from neuron_env import neuron_double
 
@@ -36,15 +35,6 @@ def neuron_cfg(model_dir):
     cfg = load_model_config(yaml.safe_load(CONFIG.read_text())).handler
     cfg.model_path = model_dir.name
     return cfg
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    cfg = HandlerConfig(model_path=tiny_model_dir.name, max_length=256, max_new_tokens=16)
-    yield Engine.from_config(cfg, str(tiny_model_dir.parent))
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
