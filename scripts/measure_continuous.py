@@ -1,6 +1,8 @@
-"""Usage: python scripts/measure_continuous.py [torch_threads]
+"""Tokens/s: ContinuousScheduler with 8 concurrent requests vs Engine.generate on a static batch of 8 (tiny model, CPU).
 
-Tokens/s: ContinuousScheduler with 8 concurrent requests vs Engine.generate on a static batch of 8 (tiny model, CPU)."""
+    python scripts/measure_continuous.py [torch_threads]
+"""
+import argparse
 import sys
 import time
 from pathlib import Path
@@ -13,7 +15,9 @@ from llama_engine.backends.torch_backend import TorchSlotBackend
 from llama_engine.config import HandlerConfig
 from llama_engine.continuous import ContinuousScheduler
 
-torch.set_num_threads(int(sys.argv[1]) if len(sys.argv) > 1 else 2)
+_parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+_parser.add_argument("torch_threads", nargs="?", type=int, default=2, help="torch threads (default 2)")
+torch.set_num_threads(_parser.parse_args().torch_threads)
 N, NEW, REPS = 8, 64, 3
 cfg = HandlerConfig(model_path="tiny-llama", max_length=256, max_new_tokens=NEW)
 engine = Engine.from_config(cfg, str(ROOT / "build"))

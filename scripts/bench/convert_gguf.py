@@ -53,6 +53,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--tree", type=Path, required=True, help="the llama.cpp source tree")
     parser.add_argument("--tokenizer-pre", help="tokenizer.ggml.pre to write when the hash is unknown "
                                                 "(default: gpt-2, after checking tokenizer.json)")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv in (["-h"], ["--help"]):  # add_help is off so that the converter's own flags pass through
+        parser.print_help()
+        print("\nEvery other argument goes to <tree>/convert_hf_to_gguf.py (see its --help).")
+        return 0
     args, rest = parser.parse_known_args(argv)
     model_dirs = [Path(a) for a in rest if not a.startswith("-") and Path(a).is_dir()]
     if not model_dirs:
