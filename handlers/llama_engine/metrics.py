@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Dict, Optional, Tuple
@@ -140,7 +141,7 @@ def compile_cache_counts(stats: dict) -> Tuple[int, int]:
     return int(stats.get("shipped_entries", 0)), int(stats.get("new_entries", 0))
 
 
-class TimedSink(MetricsSink):
+class TimedSink(MetricsSink, ABC):
     """Events -> observations; a subclass records them in :meth:`record`.
 
     ``capacity`` is the rows one step holds (micro_batch_size or the slots); ``continuous``
@@ -159,10 +160,10 @@ class TimedSink(MetricsSink):
         self._received = self._admitted = self._ended_waiting = self._ended_running = 0
         self._last_flush = clock()
 
+    @abstractmethod
     def record(self, name: str, value: float, labels: tuple = ()) -> None:
         """Record one value of metric ``name`` (a histogram's observation, a counter's increment,
         a gauge's value) with the values of ``SPECS[name].labels``."""
-        raise NotImplementedError
 
     # -- events ---------------------------------------------------------------------------------
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, fields
 from typing import Any, Dict, List, Optional, Union
 
@@ -164,7 +165,7 @@ def json_value(value: Any) -> str:
 
 
 @dataclass
-class _CommonRequest:
+class _CommonRequest(ABC):
     """The fields ``v1/chat/completions`` and ``v1/completions`` share; ``params`` is the result."""
 
     model: Optional[str] = None
@@ -236,8 +237,9 @@ class _CommonRequest:
                               "stream_options")
         return bool(include)
 
+    @abstractmethod
     def _top_logprobs(self) -> Optional[int]:
-        raise NotImplementedError
+        """Alternatives to report per token (None: no logprobs), from this API's own fields."""
 
     @property
     def output(self) -> str:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from abc import ABC, abstractmethod
 from typing import List, Optional
 
 from .errors import RequestError
@@ -53,7 +54,7 @@ def _bytes(text: str) -> Optional[List[int]]:
     return None if "\ufffd" in text else list(text.encode("utf-8"))
 
 
-class _Format:
+class _Format(ABC):
     """What chat and text completions share: ids, chunk framing, usage, errors."""
 
     prefix = ""
@@ -101,14 +102,17 @@ class _Format:
         """A failure after the stream started: an error event, which the openai client raises as APIError."""
         return _sse(error_body(error.message, error.status, error.parameter))
 
+    @abstractmethod
     def _delta(self, text: str) -> dict:
-        raise NotImplementedError
+        """A streamed chunk's choice content for ``text``."""
 
+    @abstractmethod
     def _answer(self, text: str) -> dict:
-        raise NotImplementedError
+        """The whole answer's choice content for ``text``."""
 
+    @abstractmethod
     def _logprobs(self, tokens: List[TokenLogprobs]) -> Optional[dict]:
-        raise NotImplementedError
+        """The choice's ``logprobs`` for ``tokens``, in this API's shape (None when not asked for)."""
 
 
 class ChatFormat(_Format):
