@@ -13,39 +13,24 @@ from __future__ import annotations
 
 import argparse
 import math
-import re
 import sys
 from pathlib import Path
 from typing import Dict, FrozenSet, Optional, Tuple
 
 import requests
+from prometheus_client.parser import text_string_to_metric_families
 
 Labels = FrozenSet[Tuple[str, str]]
 Samples = Dict[Tuple[str, Labels], float]
 
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)")
-_LABEL = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"\s*,?')
 HISTOGRAMS = ("llama_time_to_first_token_seconds", "llama_request_time_per_output_token_seconds",
               "llama_e2e_request_latency_seconds", "llama_request_queue_time_seconds")
 
 
 def parse(text: str) -> Samples:
-    """Samples of the Prometheus text format (0.0.4): ``{(name, labels): value}``."""
-    samples: Samples = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        match = _SAMPLE.match(line)
-        if match is None:
-            raise ValueError(f"not a Prometheus sample line: {line!r}")
-        name, label_text, value = match.groups()
-        labels = frozenset((k, _unescape(v)) for k, v in _LABEL.findall(label_text or ""))
-        samples[(name, labels)] = float(value)
-    return samples
-
-
-def _unescape(value: str) -> str:
-    return value.replace('\\"', '"').replace("\\n", "\n").replace("\\\\", "\\")
+    """Samples of the Prometheus text format: ``{(name, labels): value}`` (prometheus_client's parser)."""
+    return {(sample.name, frozenset(sample.labels.items())): float(sample.value)
+            for family in text_string_to_metric_families(text) for sample in family.samples}
 
 
 def scrape(metrics_url: str, timeout: float = 10.0) -> Samples:
