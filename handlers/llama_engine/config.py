@@ -23,7 +23,7 @@ from typing import Any, Mapping, Optional
 from .errors import ConfigError
 
 BACKENDS = ("torch", "neuron")
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 STAGES = ("preprocess", "inference", "postprocess")
 
@@ -129,7 +129,8 @@ class HandlerConfig:
     compile_cache: str = "compile_cache"
     allow_recompile: bool = False
     # torch backend
-    dtype: str = "float32"
+    #: ``auto``: bfloat16 on a CPU with native bf16 (AMX, AVX512_BF16) or a GPU, float32 elsewhere.
+    dtype: str = "auto"
     device: str = "auto"
     compile: bool = False
     # neuron backend (transformers-neuronx); the compiled batch size is micro_batch_size

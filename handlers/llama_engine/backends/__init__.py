@@ -32,8 +32,10 @@ def cache_kind_and_settings(cfg, batch_size: int,
             settings["continuous_batching"] = True
         return compile_cache.NEURON, settings
     if cfg.backend == "torch" and cfg.compile:
+        from .torch_backend import resolve_dtype  # graphs depend on the dtype ``auto`` resolves to here
+
         return compile_cache.INDUCTOR, {
-            "dtype": cfg.dtype, "batch_size": batch_size, "max_length": cfg.max_length, "device": cfg.device,
+            "dtype": resolve_dtype(cfg.dtype, cfg.device), "batch_size": batch_size, "max_length": cfg.max_length, "device": cfg.device,
         }
     return None
 

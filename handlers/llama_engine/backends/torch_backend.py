@@ -7,6 +7,7 @@ from typing import List, Optional, Sequence
 import torch
 from transformers import DynamicCache
 
+from ..cpu import auto_dtype
 from .base import Backend, PrefillChunk, SlotBackend, StepLogits
 from .fast_linear import FusedLlamaProjections, pack_linears
 
@@ -23,10 +24,16 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def resolve_dtype(dtype: str, device: str) -> str:
+    """``handler.dtype`` with ``auto`` replaced by what the device computes fastest in (:mod:`..cpu`)."""
+    return auto_dtype(resolve_device(device).type) if dtype == "auto" else dtype
+
+
 def load_model(model_path: str, dtype: str, device: str, max_length: int, pack: bool = True):
     """The HF causal LM from safetensors, on ``device``, in eval mode, linears packed where that pays."""
     from transformers import AutoModelForCausalLM
 
+    dtype = resolve_dtype(dtype, device)
     model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=DTYPES[dtype], use_safetensors=True)
     model = model.to(resolve_device(device)).eval()
     check_max_length(model.config, max_length)
@@ -54,7 +61,7 @@ class TorchBackend(Backend):
         self._cache = None
         self._mask = None
         self._next_position = None
-        logger.info("torch backend: %s on %s in %s", type(self.model).__name__, self.device, dtype)
+        logger.info("torch backend: %s on %s in %s", type(self.model).__name__, self.device, self.model.dtype)
 
     @torch.inference_mode()
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -183,7 +190,7 @@ class CompiledTorchBackend(TorchBackend):
         super().__init__(model_path, dtype=dtype, device=device, max_length=max_length)
         self.batch_sizes = (batch_size,)
         self._static = StaticCache(config=self.model.config, max_batch_size=batch_size, max_cache_len=max_length,
-                                   device=self.device, dtype=DTYPES[dtype])
+                                   device=self.device, dtype=self.model.dtype)
         self._full_mask = torch.zeros((batch_size, max_length), dtype=torch.long, device=self.device)
         self._position = 0
         self._decode_step = torch.compile(self._step, dynamic=False, fullgraph=True)
