@@ -48,12 +48,15 @@ demo: serve  ## set up, build MODEL, serve it, stream PROMPT with curl -N and st
 check-prereqs:  ## check python3 3.10+, Java 17 and curl; say how to install what is missing
 	@bash scripts/check_prereqs.sh $(PY)
 
-venv: $(VENV)/.installed  ## the virtual environment with the pinned requirements (.venv)
+venv: $(VENV)/.installed  ## the virtual environment (.venv): the pinned requirements, then this project installed editable
 
-$(VENV)/.installed: requirements.txt requirements-dev.txt | check-prereqs
+# The pinned requirements, then the project itself, editable and without dependencies (pyproject.toml):
+# llama_engine and the scripts package import from anywhere, and the llama-* commands are on .venv/bin.
+$(VENV)/.installed: requirements.txt requirements-dev.txt pyproject.toml | check-prereqs
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -r requirements-dev.txt
+	$(BIN)/python -m pip install --quiet --no-deps -e .
 	touch $@
 
 # The embedded default model: built offline and deterministically.

@@ -28,12 +28,9 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "handlers"))
-sys.path.insert(0, str(ROOT / "scripts"))
+from scripts import build_archive, prepare_checkpoint
 
-import build_archive  # noqa: E402
-import prepare_checkpoint  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def step(n: int, total: int, text: str) -> float:

@@ -19,8 +19,7 @@ from pathlib import Path
 
 import requests
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tsctl import ROOT, read_key  # noqa: E402
+from scripts.tsctl import ROOT, read_key
 
 PROMPTS = ["The function returns", "If the object is", "A list of", "The default value is",
            "When the file", "This module provides", "Return the number of", "The following"]

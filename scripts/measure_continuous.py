@@ -7,13 +7,14 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "handlers"))
 import torch
+
 from llama_engine import Engine, GenerationRequest, SamplingParams
 from llama_engine.backends.torch_backend import TorchSlotBackend
 from llama_engine.config import HandlerConfig
 from llama_engine.continuous import ContinuousScheduler
+
+ROOT = Path(__file__).resolve().parent.parent
 
 _parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 _parser.add_argument("torch_threads", nargs="?", type=int, default=2, help="torch threads (default 2)")

@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "handlers"))
 
 
 def measure(scheduler, prompt_ids, running: int, budget: int):

@@ -25,11 +25,10 @@ from pathlib import Path
 import requests
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
+from scripts import build_model
+from scripts.tsctl import TorchServe, free_port
 
-import build_model  # noqa: E402
-from tsctl import TorchServe, free_port  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def make_cold_copy(store: Path, name: str, cold_name: str) -> None:

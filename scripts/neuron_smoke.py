@@ -25,12 +25,10 @@ from pathlib import Path
 
 import requests
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
-sys.path.insert(0, str(ROOT / "handlers"))
+from scripts import loadtest
+from scripts.tsctl import TorchServe, free_port
 
-import loadtest  # noqa: E402
-from tsctl import TorchServe, free_port  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def compile_report(log: str) -> dict:

@@ -47,11 +47,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "handlers"))
-sys.path.insert(0, str(ROOT / "scripts"))
+from scripts import s3_upload
 
-import s3_upload  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 NAME_MAX = 63
 NAME_RE = re.compile(r"[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}")

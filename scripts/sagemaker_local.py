@@ -25,10 +25,9 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
+from scripts.tsctl import TorchServe, free_port
 
-from tsctl import TorchServe, free_port  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 MODEL_NAME = "model"  # the toolkit registers the artifact under this name
 # sagemaker-pytorch-inference-toolkit: etc/default-ts.properties plus the properties it generates.
@@ -54,7 +53,7 @@ def container_server(model_dir: Path, workdir: Path, env=None) -> TorchServe:
     which is what turns token authorization off: the properties alone leave it on, so a deploy
     that forgot the variable would fail here as SageMaker's /ping would.
     """
-    from sagemaker_deploy import DEFAULT_ENV
+    from scripts.sagemaker_deploy import DEFAULT_ENV
 
     ports = {"inference": free_port(), "management": free_port(), "metrics": free_port()}
     props = {**CONTAINER_PROPERTIES, "load_models": f"{MODEL_NAME}={model_dir}"}
@@ -67,8 +66,8 @@ def main(argv=None) -> int:
     import boto3
     import requests
 
-    import s3_upload
-    from stream import iter_messages
+    from scripts import s3_upload
+    from scripts.stream import iter_messages
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("s3_uri")

@@ -117,8 +117,7 @@ def _nonzero(counts: Dict[str, float]) -> Dict[str, float]:
 
 
 def main(argv=None) -> int:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from tsctl import ADDRESS_KEYS, ROOT, read_properties
+    from scripts.tsctl import ADDRESS_KEYS, ROOT, read_properties
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", type=Path, default=ROOT / "build" / "serve", help="the server's (tsctl start --workdir)")

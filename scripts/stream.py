@@ -75,8 +75,7 @@ def iter_messages(chunks: Iterable) -> Iterator[dict]:
 
 def local_url(workdir: Path) -> str:
     """The inference address of the server started from ``workdir`` (``make serve``'s), else the default."""
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from tsctl import read_properties
+    from scripts.tsctl import read_properties
 
     config = workdir / "config.properties"
     if config.is_file():
@@ -88,8 +87,7 @@ def local_chunks(args, body: dict) -> Iterator[bytes]:
     """The response body's chunks; a stream cut short (its worker died) is a RuntimeError that says so."""
     import requests
 
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from tsctl import read_key
+    from scripts.tsctl import read_key
 
     headers = {"Authorization": f"Bearer {read_key(args.workdir)}", "Content-Type": "application/json"}
     url = f"{args.url or local_url(args.workdir)}/predictions/{args.model}"

@@ -36,12 +36,9 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-for _p in (ROOT, ROOT / "handlers"):
-    if str(_p) not in sys.path:
-        sys.path.insert(0, str(_p))
+from scripts.bench.run import MODES, poisson_lengths
 
-from scripts.bench.run import MODES, poisson_lengths  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def step_times(backend, rows_max: int, context: int, repeats: int) -> dict:

@@ -34,10 +34,10 @@ def load_baseline(rev: str):
     """The baseline revision's torch_backend module, importable next to the current one."""
     source = subprocess.run(["git", "show", f"{rev}:{MODULE}"], cwd=ROOT, check=True, capture_output=True,
                             text=True).stdout
-    name = "handlers.llama_engine.backends._baseline_torch_backend"
+    name = "llama_engine.backends._baseline_torch_backend"
     spec = importlib.util.spec_from_loader(name, loader=None)
     module = importlib.util.module_from_spec(spec)
-    module.__package__ = "handlers.llama_engine.backends"
+    module.__package__ = "llama_engine.backends"
     sys.modules[name] = module
     exec(compile(source, f"{rev}:{MODULE}", "exec"), module.__dict__)
     return module
@@ -100,8 +100,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     torch.set_num_threads(args.threads)
-    sys.path.insert(0, str(ROOT))
-    from handlers.llama_engine.backends import torch_backend as current
+    from llama_engine.backends import torch_backend as current
 
     baseline = None if args.no_baseline else load_baseline(args.baseline)
     max_length = args.prompt + 2 * args.rounds * args.block + 16

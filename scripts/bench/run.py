@@ -29,16 +29,13 @@ import traceback
 from pathlib import Path
 from typing import Dict, List, Optional
 
-ROOT = Path(__file__).resolve().parents[2]
-for _p in (ROOT, ROOT / "handlers", ROOT / "scripts"):
-    if str(_p) not in sys.path:
-        sys.path.insert(0, str(_p))
+from scripts.bench import machine, model as bench_model, report
+from scripts.bench.clients import run_schedule, run_wave
+from scripts.bench.membw import read_bandwidth
+from scripts.bench.prompts import PromptFactory
+from scripts.bench.stats import summarize
 
-from scripts.bench import machine, model as bench_model, report  # noqa: E402
-from scripts.bench.clients import run_schedule, run_wave  # noqa: E402
-from scripts.bench.membw import read_bandwidth  # noqa: E402
-from scripts.bench.prompts import PromptFactory  # noqa: E402
-from scripts.bench.stats import summarize  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 # (input tokens, output tokens) pairs; every length pair runs at concurrency 1.
 MODES = {

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Optional
 
-from scrape_metrics import Samples, delta, scrape, summary, value
+from scripts.scrape_metrics import Samples, delta, scrape, summary, value
 
 
 class ServerMetrics:

@@ -42,7 +42,7 @@ class TorchServeSystem:
         self.timings: Dict[str, float] = {}
 
     def build(self) -> None:
-        import build_model  # scripts/build_model.py
+        from scripts import build_model
 
         started = time.perf_counter()
         code = build_model.main(["--config", str(self.config), "--checkpoint", str(self.checkpoint),
@@ -53,7 +53,7 @@ class TorchServeSystem:
         self.timings["archive_s"] = round(time.perf_counter() - started, 2)
 
     def start(self, timeout: float) -> Adapter:
-        from tsctl import TorchServe, free_port
+        from scripts.tsctl import TorchServe, free_port
 
         workdir = self.work / "torchserve"
         shutil.rmtree(workdir, ignore_errors=True)
@@ -115,7 +115,7 @@ class PeerSystem(ABC):
         return None if self.process is None else self.process.pid
 
     def start(self, timeout: float) -> Adapter:
-        from tsctl import free_port
+        from scripts.tsctl import free_port
 
         self.port = free_port()
         self.work.mkdir(parents=True, exist_ok=True)
@@ -136,7 +136,7 @@ class PeerSystem(ABC):
         raise TimeoutError(f"{self.name} not ready after {timeout:.0f} s")
 
     def stop(self) -> None:
-        from tsctl import stop_group
+        from scripts.tsctl import stop_group
 
         if self.process is not None and self.process.poll() is None:
             stop_group(self.process.pid, 30, reap=self.process.poll)

@@ -27,11 +27,10 @@ from pathlib import Path
 
 import requests
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
+from scripts import build_model
+from scripts.tsctl import running
 
-import build_model  # noqa: E402
-from tsctl import running  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def ready_worker_pid(server, model: str, timeout: float = 120) -> int:

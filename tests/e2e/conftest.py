@@ -13,11 +13,10 @@ import pytest
 import requests
 import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
+from scripts import build_model
+from scripts.tsctl import TorchServe, running
 
-import build_model  # noqa: E402
-from tsctl import TorchServe, running  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 MODEL = "tiny-llama"
 

@@ -10,7 +10,7 @@ import requests
 
 from conftest import ROOT, build_model
 from readonly import guarded_read_only_view
-from tsctl import running
+from scripts.tsctl import running
 
 MODEL = "tiny-llama-compiled"
 
@@ -51,7 +51,7 @@ def test_served_from_read_only_store_with_no_new_compiles(compiled_server):
 
 
 def test_compile_cache_hits_and_misses_are_on_the_metrics_api(compiled_server):
-    from scrape_metrics import scrape, value
+    from scripts.scrape_metrics import scrape, value
 
     report = compile_report(compiled_server.model_log())
     samples = scrape(compiled_server.url("metrics"))

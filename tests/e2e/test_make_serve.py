@@ -14,10 +14,9 @@ from pathlib import Path
 import pytest
 import requests
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
+from scripts.tsctl import read_key, read_properties
 
-from tsctl import read_key, read_properties  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 MODELS = ("tiny-llama-continuous", "tiny-llama")
 

@@ -21,8 +21,8 @@ import requests
 import yaml
 
 from conftest import ROOT
-from scrape_metrics import HISTOGRAMS, buckets, scrape, summary, value
-from tsctl import running
+from scripts.scrape_metrics import HISTOGRAMS, buckets, scrape, summary, value
+from scripts.tsctl import running
 
 MICRO, CONTINUOUS = "tiny-llama", "tiny-llama-continuous"
 MAX_INPUT_BYTES = 2048
@@ -46,7 +46,7 @@ test_config.__test__ = False  # a helper, not a test
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
-    import build_model
+    from scripts import build_model
 
     work = tmp_path_factory.mktemp("metrics")
     for model in (MICRO, CONTINUOUS):

@@ -17,7 +17,7 @@ import requests
 from conftest import ROOT, build_model
 from neuron_env import neuron_double, subprocess_env
 from readonly import guarded_read_only_view
-from tsctl import TorchServe, free_ports, running
+from scripts.tsctl import TorchServe, free_ports, running
 
 MODEL = "tiny-llama-neuron"
 CONFIG = ROOT / "model-config" / f"{MODEL}.yaml"

@@ -10,11 +10,11 @@ import boto3
 import pytest
 import requests
 
-import s3_upload
-import sagemaker_local
+from scripts import s3_upload
+from scripts import sagemaker_local
 from readonly import guarded_read_only_view
 from s3_server import fake_aws_credentials, moto_s3_server, new_bucket
-from stream import iter_messages
+from scripts.stream import iter_messages
 
 
 @pytest.fixture(scope="module")

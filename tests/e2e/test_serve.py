@@ -57,7 +57,7 @@ def test_server_starts_and_requires_the_token(server, client):
 
 
 def test_registration_api_is_off(server):
-    from tsctl import read_key
+    from scripts.tsctl import read_key
 
     headers = {"Authorization": f"Bearer {read_key(server.workdir, 'management')}"}
     assert requests.get(f"{server.url('management')}/models", headers=headers, timeout=30).status_code == 200

@@ -7,8 +7,8 @@ import json
 import pytest
 from pathlib import Path
 
-from bench.clients import LlamaServerAdapter, RequestRecord
-from bench.convert_gguf import gpt2_pretokenizer
+from scripts.bench.clients import LlamaServerAdapter, RequestRecord
+from scripts.bench.convert_gguf import gpt2_pretokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -88,7 +88,7 @@ def test_systems_filter_keeps_the_suites_order_and_rejects_unknown_names():
 
     import pytest
 
-    from bench.run import SYSTEMS, parse_systems
+    from scripts.bench.run import SYSTEMS, parse_systems
 
     assert parse_systems("vllm, llama.cpp") == ["llama.cpp", "vllm"]
     assert parse_systems(",".join(SYSTEMS)) == list(SYSTEMS)
@@ -98,7 +98,7 @@ def test_systems_filter_keeps_the_suites_order_and_rejects_unknown_names():
 
 
 def test_vllm_stream_counts_the_token_ids_of_each_chunk():
-    from bench.clients import OpenAICompletionsAdapter
+    from scripts.bench.clients import OpenAICompletionsAdapter
 
     adapter = OpenAICompletionsAdapter("http://x", "m")
     assert adapter.request(type("P", (), {"ids": [1, 5]})(), 3)[2]["return_token_ids"] is True
@@ -114,7 +114,7 @@ def test_vllm_stream_counts_the_token_ids_of_each_chunk():
 
 
 def test_summary_counts_streams_whose_server_count_differs_from_what_streamed():
-    from bench.stats import summarize
+    from scripts.bench.stats import summarize
 
     good = RequestRecord("x", 4, 3, start=0.0, token_times=[1.0, 2.0, 3.0], end=3.0, reported_tokens=3)
     off = RequestRecord("x", 4, 3, start=0.0, token_times=[1.0, 2.0], end=3.0, reported_tokens=3)
@@ -128,7 +128,7 @@ def test_round_trip_lines_of_the_continuous_handler_parse(caplog):
     import logging
 
     import llama_handler
-    from bench.run import round_trips
+    from scripts.bench.run import round_trips
 
     trips = llama_handler.RoundTrips(every=1.0)
     with caplog.at_level(logging.INFO, logger=llama_handler.logger.name):
@@ -146,7 +146,7 @@ def test_round_trip_lines_of_the_continuous_handler_parse(caplog):
 def test_continuous_bound_replay_counts_rows_padding_and_merged_chunks():
     """Two slots, outputs 4 and 2: micro decodes 4 steps (1.5 rows each) after a padded prefill;
     the ideal batcher prefills each prompt in one merged pass and decodes the rest 2 rows a step."""
-    from bench.continuous_bound import replay
+    from scripts.bench.continuous_bound import replay
 
     schedule = [(0.0, 10, 4), (0.1, 6, 2)]  # (arrival s, prompt tokens, output tokens)
     r = replay(schedule, slots=2, step_ms={1: 10.0, 2: 10.0}, prefill_tps=1000.0, chunk=10, merged_ms=0.0)

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from bench.clients import (LlamaServerAdapter, OpenAICompletionsAdapter, TorchServeAdapter, run_schedule,
+from scripts.bench.clients import (LlamaServerAdapter, OpenAICompletionsAdapter, TorchServeAdapter, run_schedule,
                            run_wave)
-from bench.prompts import Prompt, PromptFactory
+from scripts.bench.prompts import Prompt, PromptFactory
 
 ROOT = Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -241,7 +241,7 @@ ThreadingHTTPServer(("127.0.0.1", port), H).serve_forever()
 
 
 def test_peer_is_detected_started_driven_and_stopped_by_pid(tmp_path, monkeypatch):
-    from bench.systems import LlamaCppSystem, VllmSystem
+    from scripts.bench.systems import LlamaCppSystem, VllmSystem
 
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()

@@ -21,7 +21,7 @@ from llama_engine.continuous import ContinuousScheduler
 from llama_engine.metrics import (COUNTER, GAUGE, HISTOGRAM, METRICS, SPECS, RequestTimes, TimedSink,
                                   compile_cache_counts)
 from llama_metrics import TorchServeMetrics, dimensions, model_metrics_yaml
-from scrape_metrics import parse, quantile, summary
+from scripts.scrape_metrics import parse, quantile, summary
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -263,7 +263,7 @@ def test_metric_names_follow_prometheus_conventions():
 
 
 def test_config_properties_serves_prometheus_metrics_on_loopback(tmp_path):
-    from tsctl import TorchServe, read_properties
+    from scripts.tsctl import TorchServe, read_properties
 
     props = read_properties(ROOT / "config.properties")
     assert props["metrics_mode"] == "prometheus" and props["metrics_address"].startswith("http://127.0.0.1:")

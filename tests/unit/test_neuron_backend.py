@@ -7,7 +7,7 @@ import shutil
 import pytest
 import yaml
 
-import build_model
+from scripts import build_model
 from conftest import ROOT
 from llama_engine import Engine, GenerationRequest, RequestError, SamplingParams, load_model_config
 from llama_engine.compile_cache import CompileCacheError

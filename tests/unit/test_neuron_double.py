@@ -574,7 +574,6 @@ def test_select_tokens(tnx):
 
 HOLDER = """
 import sys
-sys.path.insert(0, sys.argv[1])
 from torch_neuronx import _fake_nrt
 print(_fake_nrt.init(), flush=True)
 sys.stdin.read()  # hold the cores until the test closes stdin
@@ -583,8 +582,8 @@ sys.stdin.read()  # hold the cores until the test closes stdin
 
 def hold_cores(**env):
     """Another process that takes NeuronCores (on this test's registry) and keeps them until released."""
-    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(DOUBLE)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True, env={**os.environ, **env})
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(DOUBLE), **env})
     proc.cores = json.loads(proc.stdout.readline())
     return proc
 

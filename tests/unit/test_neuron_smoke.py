@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-import neuron_smoke
+from scripts import neuron_smoke
 from conftest import ROOT
 from llama_engine import load_model_config_file
 

@@ -1,6 +1,6 @@
 import pytest
 
-import prepare_checkpoint
+from scripts import prepare_checkpoint
 from neuron_env import neuron_double
 
 

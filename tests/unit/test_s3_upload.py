@@ -10,7 +10,7 @@ from pathlib import Path
 import boto3
 import pytest
 
-import s3_upload
+from scripts import s3_upload
 from s3_server import fake_aws_credentials, moto_s3_server, new_bucket
 
 MiB = 1024 * 1024
@@ -343,7 +343,7 @@ def test_the_real_model_store_directory_uploads_and_verifies(uri, s3, bucket, co
     root = Path(__file__).resolve().parents[2]
     store = root / "model_store" / "tiny-llama"
     if not (store / "MAR-INF" / "MANIFEST.json").exists():
-        import build_model
+        from scripts import build_model
 
         build_model.main(["--config", str(root / "model-config" / "tiny-llama.yaml"), "--checkpoint",
                           str(tiny_model_dir), "--build-dir", str(tmp_path / "build"),

@@ -17,7 +17,7 @@ import botocore.session
 import pytest
 from botocore.stub import Stubber
 
-import sagemaker_deploy
+from scripts import sagemaker_deploy
 from llama_engine.config import load_model_config_file
 from s3_server import fake_aws_credentials
 

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from stream import LineIterator, iter_messages
+from scripts.stream import LineIterator, iter_messages
 
 LINES = [{"token": {"id": 1, "text": "Hello", "logprob": -0.1, "special": False}},
          {"token": {"id": 2, "text": " 🦙🎉", "logprob": -0.2, "special": False}},

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from tsctl import load_models_value, main
+from scripts.tsctl import load_models_value, main
 
 
 def test_each_name_is_served_from_its_directory_or_archive(tmp_path):
@@ -36,7 +36,7 @@ def test_health_of_a_server_that_never_started_is_a_clear_failure(tmp_path, caps
 def test_start_waits_as_long_as_the_slowest_models_startup_timeout(tmp_path):
     import json
 
-    from tsctl import startup_timeout
+    from scripts.tsctl import startup_timeout
 
     for name, seconds in (("quick", 300), ("neuron-7b", 1800)):
         (tmp_path / name / "MAR-INF").mkdir(parents=True)
