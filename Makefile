@@ -28,7 +28,7 @@ ARCHIVE_OF = $(STORE)/$(1)/MAR-INF/MANIFEST.json
 endif
 ARCHIVES := $(foreach m,$(MODELS),$(call ARCHIVE_OF,$(m)))
 
-.PHONY: help demo test build check-models one-model serve stop stream check-prereqs venv clean neuron-smoke upload deploy undeploy sagemaker-local bench bench-peers bench-models
+.PHONY: help demo test lint build check-models one-model serve stop stream check-prereqs venv clean neuron-smoke upload deploy undeploy sagemaker-local bench bench-peers bench-models
 
 help:  ## list the targets (the first one, so plain `make` shows this)
 	@awk 'BEGIN {FS = ":[^#]*## "} /^[a-z][a-zA-Z_-]*:.*## / {printf "  %-16s %s\n", $$1, $$2}' $(firstword $(MAKEFILE_LIST))
@@ -94,6 +94,9 @@ stream: | $(VENV)/.installed  ## stream PROMPT from each MODEL of the running se
 
 test: $(BUILD)/tiny-llama/config.json | $(VENV)/.installed  ## set up and run the whole test suite (PYTEST_ARGS=...)
 	PATH=$(abspath $(BIN)):$$PATH $(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lint: | $(VENV)/.installed  ## ruff over the tree, with the rules in pyproject.toml (CI runs it before the tests)
+	$(BIN)/ruff check .
 
 # Benchmarks (issue 6): a ~116M random-weight Llama served by the handler and run in-process,
 # side by side (and peers when installed); JSON, Markdown, PNG plots, docs/benchmarks.md.

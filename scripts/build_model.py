@@ -22,6 +22,7 @@ until it exits: run it as its own process before TorchServe starts (``neuron_smo
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import shutil
 import sys
@@ -72,13 +73,13 @@ def warm_up(cfg, model_root: Path, build_cache_dir: Path):
         runner = ContinuousScheduler.from_config(
             cfg.handler, str(model_root), cfg.slots, cfg.continuous_batching.max_prefill_tokens_per_step,
             build_cache_dir=str(build_cache_dir))
-        warm = lambda lengths: runner.warmup(prompt_lengths=lengths)  # noqa: E731
+        warm = runner.warmup
     else:
         runner = Engine.from_config(cfg.handler, str(model_root), batch_size=cfg.slots,
                                     build_cache_dir=str(build_cache_dir))
-        warm = lambda lengths: runner.warmup(batch_size=cfg.slots, prompt_lengths=lengths)  # noqa: E731
+        warm = functools.partial(runner.warmup, batch_size=cfg.slots)
     for length in tqdm([None] + buckets, desc="warm-up graphs", unit="graph"):
-        warm(() if length is None else (length,))
+        warm(prompt_lengths=() if length is None else (length,))
     return runner.backend
 
 

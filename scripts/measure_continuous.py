@@ -3,7 +3,6 @@
     python scripts/measure_continuous.py [torch_threads]
 """
 import argparse
-import sys
 import time
 from pathlib import Path
 
@@ -24,7 +23,12 @@ cfg = HandlerConfig(model_path="tiny-llama", max_length=256, max_new_tokens=NEW)
 engine = Engine.from_config(cfg, str(ROOT / "build"))
 prompts = ["The function returns", "If the object is a list of values, then", "A", "def main():",
            "Once upon a time there was", "Errors should never pass silently.", "Beautiful is better than", "Import"]
-prep = lambda: [engine.prepare(GenerationRequest(p, SamplingParams(max_new_tokens=NEW))) for p in prompts[:N]]
+
+
+def prep():
+    return [engine.prepare(GenerationRequest(p, SamplingParams(max_new_tokens=NEW))) for p in prompts[:N]]
+
+
 backend = TorchSlotBackend(engine.backend.model, max_slots=N, max_length=256)
 
 def static():
@@ -47,7 +51,8 @@ def continuous_staggered():
     while items or not s.idle:
         if step % 4 == 0 and items:
             hs.append(s.submit(items.pop(0)))
-        s.step(); step += 1
+        s.step()
+        step += 1
     return sum(h.result.generated_tokens for h in hs), s.steps
 
 for name, fn in [("static Engine.generate batch 8", static), ("continuous, 8 submitted at once", continuous),
@@ -55,7 +60,9 @@ for name, fn in [("static Engine.generate batch 8", static), ("continuous, 8 sub
     times, out = [], None
     fn()
     for _ in range(REPS):
-        t = time.perf_counter(); out = fn(); times.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t)
     tokens = out if isinstance(out, int) else out[0]
     dt = min(times)
     extra = "" if isinstance(out, int) else f", {out[1]} steps"

@@ -87,7 +87,9 @@ def quantile(samples: Samples, histogram: str, q: float, model: Optional[str] = 
 def summary(samples: Samples, model: str) -> dict:
     """The handler's figures for ``model`` from a scrape (or the delta of two): counts, token totals,
     mean and median latencies (seconds), mean rows per step and ms per step."""
-    v = lambda name: value(samples, name, model)  # noqa: E731
+    def v(name: str) -> float:
+        return value(samples, name, model)
+
     out = {
         "requests": v("llama_requests_total"),
         "success_by_finish_reason": _nonzero(by_label(samples, "llama_request_success_total", "finish_reason", model)),

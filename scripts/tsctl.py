@@ -118,7 +118,7 @@ class TorchServe:
         lines = self.model_log().splitlines()
         for i, line in enumerate(lines):
             if "Failed to load model" in line:
-                tail = [l.split("MODEL_LOG - ", 1)[-1] for l in lines[i:i + 12]]
+                tail = [entry.split("MODEL_LOG - ", 1)[-1] for entry in lines[i:i + 12]]
                 return "\n".join(t for t in tail if not t.startswith("Traceback"))
         return ""
 

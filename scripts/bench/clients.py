@@ -23,9 +23,9 @@ turns into the same ids.
 from __future__ import annotations
 
 import json
-from abc import ABC, abstractmethod
 import threading
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import os
 import platform
-import time
 import subprocess
+import time
 from importlib import metadata
 from pathlib import Path
 

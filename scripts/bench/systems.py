@@ -13,10 +13,10 @@ then SIGKILL). Peers are never installed or built here; they are detected:
 from __future__ import annotations
 
 import os
-from abc import ABC, abstractmethod
 import shutil
 import subprocess
 import time
+from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 

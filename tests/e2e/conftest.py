@@ -6,7 +6,6 @@ the process died), and is always stopped by PID.
 """
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest

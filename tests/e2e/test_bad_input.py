@@ -84,7 +84,7 @@ def params(**parameters) -> bytes:
 
 
 def raw_params(text: str) -> bytes:
-    return ('{"inputs": "%s", "parameters": {%s}}' % (PROMPT, text)).encode()
+    return ('{"inputs": "%s", "parameters": {%s}}' % (PROMPT, text)).encode()  # noqa: UP031 - JSON braces stay single
 
 
 JSON, TEXT = "application/json", "text/plain"
@@ -269,7 +269,7 @@ def test_bad_bodies_leave_a_long_greedy_stream_and_the_worker_alone(served):
 
     late = [name for name, running in while_running if not running]
     assert not late, f"the stream ended before these were sent (make LONG longer): {late}"
-    for name, payload, content_type, status, field in BAD:
+    for name, _payload, _content_type, status, field in BAD:
         check_error(results[name], status, field)
     assert over.status_code == 413
     assert stream.status == 200 and not stream.errors

@@ -8,9 +8,10 @@ import re
 import pytest
 import requests
 
+from scripts.tsctl import running
+
 from conftest import ROOT, build_model
 from readonly import guarded_read_only_view
-from scripts.tsctl import running
 
 MODEL = "tiny-llama-compiled"
 

@@ -20,9 +20,10 @@ import pytest
 import requests
 import yaml
 
-from conftest import ROOT
 from scripts.scrape_metrics import HISTOGRAMS, buckets, scrape, summary, value
 from scripts.tsctl import running
+
+from conftest import ROOT
 
 MICRO, CONTINUOUS = "tiny-llama", "tiny-llama-continuous"
 MAX_INPUT_BYTES = 2048

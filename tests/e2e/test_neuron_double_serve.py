@@ -14,10 +14,11 @@ import sys
 import pytest
 import requests
 
+from scripts.tsctl import TorchServe, free_ports, running
+
 from conftest import ROOT, build_model
 from neuron_env import neuron_double, subprocess_env
 from readonly import guarded_read_only_view
-from scripts.tsctl import TorchServe, free_ports, running
 
 MODEL = "tiny-llama-neuron"
 CONFIG = ROOT / "model-config" / f"{MODEL}.yaml"

@@ -17,8 +17,9 @@ from pathlib import Path
 import openai
 import pytest
 
-from conftest import MODEL, serve_variant
 from llama_engine.chat import render_chat
+
+from conftest import MODEL, serve_variant
 
 ROOT = Path(__file__).resolve().parents[2]
 CONTINUOUS = "tiny-llama-continuous"

@@ -10,11 +10,11 @@ import boto3
 import pytest
 import requests
 
-from scripts import s3_upload
-from scripts import sagemaker_local
+from scripts import s3_upload, sagemaker_local
+from scripts.stream import iter_messages
+
 from readonly import guarded_read_only_view
 from s3_server import fake_aws_credentials, moto_s3_server, new_bucket
-from scripts.stream import iter_messages
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +60,7 @@ def test_streams_without_a_token_like_sagemaker(container, path):
 
 def test_plain_prompt_sent_as_json_content_type_like_the_article(container, tokenizer):
     # decode_input_request=false in the container: the body reaches the handler as raw bytes.
-    with requests.post(container.url() + "/invocations", data="Today the weather is".encode(),
+    with requests.post(container.url() + "/invocations", data=b"Today the weather is",
                        headers={"Content-Type": "application/json"}, stream=True, timeout=120) as r:
         assert r.status_code == 200
         messages = list(iter_messages(r.iter_content(chunk_size=None)))

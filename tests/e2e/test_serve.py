@@ -77,10 +77,10 @@ def test_curl_stream_is_chunked_ndjson(server, client):
     chunks = parse_chunked(raw)
     assert len(chunks) > 1
     lines = [json.loads(line) for line in "".join(chunks).splitlines()]
-    assert all("token" in l for l in lines)
+    assert all("token" in line for line in lines)
     final = lines[-1]
     assert final["details"]["finish_reason"] in ("length", "eos_token")
-    assert final["generated_text"] == "".join(l["token"]["text"] for l in lines)
+    assert final["generated_text"] == "".join(line["token"]["text"] for line in lines)
     assert final["details"]["generated_tokens"] == len(lines) == 64
 
 
@@ -92,7 +92,7 @@ def test_concurrent_requests_each_get_their_own_stream(client, references, serve
         try:
             barrier.wait()
             results[prompt] = generate(client, prompt, 6 + i % 5)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - collected for the main thread, which asserts none
             errors.append(exc)
 
     threads = [threading.Thread(target=worker, args=(i, p)) for i, p in enumerate(PROMPTS)]
@@ -105,9 +105,9 @@ def test_concurrent_requests_each_get_their_own_stream(client, references, serve
         "references must differ, or a mixed-up stream would go unnoticed"
     for prompt, lines in results.items():
         ref = references[prompt]
-        assert [l["token"]["id"] for l in lines] == [l["token"]["id"] for l in ref], prompt
+        assert [line["token"]["id"] for line in lines] == [line["token"]["id"] for line in ref], prompt
         assert lines[-1]["generated_text"] == ref[-1]["generated_text"]
-        assert sum(1 for l in lines if "details" in l) == 1 and "details" in lines[-1]
+        assert sum(1 for line in lines if "details" in line) == 1 and "details" in lines[-1]
     batches = [int(n) for n in re.findall(r"batch of (\d+) requests", (server.workdir / "logs" / "model_log.log").read_text())]
     assert max(batches) > 4, f"requests were never batched beyond one micro-batch: {batches}"
 
@@ -132,7 +132,7 @@ def test_bad_requests_in_a_batch_get_their_own_400(client, references):
             out[k] = client.post({"inputs": prompt, "parameters": {"max_new_tokens": 6 + PROMPTS.index(prompt) % 5}})
         else:
             out[k] = client.post(bad[0], content_type=bad[1])
-        out[k].lines = [l for l in out[k].iter_lines() if l]
+        out[k].lines = [line for line in out[k].iter_lines() if line]
 
     threads = [threading.Thread(target=worker, args=(k, p, b)) for k, (p, b) in enumerate(jobs)]
     for t in threads:
@@ -142,7 +142,7 @@ def test_bad_requests_in_a_batch_get_their_own_400(client, references):
     for (prompt, bad), r in zip(jobs, out):
         if prompt is not None:
             assert r.status_code == 200
-            lines = [json.loads(l) for l in r.lines]
+            lines = [json.loads(line) for line in r.lines]
             assert lines[-1]["generated_text"] == references[prompt][-1]["generated_text"]
         else:
             assert r.status_code == 400, r.lines

@@ -28,7 +28,7 @@ def ndjson(client, body, **kwargs):
 def test_inference_client_streams_with_details(hf, client):
     reference = ndjson(client, {"inputs": PROMPT, "parameters": {"max_new_tokens": 8}})
     events = list(hf.text_generation(PROMPT, max_new_tokens=8, stream=True, details=True))
-    assert [e.token.id for e in events] == [l["token"]["id"] for l in reference]
+    assert [e.token.id for e in events] == [line["token"]["id"] for line in reference]
     assert events[-1].generated_text == reference[-1]["generated_text"]
     assert events[-1].details.finish_reason == "length" and events[-1].details.generated_tokens == 8
     assert all(e.details is None for e in events[:-1])
@@ -67,7 +67,7 @@ def test_streamed_and_non_streamed_text_are_equal(client):
     body = {"inputs": PROMPT, "parameters": {"max_new_tokens": 16, "stop": ["\n\n"]}}
     streamed = ndjson(client, body)
     whole = client.post({**body, "stream": False}, stream=False).json()[0]
-    assert "".join(l["token"]["text"] for l in streamed) == streamed[-1]["generated_text"] == whole["generated_text"]
+    assert "".join(line["token"]["text"] for line in streamed) == streamed[-1]["generated_text"] == whole["generated_text"]
 
 
 def test_stop_sequence_through_the_server(client):

@@ -3,9 +3,9 @@ llama-server stream as the real server sends it."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
-from pathlib import Path
 
 from scripts.bench.clients import LlamaServerAdapter, RequestRecord
 from scripts.bench.convert_gguf import gpt2_pretokenizer

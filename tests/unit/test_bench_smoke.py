@@ -18,8 +18,13 @@ from pathlib import Path
 
 import pytest
 
-from scripts.bench.clients import (LlamaServerAdapter, OpenAICompletionsAdapter, TorchServeAdapter, run_schedule,
-                           run_wave)
+from scripts.bench.clients import (
+    LlamaServerAdapter,
+    OpenAICompletionsAdapter,
+    TorchServeAdapter,
+    run_schedule,
+    run_wave,
+)
 from scripts.bench.prompts import Prompt, PromptFactory
 
 ROOT = Path(__file__).resolve().parents[2]

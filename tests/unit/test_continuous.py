@@ -146,7 +146,9 @@ def test_decode_attention_plan_follows_the_cost_rule(engine):
     from llama_engine.backends.torch_backend import _RangeAttention, _RowAttention
 
     backend = TorchSlotBackend(engine.backend.model, max_slots=8, max_length=MAX_LENGTH)
-    plan = lambda slots, lengths: backend._decode_attention(slots, lengths, torch.tensor(lengths).unsqueeze(1))
+    def plan(slots, lengths):
+        return backend._decode_attention(slots, lengths, torch.tensor(lengths).unsqueeze(1))
+
     assert isinstance(plan([0, 1, 2, 3], [40, 40, 40, 40]), _RangeAttention)
     assert plan([0, 1, 2, 3], [40, 40, 40, 40]).index is None
     assert isinstance(plan([0, 1, 3], [40, 40, 40]), _RangeAttention)  # 4 x 41 <= 1.5 x 123

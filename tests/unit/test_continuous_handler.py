@@ -15,6 +15,7 @@ from ts.context import Context
 
 import llama_handler
 from llama_engine import GenerationRequest, SamplingParams
+
 from ts_frontend import ContinuousFrontend
 
 SLOTS = 4

@@ -13,8 +13,9 @@ import pytest
 from ts.context import Context, RequestProcessor
 
 import llama_handler
-from ts_frontend import FakeMetrics, decode_message
 from llama_engine import GenerationRequest, SamplingParams
+
+from ts_frontend import FakeMetrics, decode_message
 
 CONFIG = {
     "batchSize": 8,
@@ -85,7 +86,7 @@ def test_each_request_of_two_micro_batches_gets_exactly_its_own_stream(handler):
         assert all(p["content_type"] == "application/x-ndjson" and p["status"] == 200 for p in parts)
         lines = [json.loads(line) for p in parts for line in p["body"].splitlines()]
         ref = reference(handler, prompt, 3 + i)
-        assert [l["token"]["id"] for l in lines] == ref.token_ids
+        assert [line["token"]["id"] for line in lines] == ref.token_ids
         assert lines[-1]["generated_text"] == ref.text and lines[-1]["details"]["generated_tokens"] == 3 + i
 
 

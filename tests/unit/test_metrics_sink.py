@@ -18,8 +18,16 @@ import llama_handler
 from llama_engine import GenerationRequest, SamplingParams
 from llama_engine.backends.torch_backend import TorchSlotBackend
 from llama_engine.continuous import ContinuousScheduler
-from llama_engine.metrics import (COUNTER, GAUGE, HISTOGRAM, METRICS, SPECS, RequestTimes, TimedSink,
-                                  compile_cache_counts)
+from llama_engine.metrics import (
+    COUNTER,
+    GAUGE,
+    HISTOGRAM,
+    METRICS,
+    SPECS,
+    RequestTimes,
+    TimedSink,
+    compile_cache_counts,
+)
 from llama_metrics import TorchServeMetrics, dimensions, model_metrics_yaml
 from scripts.scrape_metrics import parse, quantile, summary
 

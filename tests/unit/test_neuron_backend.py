@@ -7,11 +7,12 @@ import shutil
 import pytest
 import yaml
 
-from scripts import build_model
-from conftest import ROOT
 from llama_engine import Engine, GenerationRequest, RequestError, SamplingParams, load_model_config
 from llama_engine.compile_cache import CompileCacheError
 from llama_engine.config import HandlerConfig
+from scripts import build_model
+
+from conftest import ROOT
 from neuron_env import neuron_double
 
 CONFIG = ROOT / "model-config" / "tiny-llama-neuron.yaml"

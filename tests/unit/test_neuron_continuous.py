@@ -11,11 +11,12 @@ import pytest
 import torch
 import yaml
 
-from conftest import ROOT
 from llama_engine import GenerationRequest, RequestError, SamplingParams, load_model_config
 from llama_engine.backends import create_slot_backend
 from llama_engine.backends.torch_backend import TorchSlotBackend
 from llama_engine.continuous import FINISH_ERROR, ContinuousScheduler
+
+from conftest import ROOT
 from neuron_env import neuron_double
 
 CONFIG = ROOT / "model-config" / "tiny-llama-neuron.yaml"  # buckets [32, 64], n_positions [256], tp 2

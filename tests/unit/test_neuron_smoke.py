@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import pytest
 
-from scripts import neuron_smoke
-from conftest import ROOT
 from llama_engine import load_model_config_file
+from scripts import neuron_smoke
+
+from conftest import ROOT
 
 
 @pytest.mark.parametrize("name", ["tiny-llama-neuron", "tiny-llama-neuron-continuous", "llama-2-7b-inf2-xlarge-b4",

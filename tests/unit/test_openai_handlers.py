@@ -14,6 +14,7 @@ import torch
 from ts.context import Context, RequestProcessor
 
 import llama_handler
+
 from ts_frontend import ContinuousFrontend, FakeMetrics, decode_message
 
 CHAT, COMPLETIONS, MODELS = "v1/chat/completions", "v1/completions", "v1/models"

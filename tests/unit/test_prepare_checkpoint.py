@@ -1,6 +1,7 @@
 import pytest
 
 from scripts import prepare_checkpoint
+
 from neuron_env import neuron_double
 
 

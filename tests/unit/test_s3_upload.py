@@ -11,6 +11,7 @@ import boto3
 import pytest
 
 from scripts import s3_upload
+
 from s3_server import fake_aws_credentials, moto_s3_server, new_bucket
 
 MiB = 1024 * 1024

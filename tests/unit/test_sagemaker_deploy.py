@@ -17,8 +17,9 @@ import botocore.session
 import pytest
 from botocore.stub import Stubber
 
-from scripts import sagemaker_deploy
 from llama_engine.config import load_model_config_file
+from scripts import sagemaker_deploy
+
 from s3_server import fake_aws_credentials
 
 ROOT = Path(__file__).resolve().parents[2]
