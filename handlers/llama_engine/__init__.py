@@ -11,7 +11,7 @@ from .errors import RequestError
 from .params import SamplingParams
 from .request import GenerationRequest, parse_request
 
-_LAZY = {"Engine": ".engine", "PreparedRequest": ".engine", "BatchTextStreamer": ".streamer",
+_LAZY = {"Engine": ".engine", "PreparedRequest": ".lifecycle", "BatchTextStreamer": ".streamer",
          "GenerationResult": ".streamer", "TokenEvent": ".streamer"}
 
 

@@ -14,78 +14,62 @@ longest one ends. Here a :class:`ContinuousScheduler` owns the slots of a
    step began, in one backend call (one forward pass on the torch backend); a request
    whose prompt is now complete gets its first token.
 
-Each token goes through the request's own ``TokenSelector`` and ``RowState`` (the same
-selection, detokenization and stopping as the static engine) and the ``TokenEvent`` goes to
-that request's own callback. A request that finishes (EOS, length, stop sequence, error)
-frees its slot before its callback sees the final event.
+Each request is a :class:`RequestHandle`, its :class:`~llama_engine.lifecycle.Generation`
+(the same selection, detokenization, stopping and result as the static engine's rows) plus
+its place here: its slot and how much of its prompt is in it. Its ``TokenEvent`` go to its
+own callback. A request that finishes (EOS, length, stop sequence, error) frees its slot
+before its callback sees the final event.
 
-Threading: ``submit`` and ``cancel`` may be called from any thread; ``step`` (directly, for
-tests, or through ``start``'s background thread) from one thread at a time. Callbacks run on
-the stepping thread, so they should hand events off rather than block.
+Threading: one thread calls ``submit``, ``cancel`` and ``step`` (the handler's worker
+thread calls them in turn). Callbacks run inside ``step``, so they should hand events off
+rather than block; a cancellation made meanwhile takes effect at the next step.
 """
 from __future__ import annotations
 
 import heapq
 import itertools
 import logging
-import os
-import threading
 import time
 from collections import deque
 from typing import Callable, Deque, Dict, List, Optional, Sequence
 
 from .backends.base import PrefillChunk, SlotBackend
-from .detokenizer import IncrementalDetokenizer
-from .engine import PreparedRequest, prepare_request, warmup_prompts
 from .errors import RequestError
+from .lifecycle import (
+    FINISH_ERROR,
+    Generation,
+    Limits,
+    PreparedRequest,
+    RequestLifecycle,
+    RequestStatus,
+    load_tokenizer,
+)
 from .metrics import NULL_SINK, MetricsSink
-from .selection import TokenSelector, select_tokens
-from .stopping import StoppingCriteria, StopSequences
-from .streamer import GenerationResult, RowState, TokenEvent
+from .selection import select_tokens
+from .streamer import TokenEvent
 
 logger = logging.getLogger(__name__)
-
-FINISH_ERROR = "error"
-FINISH_CANCELLED = "cancelled"
-
-WAITING, PREFILLING, RUNNING, FINISHED = "waiting", "prefilling", "running", "finished"
 
 EventCallback = Callable[[TokenEvent], None]
 
 
-class RequestHandle:
-    """One submitted request: its state, its slot, and at the end its result."""
+class RequestHandle(Generation):
+    """One submitted request: its generation (status, tokens, result, error) and its place in the scheduler."""
 
-    def __init__(self, request_id: str, prepared: PreparedRequest, on_event: Optional[EventCallback],
-                 selector: TokenSelector, row: RowState):
+    def __init__(self, request_id: str, prepared: PreparedRequest, lifecycle: RequestLifecycle,
+                 on_event: Optional[EventCallback]):
+        super().__init__(prepared, lifecycle)
         self.request_id = request_id
-        self.prepared = prepared
         self.on_event = on_event
-        self.selector = selector
-        self.row = row
-        self.state = WAITING
         self.slot: Optional[int] = None
         self.prefilled = 0  # prompt tokens already in the slot
         self.next_token: Optional[int] = None  # the token the next decode step feeds
-        self.result: Optional[GenerationResult] = None
-        self.error: Optional[BaseException] = None
         self.first_token_step: Optional[int] = None  # the scheduler step that produced the first token
-        self._done = threading.Event()
-
-    @property
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    def wait(self, timeout: Optional[float] = None) -> Optional[GenerationResult]:
-        """Block until the request ends (any reason); return its result, None on timeout."""
-        self._done.wait(timeout)
-        return self.result
 
 
 class ContinuousScheduler:
     def __init__(self, backend: SlotBackend, tokenizer, max_slots: Optional[int] = None, max_queue: int = 64,
-                 max_prefill_tokens_per_step: int = 256, eos_token_ids: Optional[frozenset] = None,
-                 default_max_new_tokens: int = 64):
+                 max_prefill_tokens_per_step: int = 256, default_max_new_tokens: int = 64):
         max_slots = backend.max_slots if max_slots is None else max_slots
         if not 1 <= max_slots <= backend.max_slots:
             raise ValueError(f"max_slots must be in [1, {backend.max_slots}] (the backend's slots), got {max_slots}")
@@ -94,24 +78,17 @@ class ContinuousScheduler:
         if max_prefill_tokens_per_step < 1:
             raise ValueError(f"max_prefill_tokens_per_step must be >= 1, got {max_prefill_tokens_per_step}")
         self.backend = backend
-        self.tokenizer = tokenizer
+        self.lifecycle = RequestLifecycle(tokenizer, Limits.of(backend, default_max_new_tokens))
         self.max_slots = max_slots
         self.max_queue = max_queue
         self.max_prefill_tokens_per_step = max_prefill_tokens_per_step
-        eos = tokenizer.eos_token_id
-        self.eos_token_ids = frozenset(eos_token_ids if eos_token_ids is not None else ([] if eos is None else [eos]))
-        self.special_ids = frozenset(tokenizer.all_special_ids)
         self.steps = 0
-        self.default_max_new_tokens = default_max_new_tokens
         self._free: List[int] = list(range(max_slots))  # a heap: admission takes the lowest free slot
         self._active: Dict[int, RequestHandle] = {}  # slot -> request (prefilling or running)
         self._waiting: Deque[RequestHandle] = deque()
         self._by_id: Dict[str, RequestHandle] = {}
         self._cancelled: List[str] = []
         self._ids = itertools.count(1)
-        self._lock = threading.Condition()
-        self._thread: Optional[threading.Thread] = None
-        self._stopping = False
         #: Where requests' events and steps are reported; set it after ``warmup`` (which would count).
         self.metrics: MetricsSink = NULL_SINK
 
@@ -119,20 +96,21 @@ class ContinuousScheduler:
     def from_config(cls, handler_cfg, model_dir: str, max_slots: int, max_prefill_tokens_per_step: int,
                     max_queue: Optional[int] = None, build_cache_dir: Optional[str] = None) -> "ContinuousScheduler":
         """The tokenizer and a slot backend of ``max_slots`` slots, as ``handler:`` describes them."""
-        from transformers import AutoTokenizer
-
         from .backends import create_slot_backend
 
-        tokenizer = AutoTokenizer.from_pretrained(os.path.join(model_dir, handler_cfg.model_path))
         backend = create_slot_backend(handler_cfg, model_dir, max_slots, build_cache_dir)
-        return cls(backend, tokenizer, max_slots=max_slots, max_queue=max_slots if max_queue is None else max_queue,
+        return cls(backend, load_tokenizer(handler_cfg, model_dir), max_slots=max_slots,
+                   max_queue=max_slots if max_queue is None else max_queue,
                    max_prefill_tokens_per_step=max_prefill_tokens_per_step,
                    default_max_new_tokens=handler_cfg.max_new_tokens)
 
+    @property
+    def tokenizer(self):
+        return self.lifecycle.tokenizer
+
     def prepare(self, request) -> PreparedRequest:
         """Tokenize ``request`` and check it against the slots' limits (RequestError if over)."""
-        return prepare_request(self.tokenizer, request, self.backend.max_length, self.backend.max_prompt_length,
-                               self.default_max_new_tokens)
+        return self.lifecycle.prepare(request)
 
     def warmup(self, max_new_tokens: int = 2, prompt_lengths: Sequence[int] = ()) -> None:
         """Fill every slot with a short request and run them to the end, stepping here.
@@ -142,55 +120,50 @@ class ContinuousScheduler:
         ``prompt_lengths`` adds one request per length, so that a compiling backend builds
         the graph of every context bucket now.
         """
-        from .params import SamplingParams
-        from .request import GenerationRequest
-
-        request = GenerationRequest("Warm-up", SamplingParams(max_new_tokens=max_new_tokens))
+        short, *per_length = self.lifecycle.warmup_requests(max_new_tokens, prompt_lengths)
         wave = max(self.max_queue, 1)
-        prepared = [self.prepare(request)] * min(self.max_slots, wave)
-        prepared += warmup_prompts(self.tokenizer, request, prompt_lengths, self.backend.max_length)
+        prepared = [short] * min(self.max_slots, wave) + per_length
         for start in range(0, len(prepared), wave):
             handles = [self.submit(p) for p in prepared[start:start + wave]]
             while not all(h.done for h in handles):
                 self.step()
 
-    # ----- submission, cancellation, inspection (any thread)
+    # ----- submission, cancellation, inspection
 
     def submit(self, prepared: PreparedRequest, on_event: Optional[EventCallback] = None,
                request_id: Optional[str] = None) -> RequestHandle:
-        """Queue a request; RequestError 503 when ``max_queue`` requests already wait for a slot."""
-        self._check_fits(prepared)
-        handle = self._new_handle(prepared, on_event, request_id)
-        with self._lock:
-            if handle.request_id in self._by_id:
-                raise RequestError(f"request id {handle.request_id!r} is already in use", "request_id")
-            if len(self._waiting) >= self.max_queue:
-                raise RequestError(
-                    f"the server is busy: {len(self._waiting)} requests are already waiting for one of "
-                    f"{self.max_slots} generation slots (queue limit {self.max_queue}); retry later",
-                    status=503)
-            self._waiting.append(handle)
-            self._by_id[handle.request_id] = handle
-            self._lock.notify_all()
+        """Queue a request; RequestError 400 when it does not fit a slot (a request prepared
+        elsewhere), 503 when ``max_queue`` requests already wait for a slot."""
+        self.lifecycle.check(prepared)
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self._by_id:
+            raise RequestError(f"request id {rid!r} is already in use", "request_id")
+        if len(self._waiting) >= self.max_queue:
+            raise RequestError(
+                f"the server is busy: {len(self._waiting)} requests are already waiting for one of "
+                f"{self.max_slots} generation slots (queue limit {self.max_queue}); retry later",
+                status=503)
+        handle = RequestHandle(rid, prepared, self.lifecycle, on_event)
+        self._waiting.append(handle)
+        self._by_id[rid] = handle
         return handle
 
     def cancel(self, request_id: str) -> bool:
         """Drop a request (its client went away); its callback sees nothing more.
 
-        A waiting request leaves the queue now; a running one frees its slot at the start of
-        the next step. Return False if the request is unknown or already over.
+        A waiting request leaves the queue now; one in a slot frees it at the start of the
+        next step. Return False if the request is unknown or already over.
         """
-        with self._lock:
-            handle = self._by_id.get(request_id)
-            if handle is None or handle.done:
-                return False
-            if handle.state == WAITING:
-                self._waiting.remove(handle)
-                self._close(handle, FINISH_CANCELLED)
-            else:
-                self._cancelled.append(request_id)
-                self._lock.notify_all()
-            return True
+        handle = self._by_id.get(request_id)
+        if handle is None or handle.done:
+            return False
+        if handle.status is RequestStatus.WAITING:
+            self._waiting.remove(handle)
+            handle.cancel()
+            self._ended(handle)
+        else:
+            self._cancelled.append(request_id)
+        return True
 
     @property
     def free_slots(self) -> List[int]:
@@ -209,7 +182,7 @@ class ContinuousScheduler:
     def idle(self) -> bool:
         return not self._waiting and not self._active and not self._cancelled
 
-    # ----- the loop (one thread)
+    # ----- the loop
 
     def step(self) -> bool:
         """One iteration: cancellations, prefill within the token budget, one decode step.
@@ -222,83 +195,28 @@ class ContinuousScheduler:
             return False
         self._apply_cancellations()
         started = time.perf_counter()
-        running = sorted((h for h in self._active.values() if h.state == RUNNING), key=lambda h: h.slot)
+        running = sorted((h for h in self._active.values() if h.status is RequestStatus.RUNNING),
+                         key=lambda h: h.slot)
         chunks = self._plan_prefill()
         out = self.backend.step_slots([h.slot for h in running], [h.next_token for h in running],
                                       [PrefillChunk(h.slot, ids, h.prefilled) for h, ids in chunks])
         for (handle, ids), logits in zip(chunks, out.prefills):
             self._prefilled(handle, len(ids), logits)
-        self._decoded([h for h in running if h.state == RUNNING], out.decode)
+        self._decoded([h for h in running if h.status is RequestStatus.RUNNING], out.decode)
         self.metrics.steps(1, len(running) + len(chunks), time.perf_counter() - started)
         self.steps += 1
         return True
 
-    def run_forever(self) -> None:
-        """Step until ``stop``; sleep while there is nothing to do."""
-        while True:
-            with self._lock:
-                while self.idle and not self._stopping:
-                    self._lock.wait()
-                if self._stopping:
-                    return
-            try:
-                self.step()
-            except Exception as exc:  # a bug, not a request's fault: fail what is in flight, keep serving
-                logger.exception("continuous batching step failed")
-                for handle in list(self._active.values()):
-                    self._fail(handle, exc)
-
-    def start(self) -> None:
-        if self._thread is not None and self._thread.is_alive():
-            return
-        self._stopping = False
-        self._thread = threading.Thread(target=self.run_forever, name="continuous-batching", daemon=True)
-        self._thread.start()
-
-    def stop(self, timeout: Optional[float] = None) -> None:
-        """Stop the loop after its current step; requests still in flight stay where they are."""
-        with self._lock:
-            self._stopping = True
-            self._lock.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            self._thread = None
-
     # ----- internals
 
-    def _check_fits(self, prepared: PreparedRequest) -> None:
-        prompt = len(prepared.prompt_ids)
-        if prompt == 0:
-            raise RequestError("the prompt has no tokens", "inputs")
-        if prompt + prepared.max_new_tokens > self.backend.max_length:
-            raise RequestError(
-                f"the prompt ({prompt} tokens) and max_new_tokens ({prepared.max_new_tokens}) need "
-                f"{prompt + prepared.max_new_tokens} positions; a slot holds {self.backend.max_length}",
-                "max_new_tokens")
-
-    def _new_handle(self, prepared: PreparedRequest, on_event, request_id) -> RequestHandle:
-        selector = TokenSelector(prepared.request.params, prepared.prompt_ids)
-        stops = prepared.request.params.stop
-        row = RowState(
-            detokenizer=IncrementalDetokenizer(self.tokenizer, prepared.prompt_ids),
-            stopping=StoppingCriteria(self.eos_token_ids, prepared.max_new_tokens),
-            prompt_tokens=len(prepared.prompt_ids),
-            special_ids=self.special_ids,
-            stop_sequences=StopSequences(stops) if stops else None,
-            seed=selector.seed,
-            selector=selector,
-        )
-        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        return RequestHandle(rid, prepared, on_event, selector, row)
-
     def _apply_cancellations(self) -> None:
-        with self._lock:
-            ids, self._cancelled = self._cancelled, []
+        ids, self._cancelled = self._cancelled, []
         for rid in ids:
             handle = self._by_id.get(rid)
             if handle is not None and not handle.done:
                 self._release(handle)
-                self._close(handle, FINISH_CANCELLED)
+                handle.cancel()
+                self._ended(handle)
 
     def _plan_prefill(self) -> List[tuple]:
         """Spend the step's prompt-token budget: first on prompts under way, then on new admissions.
@@ -317,7 +235,8 @@ class ContinuousScheduler:
 
     def _prefill_candidates(self):
         """Prompts under way (by slot), then waiting requests admitted one at a time as they are drawn."""
-        yield from sorted((h for h in self._active.values() if h.state == PREFILLING), key=lambda h: h.slot)
+        yield from sorted((h for h in self._active.values() if h.status is RequestStatus.PREFILLING),
+                          key=lambda h: h.slot)
         while self._free:
             handle = self._admit()
             if handle is None:
@@ -325,13 +244,12 @@ class ContinuousScheduler:
             yield handle
 
     def _admit(self) -> Optional[RequestHandle]:
-        with self._lock:
-            if not self._waiting:
-                return None
-            handle = self._waiting.popleft()
-            handle.slot = heapq.heappop(self._free)
-            handle.state = PREFILLING
-            self._active[handle.slot] = handle
+        if not self._waiting:
+            return None
+        handle = self._waiting.popleft()
+        handle.slot = heapq.heappop(self._free)
+        handle.admit()
+        self._active[handle.slot] = handle
         self.metrics.admitted(handle.prepared)
         return handle
 
@@ -350,10 +268,10 @@ class ContinuousScheduler:
             return
         try:
             tokens, logprobs = select_tokens(logits.unsqueeze(0), [handle.selector])
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - this request's selection failed: it fails alone
             self._fail(handle, exc)
             return
-        handle.state = RUNNING
+        handle.start_decoding()
         self._deliver(handle, int(tokens[0]), logprobs[0])
 
     def _chunk_size(self, remaining: int, budget: int) -> int:
@@ -373,7 +291,7 @@ class ContinuousScheduler:
             if isinstance(logits, BaseException):
                 raise logits
             tokens, logprobs = select_tokens(logits, [h.selector for h in handles])
-        except Exception as exc:  # the step is shared: every row in it fails
+        except Exception as exc:  # noqa: BLE001 - the step is shared: every row in it fails, the others go on
             for handle in handles:
                 self._fail(handle, exc)
             return
@@ -381,7 +299,7 @@ class ContinuousScheduler:
             self._deliver(handle, token, logprob)
 
     def _deliver(self, handle: RequestHandle, token: int, logprob: float) -> None:
-        event = handle.row.add(token, logprob)
+        event = handle.add(token, logprob)
         event.row = handle.slot
         handle.next_token = token
         if handle.first_token_step is None:
@@ -389,15 +307,15 @@ class ContinuousScheduler:
         self.metrics.token(handle.prepared, event.index)
         if event.finished:
             self._release(handle)
-            self._close(handle, None)
+            self._ended(handle)
         self._emit(handle, event)
 
     def _fail(self, handle: RequestHandle, exc: BaseException) -> None:
         logger.error("request %s failed: %s", handle.request_id, exc)
-        handle.error = exc
         slot = handle.slot
         self._release(handle)
-        self._close(handle, FINISH_ERROR)
+        handle.fail(exc)
+        self._ended(handle)
         self._emit(handle, TokenEvent(-1 if slot is None else slot, None, "", False, result=handle.result))
 
     def _emit(self, handle: RequestHandle, event: TokenEvent) -> None:
@@ -410,7 +328,8 @@ class ContinuousScheduler:
             logger.exception("callback of request %s raised; cancelling it", handle.request_id)
             if not handle.done:
                 self._release(handle)
-                self._close(handle, FINISH_CANCELLED)
+                handle.cancel()
+                self._ended(handle)
 
     def _release(self, handle: RequestHandle) -> None:
         """Give the request's slot back at once, so the next admission can take it."""
@@ -420,20 +339,11 @@ class ContinuousScheduler:
         self.backend.free_slot(handle.slot)
         heapq.heappush(self._free, handle.slot)
 
-    def _close(self, handle: RequestHandle, reason: Optional[str]) -> None:
-        """Mark the request over; ``reason`` None means the row already finished on its own."""
-        if reason is not None:
-            handle.row._finish(reason)
-        handle.result = handle.row.result
-        handle.state = FINISHED
-        with self._lock:
-            self._by_id.pop(handle.request_id, None)
-        self._report_end(handle, reason)
-        handle._done.set()
-
-    def _report_end(self, handle: RequestHandle, reason: Optional[str]) -> None:
-        if reason == FINISH_ERROR:
-            error = handle.error
-            self.metrics.error(error.status if isinstance(error, RequestError) else 500, handle.prepared)
+    def _ended(self, handle: RequestHandle) -> None:
+        """Forget a request that has its result, and report how it ended."""
+        self._by_id.pop(handle.request_id, None)
+        result = handle.result
+        if result.finish_reason == FINISH_ERROR:
+            self.metrics.error(handle.error.status, handle.prepared)
         else:
-            self.metrics.finished(handle.prepared, handle.result.finish_reason, handle.result.generated_tokens)
+            self.metrics.finished(handle.prepared, result.finish_reason, result.generated_tokens)

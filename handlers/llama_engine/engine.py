@@ -2,56 +2,41 @@
 
 The engine knows nothing of TorchServe. A caller hands it prepared requests and a sink; the
 sink receives one list of :class:`TokenEvent` per decode step, only for rows that produced
-a token in that step.
+a token in that step. Each request's own life (parameters, selection, detokenization,
+stopping, limits, result) is its :class:`~llama_engine.lifecycle.Generation`.
 """
 from __future__ import annotations
 
 import logging
-import os
 import time
-from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
 
 import torch
 
 from .backends import Backend, create_backend
-from .chat import render_chat
-from .detokenizer import IncrementalDetokenizer
-from .errors import RequestError
-from .metrics import NULL_SINK, MetricsSink, RequestTimes
+from .lifecycle import Limits, PreparedRequest, RequestLifecycle, load_tokenizer
+from .metrics import NULL_SINK, MetricsSink
 from .request import GenerationRequest
-from .selection import TokenSelector, select_tokens
-from .stopping import StoppingCriteria, StopSequences
-from .streamer import BatchTextStreamer, GenerationResult, RowState, Sink
+from .selection import select_tokens
+from .streamer import BatchTextStreamer, GenerationResult, Sink
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class PreparedRequest:
-    request: GenerationRequest
-    prompt_ids: List[int]
-    max_new_tokens: int
-    times: RequestTimes = field(default_factory=RequestTimes)  # for the metrics sink
 
 
 class Engine:
     def __init__(self, backend: Backend, tokenizer, default_max_new_tokens: int = 64):
         self.backend = backend
-        self.tokenizer = tokenizer
-        self.default_max_new_tokens = default_max_new_tokens
-        self.pad_token_id = _pad_id(tokenizer)
-        self.eos_token_ids = frozenset(_eos_ids(tokenizer))
-        self.special_ids = frozenset(tokenizer.all_special_ids)
+        self.lifecycle = RequestLifecycle(tokenizer, Limits.of(backend, default_max_new_tokens))
 
     @classmethod
     def from_config(cls, handler_cfg, model_dir: str, batch_size: int = 1,
                     build_cache_dir: Optional[str] = None) -> "Engine":
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(os.path.join(model_dir, handler_cfg.model_path))
         backend = create_backend(handler_cfg, model_dir, batch_size, build_cache_dir)
-        return cls(backend, tokenizer, handler_cfg.max_new_tokens)
+        return cls(backend, load_tokenizer(handler_cfg, model_dir), handler_cfg.max_new_tokens)
+
+    @property
+    def tokenizer(self):
+        return self.lifecycle.tokenizer
 
     @property
     def max_length(self) -> int:
@@ -59,24 +44,11 @@ class Engine:
 
     def prepare(self, request: GenerationRequest) -> PreparedRequest:
         """Tokenize and check the request against the model's limits (RequestError if over)."""
-        return prepare_request(self.tokenizer, request, self.max_length, self.backend.max_prompt_length,
-                               self.default_max_new_tokens)
-
-    def _row_state(self, prepared: PreparedRequest, seed: Optional[int] = None, selector=None) -> RowState:
-        stops = prepared.request.params.stop
-        return RowState(
-            detokenizer=IncrementalDetokenizer(self.tokenizer, prepared.prompt_ids),
-            stopping=StoppingCriteria(self.eos_token_ids, prepared.max_new_tokens),
-            prompt_tokens=len(prepared.prompt_ids),
-            special_ids=self.special_ids,
-            stop_sequences=StopSequences(stops) if stops else None,
-            seed=seed,
-            selector=selector,
-        )
+        return self.lifecycle.prepare(request)
 
     def _pad_batch(self, prompts: Sequence[List[int]], batch_size: int):
         longest = max(len(p) for p in prompts)
-        input_ids = torch.full((batch_size, longest), self.pad_token_id, dtype=torch.long)
+        input_ids = torch.full((batch_size, longest), self.lifecycle.pad_token_id, dtype=torch.long)
         attention_mask = torch.zeros((batch_size, longest), dtype=torch.long)
         for row in range(batch_size):
             # Padding rows (for fixed-batch backends) repeat the first prompt; their output is ignored.
@@ -115,18 +87,20 @@ class Engine:
     def _generate_group(self, batch: Sequence[PreparedRequest], sink: Optional[Sink] = None,
                         metrics: MetricsSink = NULL_SINK) -> List[GenerationResult]:
         batch_size = self.backend.padded_batch_size(len(batch))
-        selectors = [TokenSelector(p.request.params, p.prompt_ids) for p in batch]
-        rows = [self._row_state(p, sel.seed, sel) for p, sel in zip(batch, selectors)]
-        rows += [None] * (batch_size - len(batch))
-        selectors += [None] * (batch_size - len(batch))
-        streamer = BatchTextStreamer(rows, sink)
+        generations = [self.lifecycle.start(p) for p in batch]
+        padding = [None] * (batch_size - len(batch))
+        selectors = [g.selector for g in generations] + padding
+        streamer = BatchTextStreamer(generations + padding, sink)
         input_ids, attention_mask = self._pad_batch([p.prompt_ids for p in batch], batch_size)
         live = list(range(batch_size))  # streamer row of each backend row
-        for prepared in batch:
-            metrics.admitted(prepared)
+        for generation in generations:
+            generation.admit()
+            metrics.admitted(generation.prepared)
         started, steps, rows_worked = time.perf_counter(), 0, 0
         try:
             logits = self.backend.prefill(input_ids, attention_mask)
+            for generation in generations:
+                generation.start_decoding()
             while True:
                 steps, rows_worked = steps + 1, rows_worked + len(streamer.active_rows)
                 tokens, logprobs = select_tokens(logits, [selectors[r] for r in live])
@@ -154,57 +128,8 @@ class Engine:
         ``prompt_lengths`` adds one generation per length, so that a compiling backend builds
         the graph of every context bucket (and the token graph) now rather than on a request.
         """
-        from .params import SamplingParams
-
-        request = GenerationRequest("Warm-up", SamplingParams(max_new_tokens=max_new_tokens))
-        prepared = [self.prepare(request)] + warmup_prompts(self.tokenizer, request, prompt_lengths, self.max_length)
-        for item in prepared:
-            self.generate([item] * batch_size)
-
-
-def prepare_request(tokenizer, request: GenerationRequest, max_length: int, max_prompt_length: Optional[int],
-                    default_max_new_tokens: int) -> PreparedRequest:
-    """Tokenize ``request`` and check it against the model's limits (RequestError if over).
-
-    ``max_length`` holds the prompt and the answer; ``max_prompt_length`` is the longest prompt
-    the backend encodes at full speed (None: no such limit).
-    """
-    times = RequestTimes()  # received now, before tokenizing
-    if request.messages is not None:
-        request.prompt = render_chat(tokenizer, request.messages)
-        prompt_ids = tokenizer(request.prompt, add_special_tokens=False)["input_ids"]
-    else:
-        prompt_ids = tokenizer(request.prompt)["input_ids"]
-    field = "inputs" if request.messages is None else "messages"
-    bucket = max_prompt_length
-    if bucket is not None and len(prompt_ids) > bucket:
-        raise RequestError(
-            f"the prompt is {len(prompt_ids)} tokens; the limit is {bucket} tokens "
-            "(the largest compiled context bucket, handler.context_length_estimate)", field)
-    if len(prompt_ids) >= max_length:
-        raise RequestError(
-            f"the prompt is {len(prompt_ids)} tokens; the limit is {max_length - 1} tokens "
-            f"(handler.max_length {max_length} holds the prompt and the answer)", field)
-    room = max_length - len(prompt_ids)
-    requested = request.params.max_new_tokens
-    if requested is None:
-        max_new = min(default_max_new_tokens, room)
-    elif requested > room:
-        raise RequestError(
-            f"max_new_tokens is {requested}, but the prompt ({len(prompt_ids)} tokens) leaves room "
-            f"for only {room} of handler.max_length {max_length}", "max_new_tokens")
-    else:
-        max_new = requested
-    return PreparedRequest(request, prompt_ids, max_new, times)
-
-
-def warmup_prompts(tokenizer, request: GenerationRequest, lengths: Sequence[int],
-                   max_length: int) -> List[PreparedRequest]:
-    """One prepared ``request`` per prompt length, each prompt exactly that many tokens long."""
-    filler = tokenizer(" the", add_special_tokens=False)["input_ids"][-1]
-    new = request.params.max_new_tokens
-    return [PreparedRequest(request, (tokenizer("")["input_ids"] + [filler] * length)[:length],
-                            min(new, max_length - length)) for length in lengths]
+        for prepared in self.lifecycle.warmup_requests(max_new_tokens, prompt_lengths):
+            self.generate([prepared] * batch_size)
 
 
 def _metered_sink(sink: Optional[Sink], batch: Sequence[PreparedRequest], metrics: MetricsSink) -> Optional[Sink]:
@@ -232,15 +157,3 @@ def _offset_sink(sink: Sink, offset: int) -> Sink:
         sink(events)
 
     return shifted
-
-
-def _pad_id(tokenizer) -> int:
-    for candidate in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0):
-        if candidate is not None:
-            return candidate
-    return 0
-
-
-def _eos_ids(tokenizer) -> List[int]:
-    eos = tokenizer.eos_token_id
-    return [] if eos is None else [eos]

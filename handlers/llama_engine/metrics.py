@@ -97,7 +97,7 @@ class RequestTimes:
 class MetricsSink:
     """The engine's events; here every one does nothing.
 
-    ``request`` is a :class:`~llama_engine.engine.PreparedRequest` (its ``times`` and
+    ``request`` is a :class:`~llama_engine.lifecycle.PreparedRequest` (its ``times`` and
     ``prompt_ids`` are read). ``error`` takes None for a request that failed before it was
     prepared.
     """

@@ -7,7 +7,8 @@ import torch
 from llama_engine import Engine, GenerationRequest, RequestError, SamplingParams
 from llama_engine.backends.torch_backend import TorchSlotBackend
 from llama_engine.config import HandlerConfig
-from llama_engine.continuous import FINISH_CANCELLED, FINISH_ERROR, ContinuousScheduler
+from llama_engine.continuous import ContinuousScheduler
+from llama_engine.lifecycle import FINISH_CANCELLED, FINISH_ERROR, PreparedRequest, RequestStatus
 
 MAX_LENGTH = 256
 PROMPTS = [
@@ -261,7 +262,7 @@ def test_an_admission_and_the_running_rows_share_one_forward_pass(engine, backen
     second = sched.submit(prepare(engine, PROMPTS[3], 6))
     sched.step()
     assert passes == [1 + len(second.prepared.prompt_ids)]
-    assert len(first.row.token_ids) == 2 and len(second.row.token_ids) == 1
+    assert len(first.token_ids) == 2 and len(second.token_ids) == 1
     monkeypatch.undo()
     drain(sched)
     assert first.result.token_ids == alone(engine, PROMPTS[0], 6).token_ids
@@ -277,7 +278,7 @@ def test_short_request_finishes_before_a_long_one_that_started_earlier(engine, b
     short = sched.submit(prepare(engine, PROMPTS[1], 3), short_events)
     while not short.done:
         sched.step()
-    assert not long.done and long.state == "running"
+    assert not long.done and long.status is RequestStatus.RUNNING
     assert short.slot not in sched.active  # freed at once
     assert short_events.events[-1].finished and short.result.generated_tokens == 3
     drain(sched)
@@ -331,11 +332,12 @@ def test_queue_limit_raises_503(engine, backend):
 
 def test_request_too_long_for_a_slot_is_a_400(engine, backend):
     sched = make_scheduler(engine, backend)
-    prepared = prepare(engine, PROMPTS[0], 4)
-    prepared.max_new_tokens = MAX_LENGTH
-    with pytest.raises(RequestError, match="a slot holds 256") as info:
+    ids = engine.tokenizer(PROMPTS[0])["input_ids"]
+    prepared = PreparedRequest(GenerationRequest(PROMPTS[0]), ids, MAX_LENGTH)  # made by hand, as a script does
+    with pytest.raises(RequestError, match=f"leaves room for only {MAX_LENGTH - len(ids)} of handler.max_length 256") \
+            as info:
         sched.submit(prepared)
-    assert info.value.status == 400 and sched.idle
+    assert info.value.status == 400 and info.value.parameter == "max_new_tokens" and sched.idle
 
 
 def test_per_request_parameters_hold(engine, backend):
@@ -414,15 +416,12 @@ def test_a_callback_that_raises_cancels_only_its_request(engine, backend):
     assert good.result.token_ids == alone(engine, PROMPTS[1], 10).token_ids
 
 
-def test_background_thread_serves_concurrent_requests(engine, backend):
+def test_more_requests_than_slots_are_all_served_by_stepping(engine, backend):
+    """The handler's way: submit, then step until idle; six requests share four slots."""
     sched = make_scheduler(engine, backend)
-    sched.start()
-    try:
-        handles = [sched.submit(prepare(engine, p, 8)) for p in PROMPTS]
-        results = [h.wait(timeout=60) for h in handles]
-    finally:
-        sched.stop(timeout=10)
-    assert all(r is not None for r in results)
-    for prompt, result in zip(PROMPTS, results):
-        assert result.token_ids == alone(engine, prompt, 8).token_ids
+    handles = [sched.submit(prepare(engine, p, 8)) for p in PROMPTS]
+    drain(sched)
+    assert all(h.done and h.status is RequestStatus.FINISHED for h in handles)
+    for prompt, handle in zip(PROMPTS, handles):
+        assert handle.result.token_ids == alone(engine, prompt, 8).token_ids
     assert sched.free_slots == [0, 1, 2, 3] and sched.idle

@@ -183,6 +183,7 @@ def test_many_batches_make_no_reset_and_match_torch(built, double, tiny_model_di
 
 def test_shape_contract_errors_name_the_limit(built, double):
     engine = engine_from(built)
+    assert engine.backend.max_prompt_length == 64  # the largest context_length_estimate bucket caps prompts
     long_prompt = " ".join(["word"] * 80)
     with pytest.raises(RequestError) as info:
         engine.prepare(GenerationRequest(long_prompt))
@@ -214,23 +215,32 @@ def test_too_few_cores_is_a_clear_error(built, tmp_path, monkeypatch):
             engine_from(built)
 
 
-def test_sdk_sample_drives_the_project_streamer(built, double, tiny_model_dir):
-    """transformers-neuronx's own sample() puts [B,1] tokens and never the prompt: our streamer
-    takes exactly that, so both decoding paths stream the same text."""
+def test_sdk_sample_streams_the_same_text_as_the_engine(built, double, tiny_model_dir):
+    """transformers-neuronx's own sample() puts [B,1] tokens and never the prompt: each row's
+    tokens, through that request's generation (the engine's per-token path), give the text
+    the engine's own decoding gives."""
     import torch
 
     from llama_engine.streamer import BatchTextStreamer
 
     engine = engine_from(built)
     prepared = [engine.prepare(GenerationRequest(p, SamplingParams(max_new_tokens=6))) for p in PROMPTS]
-    rows = [engine._row_state(p) for p in prepared]
-    streamer = BatchTextStreamer(rows)
+    streamer = BatchTextStreamer([engine.lifecycle.start(p) for p in prepared])
+
+    class SdkStreamer:  # the SDK's streamer protocol: put(LongTensor[B, 1]) per token, then end()
+        def put(self, tokens):
+            streamer.put_rows(range(len(prepared)), tokens.reshape(-1))
+
+        def end(self):
+            pass
+
     input_ids, mask = engine._pad_batch([p.prompt_ids for p in prepared], 4)
     model = engine.backend.model
     model.reset()
     model.sample(input_ids, input_ids.shape[1] + 6, start_ids=mask.argmax(dim=1).to(torch.int32), top_k=1,
-                 streamer=streamer)
+                 streamer=SdkStreamer())
     expected = engine.generate(prepared)
+    assert streamer.finished
     assert [r.text for r in streamer.results()] == [r.text for r in expected]
 
 

@@ -7,14 +7,18 @@ writes a padding row (token 0 at position 0) into each slot missing from the cal
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import yaml
 
 from llama_engine import GenerationRequest, RequestError, SamplingParams, load_model_config
 from llama_engine.backends import create_slot_backend
+from llama_engine.backends.base import PromptTooLong
 from llama_engine.backends.torch_backend import TorchSlotBackend
-from llama_engine.continuous import FINISH_ERROR, ContinuousScheduler
+from llama_engine.continuous import ContinuousScheduler
+from llama_engine.lifecycle import FINISH_ERROR, RequestStatus, request_error
 
 from conftest import ROOT
 from neuron_env import neuron_double
@@ -197,10 +201,11 @@ def test_backend_prefill_checks(engine, fresh):
                                atol=1e-4, rtol=1e-4)
     long_ids = engine.tokenizer(LONG_PROMPT)["input_ids"]
     assert len(long_ids) > 64
-    with pytest.raises(RequestError, match="at most 64 tokens") as info:
+    with pytest.raises(PromptTooLong, match="at most 64 tokens") as info:  # a plain error: no HTTP in a backend
         fresh.prefill_slot(0, long_ids)
-    assert info.value.status == 400
-    with pytest.raises(RequestError, match="at most 64 tokens"):  # a continuation past the bucket as well
+    mapped = request_error(info.value)  # the engine answers it as the request's fault
+    assert mapped.status == 400 and mapped.parameter == "inputs" and "at most 64 tokens" in mapped.message
+    with pytest.raises(PromptTooLong, match="at most 64 tokens"):  # a continuation past the bucket as well
         fresh.prefill_slot(1, long_ids[:64 - len(ids) + 1], start=len(ids))
     assert fresh.slot_length(0) == 0 and fresh.slot_length(1) == len(ids)
 
@@ -233,7 +238,7 @@ def test_a_freed_slot_is_reused(engine, fresh):
     short = sched.submit(prepare(engine, PROMPTS[1], 2))
     while not short.done:
         sched.step()
-    assert first.state == "running"
+    assert first.status is RequestStatus.RUNNING
     later = sched.submit(prepare(engine, PROMPTS[2], 10))  # takes the slot 'short' left, stale cache and all
     sched.step()
     assert later.slot == short.slot
@@ -247,10 +252,16 @@ def test_a_prompt_longer_than_the_largest_bucket_fails_alone(engine, fresh):
     with pytest.raises(RequestError, match="limit is 64 tokens") as info:  # the scheduler reads max_prompt_length
         sched.prepare(GenerationRequest(LONG_PROMPT, SamplingParams(max_new_tokens=4)))
     assert info.value.status == 400
-    # one that got past the check anyway (prepared elsewhere) fails alone with the backend's error
+    # submit checks a request prepared elsewhere (here by the static engine) with the same rule
+    with pytest.raises(RequestError, match="limit is 64 tokens") as info:
+        sched.submit(prepare(engine, LONG_PROMPT, 4))
+    assert info.value.status == 400 and sched.idle
+    # one that got past the check anyway (limits that do not know the bucket) fails alone with the backend's error
+    sched.lifecycle.limits = dataclasses.replace(sched.lifecycle.limits, max_prompt_length=None)
     ok = sched.submit(prepare(engine, PROMPTS[0], 8))
     too_long = sched.submit(prepare(engine, LONG_PROMPT, 4))
     drain(sched)
     assert too_long.result.finish_reason == FINISH_ERROR
     assert isinstance(too_long.error, RequestError) and "at most 64 tokens" in str(too_long.error)
+    assert too_long.error.status == 400 and too_long.error.parameter == "inputs"
     assert ok.result.token_ids == alone(engine, PROMPTS[0], 8).token_ids

@@ -2,9 +2,11 @@
 import pytest
 import torch
 
+from llama_engine import GenerationRequest, SamplingParams
 from llama_engine.detokenizer import IncrementalDetokenizer
+from llama_engine.lifecycle import Limits, PreparedRequest, RequestLifecycle
 from llama_engine.stopping import FINISH_EOS, FINISH_LENGTH, StoppingCriteria
-from llama_engine.streamer import BatchTextStreamer, RowState
+from llama_engine.streamer import BatchTextStreamer
 
 TEXTS = [
     "Hello world, this is plain English.",
@@ -51,10 +53,10 @@ def test_no_prompt_echo(tokenizer):
 
 
 def make_row(tokenizer, max_new_tokens, prompt="Hi"):
+    """A request's generation, as either batching mode starts it."""
     prompt_ids = tokenizer(prompt)["input_ids"]
-    return RowState(IncrementalDetokenizer(tokenizer, prompt_ids),
-                    StoppingCriteria(frozenset({tokenizer.eos_token_id}), max_new_tokens),
-                    len(prompt_ids), frozenset(tokenizer.all_special_ids))
+    request = GenerationRequest(prompt, SamplingParams(max_new_tokens=max_new_tokens))
+    return RequestLifecycle(tokenizer, Limits(256)).start(PreparedRequest(request, prompt_ids, max_new_tokens))
 
 
 def test_batch_streamer_routes_tokens_and_stops_rows_independently(tokenizer):
@@ -66,7 +68,7 @@ def test_batch_streamer_routes_tokens_and_stops_rows_independently(tokenizer):
     steps = max(len(a), len(b)) + 1
     for step in range(steps):
         col = [a[step] if step < len(a) else eos, b[step] if step < len(b) else eos, 0]
-        streamer.put(torch.tensor(col).view(3, 1))
+        streamer.put_rows(range(3), torch.tensor(col))
         if streamer.finished:
             break
     results = streamer.results()
@@ -79,18 +81,22 @@ def test_batch_streamer_routes_tokens_and_stops_rows_independently(tokenizer):
     assert sum(1 for e in events if e.finished) == 2
 
 
-def test_streamer_end_closes_open_rows(tokenizer):
+def test_a_shrunken_batch_routes_each_token_to_its_row(tokenizer):
+    """After finished rows leave the running batch, ``put_rows`` names the rows still in it."""
     events = []
-    streamer = BatchTextStreamer([make_row(tokenizer, 10)], events.extend)
-    streamer.put(torch.tensor([[tokenizer("a", add_special_tokens=False)["input_ids"][0]]]))
-    streamer.end()
-    assert streamer.finished and events[-1].finished and events[-1].token_id is None
-
-
-def test_streamer_rejects_wrong_batch(tokenizer):
-    streamer = BatchTextStreamer([make_row(tokenizer, 3)])
-    with pytest.raises(ValueError, match="1 rows"):
-        streamer.put(torch.tensor([[1], [2]]))
+    a = tokenizer(" one two three four", add_special_tokens=False)["input_ids"]
+    b = tokenizer(" alpha beta gamma delta", add_special_tokens=False)["input_ids"]
+    streamer = BatchTextStreamer([make_row(tokenizer, 1), make_row(tokenizer, 3), make_row(tokenizer, 3)],
+                                 events.extend)
+    streamer.put_rows([0, 1, 2], torch.tensor([a[0], a[0], b[0]]))
+    assert streamer.active_rows == [1, 2]
+    streamer.put_rows([1, 2], torch.tensor([a[1], b[1]]), [-0.5, -1.5])
+    streamer.put_rows([1, 2], torch.tensor([a[2], b[2]]))
+    assert streamer.finished
+    results = streamer.results()
+    assert results[1].token_ids == a[:3] and results[2].token_ids == b[:3]
+    assert results[1].logprobs[1] == -0.5 and results[2].logprobs[1] == -1.5
+    assert [e.row for e in events] == [0, 1, 2, 1, 2, 1, 2]
 
 
 def test_stopping_criteria():

@@ -14,6 +14,15 @@ from typing import List, Optional, Sequence, Tuple, Union
 import torch
 
 
+class PromptTooLong(ValueError):
+    """A prompt longer than the backend can encode.
+
+    The engine checks every request against the backend's limits before it runs
+    (``lifecycle.Limits``); this is the backend's own guard, for a request that got past them.
+    It is the request's fault, not the backend's: the engine answers it as a client error.
+    """
+
+
 class Backend(ABC):
     #: Batch sizes the backend can run; ``None`` means any size.
     batch_sizes: Optional[Tuple[int, ...]] = None
@@ -94,7 +103,7 @@ class SlotBackend(ABC):
     max_prefill_chunk: Optional[int] = None
     #: The longest prompt one slot accepts (None: whatever fits ``max_length``). Neuron
     #: encodes a whole prompt with one context graph, so its largest bucket caps prompts;
-    #: ``prefill_slot`` raises ``RequestError`` beyond it.
+    #: ``prefill_slot`` raises ``PromptTooLong`` beyond it.
     max_prompt_length: Optional[int] = None
     #: False when ``prefill_slot(start > 0)`` cannot append to the slot and re-encodes the
     #: first ``start`` tokens too (Neuron): splitting a prompt over steps then costs work

@@ -40,8 +40,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from ..compile_cache import CompileCacheError
-from ..errors import RequestError
-from .base import Backend, SlotBackend
+from .base import Backend, PromptTooLong, SlotBackend
 
 logger = logging.getLogger(__name__)
 
@@ -247,10 +246,10 @@ class NeuronSlotBackend(SlotBackend):
     def prefill_slot(self, slot: int, prompt_ids: Sequence[int], start: int = 0) -> torch.Tensor:
         total = start + len(prompt_ids)
         if total > self.max_prompt_length:
-            raise RequestError(
+            raise PromptTooLong(
                 f"the prompt has {total} tokens; this Neuron model encodes prompts of at most "
                 f"{self.max_prompt_length} tokens with continuous batching (the largest context_length_estimate "
-                "bucket); shorten the prompt or compile a larger bucket", "inputs")
+                "bucket); shorten the prompt or compile a larger bucket")
         self.check_prefill(slot, len(prompt_ids), start)
         tokens = self._tokens[slot][:start] + [int(t) for t in prompt_ids]
         bucket = self._bucket(total)
