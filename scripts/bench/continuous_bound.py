@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from llama_engine.cpu import auto_dtype
 from scripts.bench.run import MODES, poisson_lengths
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -118,37 +119,56 @@ def replay(schedule, slots: int, step_ms: dict, prefill_tps: float, chunk: int, 
                 bound=micro_s / ideal_s)
 
 
+def measure(model: Path, dtype: str, slots: int, schedule, chunk: int, max_length: int, repeats: int = 7) -> dict:
+    """Step costs measured on the slot backend in this process, and both schedulers' replays of ``schedule``.
+
+    Returns :func:`replay`'s figures plus the measured ``step_ms`` (by rows), ``prefill_tokens_per_s``,
+    ``merged_rows_ms``, the ``context`` they were measured at, and ``flat_bound`` (the bound if a
+    step cost the same with any number of rows: what the schedule alone allows).
+    """
+    from llama_engine.backends.torch_backend import TorchSlotBackend
+
+    context = round(statistics.mean(inp + out / 2 for _, inp, out in schedule))
+    backend = TorchSlotBackend.from_pretrained(str(model), slots, max_length, dtype, "cpu")
+    steps = step_times(backend, slots, context, repeats)
+    tps = prefill_rate(backend, max(inp for _, inp, _ in schedule), chunk, max(3, repeats // 2))
+    merged = merged_rows_ms(backend, slots - 1, chunk, context, repeats)
+    del backend
+    r = replay(schedule, slots, steps, tps, chunk, merged)
+    flat = replay(schedule, slots, {rows: steps[1] for rows in steps}, tps, chunk, 0.0)
+    return dict(r, step_ms=steps, prefill_tokens_per_s=tps, merged_rows_ms=merged, context=context, chunk=chunk,
+                slots=slots, flat_bound=flat["bound"])
+
+
 def main(argv=None) -> int:
     plan = MODES["default"]
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", type=Path, default=ROOT / "build" / "bench-model-bf16")
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--load", choices=["mixed", "wide"], default="mixed",
+                   help="the bench's Poisson load: mixed (default) or wide (outputs spread widely)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=auto_dtype("cpu"),
+                   help="default: what handler.dtype: auto picks on this CPU")
+    p.add_argument("--model", type=Path, help="checkpoint (default: build/bench-model-<dtype>)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--slots", type=int, default=8)
-    p.add_argument("--rate", type=float, default=plan["poisson"]["rate"])
-    p.add_argument("--duration", type=float, default=plan["poisson"]["duration"])
+    p.add_argument("--rate", type=float, help="arrivals per second (default: the load's in the full bench)")
+    p.add_argument("--duration", type=float, help="seconds of arrivals (default: the load's in the full bench)")
     p.add_argument("--chunk", type=int, default=256, help="prefill tokens per step (max_prefill_tokens_per_step)")
     p.add_argument("--max-length", type=int, default=1024)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--seed", type=int, default=0, help="the benchmark's --seed")
     args = p.parse_args(argv)
+    args.model = args.model or ROOT / "build" / ("bench-model-bf16" if args.dtype == "bfloat16" else "bench-model-fp32")
     if not (args.model / "model.safetensors").exists():
         sys.exit(f"{args.model} is missing: python -m scripts.bench --quick builds it")
 
     torch.set_num_threads(args.threads)
-    from llama_engine.backends.torch_backend import TorchSlotBackend
-
-    load = dict(plan["poisson"], rate=args.rate, duration=args.duration)
+    load = dict(plan["poisson_wide"] if args.load == "wide" else plan["poisson"])
+    load.update({k: v for k, v in (("rate", args.rate), ("duration", args.duration)) if v})
     schedule = poisson_lengths(load, args.max_length, args.seed)
-    context = round(statistics.mean(inp + out / 2 for _, inp, out in schedule))
-    backend = TorchSlotBackend.from_pretrained(str(args.model), args.slots, args.max_length, args.dtype, "cpu")
-    steps = step_times(backend, args.slots, context, args.repeats)
-    tps = prefill_rate(backend, max(load["inputs"]), args.chunk, max(3, args.repeats // 2))
-    merged = merged_rows_ms(backend, args.slots - 1, args.chunk, context, args.repeats)
-    r = replay(schedule, args.slots, steps, tps, args.chunk, merged)
-
-    print(f"{args.model.name}, {args.dtype}, {args.threads} threads, {args.slots} slots; load: {args.rate} req/s "
-          f"for {args.duration} s, inputs {load['inputs']}, outputs {load['outputs']} (seed {args.seed}): "
+    r = measure(args.model, args.dtype, args.slots, schedule, args.chunk, args.max_length, args.repeats)
+    steps, tps, merged, context = r["step_ms"], r["prefill_tokens_per_s"], r["merged_rows_ms"], r["context"]
+    print(f"{args.model.name}, {args.dtype}, {args.threads} threads, {args.slots} slots; load: {load['rate']} req/s "
+          f"for {load['duration']} s, inputs {load['inputs']}, outputs {load['outputs']} (seed {args.seed}): "
           f"{r['requests']} requests, {r['tokens']} output tokens")
     print(f"decode step at {context} positions, ms by rows: "
           + ", ".join(f"{rows}: {ms:.1f}" for rows, ms in steps.items()))
@@ -159,9 +179,8 @@ def main(argv=None) -> int:
     print(f"ideal continuous ({args.slots} rows every step, no cost besides the model): decode "
           f"{r['ideal_decode_s']:.1f} s + prefill {r['ideal_prefill_s']:.1f} s -> {r['ideal_tps']:.1f} tok/s")
     print(f"continuous / micro throughput when both run these steps: at most {r['bound']:.2f}x")
-    flat = replay(schedule, args.slots, {rows: steps[1] for rows in steps}, tps, args.chunk, 0.0)
     print(f"even if a step cost the same with 1 or {args.slots} rows (their K/V reads free, decode rows free in a "
-          f"prefill pass): at most {flat['bound']:.2f}x; the rest is the schedule's (rows per step, padding)")
+          f"prefill pass): at most {r['flat_bound']:.2f}x; the rest is the schedule's (rows per step, padding)")
     return 0
 
 

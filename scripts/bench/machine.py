@@ -8,6 +8,8 @@ import time
 from importlib import metadata
 from pathlib import Path
 
+from llama_engine import cpu
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -21,19 +23,10 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def _cpu_flags() -> list:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                return sorted(f for f in flags if f.startswith(("avx512_bf16", "amx", "avx512f", "avx2", "avx512_vnni")))
-    except OSError:
-        pass
-    return []
-
-
 def machine_info() -> dict:
-    info = {"cpu": _cpu_model(), "logical_cpus": os.cpu_count(), "cpu_flags": _cpu_flags(),
+    flags = cpu.cpu_flags()
+    info = {"cpu": _cpu_model(), "logical_cpus": os.cpu_count(), "cpu_flags": cpu.reported_flags(flags),
+            "cpu_class": cpu.cpu_class(flags), "auto_dtype": cpu.auto_dtype("cpu", flags),
             "platform": platform.platform()}
     try:
         import psutil

@@ -9,7 +9,9 @@ from typing import List, Optional
 SERVED = "torchserve"
 CONTINUOUS = "torchserve-continuous"
 INPROCESS = "inprocess"
-PEER_NAMES = ("llama.cpp", "vllm")
+PEER_NAMES = ("llama.cpp", "llama.cpp-q8_0", "vllm")
+#: Peer ratio goals (served / peer output tok/s) by concurrency: llama.cpp in the dtype served.
+LLAMA_CPP_GOALS = {8: 1.0, 1: 0.8}
 PLOTS = ("ttft_vs_input.png", "throughput_vs_concurrency.png", "latency_percentiles.png", "poisson_latency.png")
 
 
@@ -98,7 +100,7 @@ def ratios(results: dict) -> dict:
                           f"{system} TTFT p50 at the longest input / at the shortest (768 / 256 in the full run)",
                           **inputs)
 
-    out.update(continuous_ratios(runs))
+    out.update(continuous_ratios(runs, results.get("extra")))
     best = max((r for r in (served, find(runs, CONTINUOUS, "concurrency", concurrency=c)) if r),
                key=lambda r: r["output_tokens_per_s"], default=None)
     peers = {}
@@ -107,10 +109,20 @@ def ratios(results: dict) -> dict:
             continue
         peer = find(runs, name, "concurrency", concurrency=c)
         if peer and best:
-            peers[name] = peer["output_tokens_per_s"]
+            if name != "llama.cpp-q8_0":  # a quantized model reads fewer bytes: labelled apart, not the bar
+                peers[name] = peer["output_tokens_per_s"]
+            goal = LLAMA_CPP_GOALS.get(c) if name == "llama.cpp" else None
             out[f"peer_ratio_{name}"] = _ratio(
-                best["output_tokens_per_s"] / peer["output_tokens_per_s"], "report", None,
+                best["output_tokens_per_s"] / peer["output_tokens_per_s"], f">= {goal}" if goal else "report",
+                (lambda v, g=goal: v >= g) if goal else None,
                 f"served output tok/s ({best['system']}) / {name} output tok/s at {c} streams", concurrency=c)
+        single, served1 = find(runs, name, "concurrency", concurrency=1), find(runs, SERVED, "concurrency", concurrency=1)
+        if single and served1:
+            goal = LLAMA_CPP_GOALS[1] if name == "llama.cpp" else None
+            out[f"peer_ratio_{name}_1_stream"] = _ratio(
+                served1["output_tokens_per_s"] / single["output_tokens_per_s"], f">= {goal}" if goal else "report",
+                (lambda v, g=goal: v >= g) if goal else None,
+                f"served output tok/s ({SERVED}) / {name} output tok/s at 1 stream", concurrency=1)
     if peers:
         strongest = max(peers, key=peers.get)
         out["peer_ratio_strongest"] = _ratio(
@@ -124,7 +136,7 @@ def ratios(results: dict) -> dict:
     return out
 
 
-def continuous_ratios(runs) -> dict:
+def continuous_ratios(runs, extra: Optional[dict] = None) -> dict:
     """Continuous batching against micro-batching, both served: the same Poisson schedule, and the
     same static waves back to back (the ``paired-variants`` rows)."""
     out = {}
@@ -137,21 +149,52 @@ def continuous_ratios(runs) -> dict:
             f"{run['concurrency']} streams arriving together: continuous-batching output tok/s / micro-batching "
             f"output tok/s, median of {len(run['continuous_over_micro'])} back-to-back A/B pairs of the same wave",
             concurrency=run["concurrency"], pairs=run["continuous_over_micro"])
-    micro, cont = find(runs, SERVED, "poisson"), find(runs, CONTINUOUS, "poisson")
-    if not (micro and cont):
-        return out
-    return {**out,
-        "continuous_throughput_vs_micro": _ratio(
-            cont["output_tokens_per_s"] / micro["output_tokens_per_s"], ">= 2.0", lambda v: v >= 2.0,
-            "Poisson run: continuous-batching output tok/s / micro-batching output tok/s (same schedule, same "
-            "slots, mean of alternating rounds)",
+    bounds = (extra or {}).get("continuous_bound", {})
+    micro, cont = poisson_run(runs, SERVED, "mixed"), poisson_run(runs, CONTINUOUS, "mixed")
+    if micro and cont:
+        out["continuous_throughput_vs_micro"] = _ratio(
+            cont["output_tokens_per_s"] / micro["output_tokens_per_s"], "report", None,
+            "Poisson run (mixed load): continuous-batching output tok/s / micro-batching output tok/s (same "
+            "schedule, same slots, mean of alternating rounds)",
             continuous=cont["output_tokens_per_s"], micro=micro["output_tokens_per_s"],
-            round_ratios=cont.get("round_ratios")),
-        "continuous_p99_ttft_vs_micro": _ratio(
+            round_ratios=cont.get("round_ratios"), bound=bounds.get("mixed", {}).get("bound"))
+        out["continuous_p99_ttft_vs_micro"] = _ratio(
             cont["ttft_ms"]["p99"] / micro["ttft_ms"]["p99"], "<= 0.5", lambda v: v <= 0.5,
-            "Poisson run: continuous-batching TTFT p99 / micro-batching TTFT p99",
-            continuous_ms=cont["ttft_ms"]["p99"], micro_ms=micro["ttft_ms"]["p99"]),
-    }
+            "Poisson run (mixed load): continuous-batching TTFT p99 / micro-batching TTFT p99",
+            continuous_ms=cont["ttft_ms"]["p99"], micro_ms=micro["ttft_ms"]["p99"])
+    if cont and bounds.get("mixed"):
+        out["continuous_vs_ideal"] = _ratio(
+            cont["output_tokens_per_s"] / bounds["mixed"]["ideal_tps"], ">= 0.95", lambda v: v >= 0.95,
+            "Poisson run (mixed load): continuous-batching output tok/s / the ideal continuous batcher's on the same "
+            "schedule (scripts.bench.continuous_bound: every step full, no serving cost, step costs measured in-process)",
+            continuous=cont["output_tokens_per_s"], ideal=round(bounds["mixed"]["ideal_tps"], 2))
+    vllm = poisson_run(runs, "vllm", "mixed")
+    if cont and vllm:
+        out["continuous_vs_vllm"] = _ratio(
+            cont["output_tokens_per_s"] / vllm["output_tokens_per_s"], ">= 1.0", lambda v: v >= 1.0,
+            "Poisson run (mixed load): continuous-batching output tok/s / vLLM CPU's on the same schedule",
+            continuous=cont["output_tokens_per_s"], vllm=vllm["output_tokens_per_s"])
+    micro_w, cont_w = poisson_run(runs, SERVED, "wide"), poisson_run(runs, CONTINUOUS, "wide")
+    if micro_w and cont_w:
+        bound = bounds.get("wide", {})
+        out["continuous_throughput_vs_micro_wide"] = _ratio(
+            cont_w["output_tokens_per_s"] / micro_w["output_tokens_per_s"], ">= 2.0", lambda v: v >= 2.0,
+            "Poisson run (wide load: outputs 8..512): continuous-batching output tok/s / micro-batching output tok/s"
+            + (f"; continuous_bound allows {bound['bound']:.2f}x" if bound else ""),
+            continuous=cont_w["output_tokens_per_s"], micro=micro_w["output_tokens_per_s"],
+            round_ratios=cont_w.get("round_ratios"), bound=bound.get("bound"))
+        if bound:
+            out["continuous_vs_ideal_wide"] = _ratio(
+                cont_w["output_tokens_per_s"] / bound["ideal_tps"], "report", None,
+                "Poisson run (wide load): continuous-batching output tok/s / the ideal continuous batcher's",
+                continuous=cont_w["output_tokens_per_s"], ideal=round(bound["ideal_tps"], 2))
+    return out
+
+
+def poisson_run(runs, system: str, load: str) -> Optional[dict]:
+    """A system's Poisson row on ``load`` (rows from before the wide load have no ``load``: mixed)."""
+    return next((r for r in runs if r.get("system") == system and r.get("scenario") == "poisson" and r.get("ok")
+                 and r.get("load", "mixed") == load), None)
 
 
 def ratio_lines(rs: dict) -> List[str]:
@@ -257,7 +300,7 @@ def markdown(results: dict, plots: List[Path]) -> str:
         if cpu_lines else ""
     return f"""Mode `{results['mode']}`, {results['timestamp']}, `{results['command']}`, {results['phases_s']['total_s']:.0f} s.
 
-**Machine**: {m['cpu']}, {m['logical_cpus']} logical CPUs, {m.get('memory_gb', '?')} GB, {m.get('virtualization', 'bare metal or unknown')}; {m['platform']}; CPU features {', '.join(m.get('cpu_flags', []))}.
+**Machine**: {m['cpu']} (CPU class `{cpu_label(m)}`), {m['logical_cpus']} logical CPUs, {m.get('memory_gb', '?')} GB, {m.get('virtualization', 'bare metal or unknown')}; {m['platform']}; CPU features {', '.join(m.get('cpu_flags', []))}.
 **Versions**: Python {v['python']}, torch {v['torch']}, transformers {v['transformers']}, TorchServe {v['torchserve']}, {v.get('java')}, git {v.get('git')}.
 **Model**: {model['name']}: {model['parameters']:,} parameters ({model['hidden_size']} hidden, {model['num_hidden_layers']} layers, {model['num_attention_heads']} heads, {model['num_key_value_heads']} KV heads, intermediate {model['intermediate_size']}, vocab {model['vocab_size']}), {model['dtype']}; EOS suppressed (its tokenizer declares no EOS token).
 **Config**: `{_rel(results['config']['base'])}` with dtype {model['dtype']}: batchSize {results['config']['frontend']['batchSize']}, maxBatchDelay {results['config']['frontend']['maxBatchDelay']} ms, micro_batch_size {results['config']['micro_batching']['micro_batch_size']}, max_length {results['config']['handler']['max_length']}, torch_threads {results['config']['threads']}.
@@ -265,13 +308,13 @@ def markdown(results: dict, plots: List[Path]) -> str:
 **Memory bandwidth** (`x.sum()` over {list(bw.values())[0]['bytes'] / 1e9:.2f} GB of float32, best of 5 passes and of the samples at the start and the end): {bw_text}.
 Batch-1 decode bound = {bound['bandwidth_gb_per_s']:.1f} GB/s / {bound['weight_bytes_per_token'] / 1e6:.1f} MB of weights per token = **{bound['tokens_per_s']:.1f} tok/s** (the KV cache adds {model['kv_cache_bytes_per_position'] / 1e3:.1f} kB per position of context).
 {fp32_line}
-### Ratios
+### Ratios (CPU class `{cpu_label(m)}`, {model['dtype']})
 
 {ratios_table(results['ratios'])}
-### Systems
+### Systems (CPU class `{cpu_label(m)}`)
 
 {systems_table(results)}
-### Results
+### Results (CPU class `{cpu_label(m)}`, {model['dtype']})
 
 {results_table(results)}
 "other CPU": the share of the machine's CPU time that processes outside this benchmark used while the
@@ -284,6 +327,45 @@ row was measured (bold from 10%: that row's figures are skewed by them). Memory 
 
 Plots: {', '.join(f'`{p}`' for p in plots)}.
 """
+
+
+def cpu_label(machine: dict) -> str:
+    """The CPU class a run was measured on (``amx``, ``avx512-bf16``, ``avx512``, ``avx2``); runs from
+    before the class was recorded are classed from their flags."""
+    if machine.get("cpu_class"):
+        return machine["cpu_class"]
+    from llama_engine.cpu import cpu_class
+
+    return cpu_class(frozenset(machine.get("cpu_flags", [])))
+
+
+# -- ratios by CPU class: the latest full run's ratios on each class, kept beside the docs page ----
+
+def update_by_cpu(results: dict, path: Path) -> dict:
+    """Record this run's ratios as its CPU class's latest (``path``, JSON); return every class's."""
+    table = json.loads(path.read_text()) if path.exists() else {}
+    m = results["machine"]
+    table[cpu_label(m)] = {
+        "timestamp": results["timestamp"], "mode": results["mode"], "cpu": m["cpu"], "logical_cpus": m["logical_cpus"],
+        "dtype": results["model"]["dtype"], "git": results["versions"].get("git"),
+        "ratios": {name: r["value"] for name, r in results["ratios"].items()},
+        "goals": {name: r["goal"] for name, r in results["ratios"].items()},
+    }
+    path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+    return table
+
+
+def by_cpu_table(table: dict) -> str:
+    classes = sorted(table)
+    names = list(dict.fromkeys(name for c in classes for name in table[c]["ratios"]))
+    goals = {name: g for c in classes for name, g in table[c].get("goals", {}).items()}
+    head = ["| ratio | goal | " + " | ".join(f"`{c}`" for c in classes) + " |",
+            "|---|---|" + "---:|" * len(classes),
+            "| (run) | | " + " | ".join(f"{table[c]['cpu']}, {table[c]['logical_cpus']} CPUs, {table[c]['dtype']}, "
+                                        f"{table[c]['mode']} {table[c]['timestamp']}" for c in classes) + " |"]
+    rows = [f"| {name} | {goals.get(name, '')} | " + " | ".join(_f(table[c]["ratios"].get(name), 3) for c in classes)
+            + " |" for name in names]
+    return "\n".join(head + rows) + "\n"
 
 
 def server_metrics_text(results: dict) -> str:
@@ -506,8 +588,6 @@ ahead of micro-batching on the Poisson load at all: `.venv/bin/python -m scripts
   batch starts, so at 16 streams the second 8 wait for the first, and under Poisson arrivals a request
   that arrives during a batch waits for it.
 
-## Latest results
-
 """
 
 
@@ -518,7 +598,12 @@ def render_docs(results: dict, plots: List[Path], docs: Path) -> str:
     for plot in plots:
         shutil.copyfile(plot, folder / plot.name)
     images = "\n".join(f"![{p.stem}]({folder.name}/{p.name})" for p in plots)
-    return DOCS_HEAD + markdown(results, [Path(folder.name) / p.name for p in plots]) + "\n" + images + "\n"
+    by_cpu = update_by_cpu(results, docs.parent / f"{docs.stem}-by-cpu.json")
+    by_cpu_text = (f"## Ratios by CPU class\n\nThe latest run's ratios on each class of CPU measured (from "
+                   f"`{docs.stem}-by-cpu.json`, which each run updates for its own class). A ratio that holds on one "
+                   f"class can flip on another.\n\n{by_cpu_table(by_cpu)}\n")
+    return (DOCS_HEAD + by_cpu_text + "## Latest results\n\n" + markdown(results, [Path(folder.name) / p.name for p in plots])
+            + "\n" + images + "\n")
 
 
 def write_all(results: dict, out: Path, docs: Optional[Path]) -> List[Path]:

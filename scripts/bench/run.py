@@ -29,6 +29,7 @@ import traceback
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from llama_engine.cpu import auto_dtype
 from scripts.bench import machine, model as bench_model, report
 from scripts.bench.clients import run_schedule, run_wave
 from scripts.bench.membw import read_bandwidth
@@ -37,23 +38,31 @@ from scripts.bench.stats import summarize
 
 ROOT = Path(__file__).resolve().parents[2]
 
+#: The second Poisson load: most answers short, one in five long. A micro-batch runs until its
+#: longest answer ends, so its rows sit idle most of their steps; continuous batching refills them.
+WIDE = dict(rate=1.0, duration=40.0, inputs=[64, 128, 256], outputs=[8, 16, 32, 64, 512])
+WIDE_QUICK = dict(rate=1.0, duration=15.0, inputs=[64, 128, 256], outputs=[8, 16, 32, 256])
+LOADS = ("mixed", "wide")
+
 # (input tokens, output tokens) pairs; every length pair runs at concurrency 1.
 MODES = {
     "smoke": dict(
         model="tiny", dtype="float32", lengths=[(32, 8), (96, 8)], length_repeats=2, ttft_probes=0, probe_tokens=0,
         concurrency=[4], conc_input=32, conc_output=8, rounds=1,
         poisson=dict(rate=4.0, duration=2.0, inputs=[16, 32, 64], outputs=[4, 8]), poisson_rounds=1,
+        poisson_wide=dict(rate=4.0, duration=1.5, inputs=[16, 32], outputs=[2, 4, 24]), bound=False,
         membw_gb=0.25, paired_rounds=2, paired_concurrency=[1, 4], quiet_wait=0, quiet_budget=0, peers=False, fp32_decode=False, max_minutes=4, request_timeout=120, docs=False),
     "quick": dict(
-        model="bench", dtype="bfloat16", lengths=[(256, 32), (768, 32)], length_repeats=3, ttft_probes=0,
+        model="bench", dtype="auto", lengths=[(256, 32), (768, 32)], length_repeats=3, ttft_probes=0,
         probe_tokens=0, concurrency=[1, 2, 4, 8, 16], conc_input=128, conc_output=32, rounds=1,
         poisson=dict(rate=1.0, duration=20.0, inputs=[64, 128, 256, 512], outputs=[16, 32, 64]), poisson_rounds=1,
+        poisson_wide=WIDE_QUICK, bound=True,
         membw_gb=1.0, paired_rounds=3, paired_concurrency=[1, 8], quiet_wait=10, quiet_budget=60, peers=True, fp32_decode=False, max_minutes=10, request_timeout=300, docs=True),
     "default": dict(
-        model="bench", dtype="bfloat16", lengths=[(256, 768), (512, 512), (768, 256)], length_repeats=1,
+        model="bench", dtype="auto", lengths=[(256, 768), (512, 512), (768, 256)], length_repeats=1,
         ttft_probes=4, probe_tokens=8, concurrency=[1, 2, 4, 8, 16], conc_input=256, conc_output=128, rounds=2,
         poisson=dict(rate=1.0, duration=60.0, inputs=[128, 256, 512, 768], outputs=[32, 64, 128, 256]),
-        poisson_rounds=2,
+        poisson_rounds=2, poisson_wide=WIDE, bound=True,
         membw_gb=2.0, paired_rounds=3, paired_concurrency=[1, 8], quiet_wait=30, quiet_budget=300, peers=True, fp32_decode=True, max_minutes=50, request_timeout=900, docs=True),
 }
 
@@ -85,7 +94,12 @@ class Prompts:
         self.waves = {(c, r): [factory.make(plan["conc_input"]) for _ in range(c)]
                       for c in plan["concurrency"] for r in range(plan["rounds"])}
         self.warm = factory.make(16)
-        self.schedule = [(t, factory.make(inp), out) for t, inp, out in poisson_lengths(plan["poisson"], max_length, seed)]
+        self.schedules = {load: [(t, factory.make(inp), out) for t, inp, out in
+                                 poisson_lengths(plan[POISSON_PLAN[load]], max_length, seed)] for load in LOADS}
+        self.schedule = self.schedules["mixed"]
+
+
+POISSON_PLAN = {"mixed": "poisson", "wide": "poisson_wide"}
 
 
 def poisson_lengths(p: dict, max_length: int, seed: int) -> List[tuple]:
@@ -160,10 +174,10 @@ def sweep(system: str, runner, prompts: Prompts, plan: dict, budget: Budget, run
             run.update(poisson_rates(run["ok"], run["wall_s"], prompts.schedule))
 
 
-def poisson_labels(p: dict, schedule) -> dict:
+def poisson_labels(p: dict, schedule, load: str = "mixed") -> dict:
     """The labels of a Poisson run: its load, and the schedule's mean input and output tokens."""
     n = len(schedule)
-    return dict(scenario="poisson", concurrency=None, rate_per_s=p["rate"], duration_s=p["duration"],
+    return dict(scenario="poisson", load=load, concurrency=None, rate_per_s=p["rate"], duration_s=p["duration"],
                 input_choices=p["inputs"], output_choices=p["outputs"],
                 input_tokens=round(sum(len(x[1]) for x in schedule) / n, 1),
                 output_tokens=round(sum(x[2] for x in schedule) / n, 1))
@@ -230,8 +244,8 @@ def _brief(run: dict) -> str:
             f"other processes {100 * run.get('foreign_cpu_share', 0):.0f}% of the CPUs")
 
 
-SYSTEMS = ("inprocess", "torchserve", "torchserve-continuous", "llama.cpp", "vllm")
-SCENARIOS = ("length", "ttft", "concurrency", "paired", "poisson")
+SYSTEMS = ("inprocess", "torchserve", "torchserve-continuous", "llama.cpp", "llama.cpp-q8_0", "vllm")
+SCENARIOS = ("length", "ttft", "concurrency", "paired", "poisson", "poisson-wide")
 
 
 def parse_systems(value: str) -> List[str]:
@@ -279,7 +293,8 @@ def main(argv=None) -> int:
     parser.add_argument("--config", type=Path, default=ROOT / "model-config" / "bench-llama.yaml")
     parser.add_argument("--continuous-config", type=Path, default=ROOT / "model-config" / "bench-llama-continuous.yaml",
                         help="the continuous-batching variant served as torchserve-continuous")
-    parser.add_argument("--dtype", choices=["bfloat16", "float32"], help="variant to serve (default: the mode's)")
+    parser.add_argument("--dtype", choices=["auto", "bfloat16", "float32"],
+                        help="variant to serve (default: the mode's; auto is what handler.dtype: auto picks on this CPU)")
     parser.add_argument("--threads", type=int, help="torch threads (default: the config's handler.torch_threads)")
     parser.add_argument("--tiny", type=Path, default=ROOT / "build" / "tiny-llama",
                         help="the embedded tiny model: the tokenizer source, and the model of --smoke")
@@ -325,6 +340,8 @@ def main(argv=None) -> int:
     if args.poisson_rounds:
         plan["poisson_rounds"] = args.poisson_rounds
     dtype = args.dtype or plan["dtype"]
+    if dtype == "auto":
+        dtype = auto_dtype("cpu")
     budget = Budget(args.max_minutes or plan["max_minutes"])
     out = args.out.resolve()
     work = out / "work"
@@ -438,6 +455,15 @@ def main(argv=None) -> int:
         engine = None
     phases["inprocess_s"] = time.perf_counter() - t
 
+    # -- 1b. how far continuous batching can get on each Poisson load --------------------------
+    cb_config = derived_config(args.continuous_config.resolve(), work / "bench-llama-continuous.yaml", dtype,
+                               args.threads, {})
+    if plan["bound"] and "torchserve-continuous" in args.systems and budget.ok("continuous bound", 120):
+        t = time.perf_counter()
+        results["extra"]["continuous_bound"] = continuous_bounds(load_model_config_file(str(cb_config)), checkpoint,
+                                                                 dtype, prompts, plan, threads)
+        phases["continuous_bound_s"] = time.perf_counter() - t
+
     # -- 2. the served handler ---------------------------------------------------------------
     from scripts.bench.systems import LlamaCppSystem, TorchServeSystem, VllmSystem
 
@@ -445,7 +471,7 @@ def main(argv=None) -> int:
     # rounds (see variant_pairs), not in their sweeps: the machine's speed drifts more between
     # minutes than they differ.
     pair_names = ("torchserve", "torchserve-continuous")
-    pairing = any(s in plan["scenarios"] for s in ("poisson", "paired")) and all(n in args.systems for n in pair_names)
+    pairing = any(s in plan["scenarios"] for s in ("poisson", "poisson-wide", "paired")) and all(n in args.systems for n in pair_names)
     kept = {}
 
     def served(name, make_system, describe, after=None):
@@ -503,24 +529,26 @@ def main(argv=None) -> int:
                    prompts, plan, runs, monitor, scenario="paired-variants", ratio="continuous_over_micro",
                    concurrency=[c for c in plan["paired_concurrency"] if c > 1])
             phases["paired_variants_s"] = time.perf_counter() - t_waves
-        if "poisson" in plan["scenarios"] and prompts.schedule:
-            poisson_rounds(names)
+        for load, scenario in (("mixed", "poisson"), ("wide", "poisson-wide")):
+            if scenario in plan["scenarios"] and prompts.schedules[load]:
+                poisson_rounds(names, load)
 
-    def poisson_rounds(names):
+    def poisson_rounds(names, load):
         t_pairs = time.perf_counter()
+        schedule, load_plan = prompts.schedules[load], plan[POISSON_PLAN[load]]
         per_round = {name: [] for name in names}
         records = {name: [] for name in names}
         snap = monitor.snapshot()
         for k in range(plan["poisson_rounds"]):
-            if not budget.ok(f"poisson round {k + 1}", 30):
+            if not budget.ok(f"{load} poisson round {k + 1}", 30):
                 break
             for name in (names if k % 2 == 0 else names[::-1]):
                 if plan["quiet_wait"]:
                     monitor.wait_quiet(plan["quiet_wait"])
-                wave = run_schedule(kept[name][1], prompts.schedule, timeout)
+                wave = run_schedule(kept[name][1], schedule, timeout)
                 records[name] += wave
                 per_round[name].append(summarize(wave))
-                log(f"{name} poisson round {k + 1}: {_brief(per_round[name][-1])}")
+                log(f"{name} {load} poisson round {k + 1}: {_brief(per_round[name][-1])}")
         contention = monitor.since(snap)
         ratios = [round(c["output_tokens_per_s"] / m["output_tokens_per_s"], 4)
                   for m, c in zip(*(per_round[x] for x in pair_names))
@@ -530,16 +558,16 @@ def main(argv=None) -> int:
             if not records[name]:
                 continue
             run = summarize(records[name], system=name, rounds=len(per_round[name]), round_ratios=ratios,
-                            **poisson_labels(plan["poisson"], prompts.schedule))
+                            **poisson_labels(load_plan, schedule, load))
             run.update(contention)
             if rounds:
                 wall = statistics.mean(r["wall_s"] for r in rounds)
                 rates = [r["output_tokens_per_s"] for r in rounds]
                 run.update(output_tokens_per_s=round(statistics.mean(rates), 3), output_tokens_per_s_rounds=rates,
-                           wall_s=round(wall, 3), **poisson_rates(run["ok"] / len(rounds), wall, prompts.schedule))
+                           wall_s=round(wall, 3), **poisson_rates(run["ok"] / len(rounds), wall, schedule))
             runs.append(run)
-        log(f"poisson pairs: continuous / micro per round {ratios}")
-        phases["poisson_pairs_s"] = time.perf_counter() - t_pairs
+        log(f"{load} poisson pairs: continuous / micro per round {ratios}")
+        phases[f"poisson_{load}_pairs_s"] = time.perf_counter() - t_pairs
 
     def after_micro(system, adapter):
         if engine is not None and "paired" in plan["scenarios"] and plan["paired_rounds"] and budget.ok("paired A/B", 60):
@@ -555,10 +583,7 @@ def main(argv=None) -> int:
         engine = None
 
     # -- 2b. the served handler with continuous batching --------------------------------------
-    cb_config = work / "bench-llama-continuous.yaml"
-
     def continuous_system():
-        derived_config(args.continuous_config.resolve(), cb_config, dtype, args.threads, {})
         return TorchServeSystem(work / "continuous", cb_config, checkpoint, model_name="bench-llama-continuous")
 
     served("torchserve-continuous", continuous_system,
@@ -577,6 +602,7 @@ def main(argv=None) -> int:
 
     # -- 3. peers, when installed -------------------------------------------------------------
     peers = [LlamaCppSystem(work / "llama.cpp", dtype, threads, micro, cfg.handler.max_length, args.llama_gguf),
+             LlamaCppSystem(work / "llama.cpp-q8_0", dtype, threads, micro, cfg.handler.max_length, quant="q8_0"),
              VllmSystem(work / "vllm", checkpoint, dtype, micro, cfg.handler.max_length)]
     for peer in peers:
         t = time.perf_counter()
@@ -625,6 +651,25 @@ def main(argv=None) -> int:
     if failed:
         log(f"systems that failed: {', '.join(failed)} (see the JSON for the reason)")
     return 1 if results["systems"].get("torchserve", {}).get("status") == "failed" else 0
+
+
+def continuous_bounds(cb_cfg, checkpoint: Path, dtype: str, prompts: Prompts, plan: dict, threads: int) -> dict:
+    """``scripts.bench.continuous_bound`` on each Poisson load, with the continuous config's slots and
+    prefill budget: the ideal continuous batcher's tok/s (``ideal_tps``) that the served one is held to."""
+    import torch
+
+    from scripts.bench.continuous_bound import measure
+
+    torch.set_num_threads(threads)
+    out = {}
+    for load in LOADS:
+        schedule = [(t, len(ids), n) for t, ids, n in prompts.schedules[load]]
+        if schedule:
+            out[load] = measure(checkpoint, dtype, cb_cfg.slots, schedule,
+                                cb_cfg.continuous_batching.max_prefill_tokens_per_step, cb_cfg.handler.max_length)
+            log(f"continuous bound, {load} load: ideal {out[load]['ideal_tps']:.1f} tok/s, micro-batching replay "
+                f"{out[load]['micro_tps']:.1f} tok/s, at most {out[load]['bound']:.2f}x")
+    return out
 
 
 ROUND_TRIP_LINE = re.compile(r"continuous batching: (\d+) calls, ([\d.]+) ms in the handler "

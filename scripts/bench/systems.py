@@ -144,13 +144,15 @@ class PeerSystem(ABC):
 
 
 class LlamaCppSystem(PeerSystem):
-    name = "llama.cpp"
+    """llama.cpp's ``llama-server`` on a GGUF of the bench model: in the dtype served (``llama.cpp``),
+    or quantized (``quant="q8_0"``: the separately labelled ``llama.cpp-q8_0`` row)."""
 
     def __init__(self, work: Path, dtype: str, threads: int, parallel: int, max_length: int,
-                 gguf: Optional[Path] = None):
+                 gguf: Optional[Path] = None, quant: Optional[str] = None):
+        self.name = "llama.cpp" if quant is None else f"llama.cpp-{quant}"
         super().__init__(work)
         self.dtype, self.threads, self.parallel, self.max_length = dtype, threads, parallel, max_length
-        suffix = {"bfloat16": "bf16", "float32": "fp32"}.get(dtype, dtype)
+        suffix = quant or {"bfloat16": "bf16", "float32": "fp32"}.get(dtype, dtype)
         self.gguf = Path(gguf) if gguf else PEERS / f"bench-model-{suffix}.gguf"
         self.binary: Optional[str] = None
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import struct
 import subprocess
 import sys
@@ -39,11 +40,18 @@ def smoke(tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
     started = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "scripts.bench", "--smoke", "--out", str(out),
-                           "--tiny", str(tiny_model_dir)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    return out, json.loads((out / "latest.json").read_text()), proc.stdout, time.monotonic() - started
+    # Its own session: on a hang the whole group goes (TorchServe included), not just the bench.
+    proc = subprocess.Popen([sys.executable, "-m", "scripts.bench", "--smoke", "--out", str(out),
+                             "--tiny", str(tiny_model_dir)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=480)  # a hang guard: the plan's budget is 4 minutes
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"the smoke bench hung past 480 s: {stdout[-2000:]}{stderr[-2000:]}")
+    assert proc.returncode == 0, stdout[-4000:] + stderr[-4000:]
+    return out, json.loads((out / "latest.json").read_text()), stdout, time.monotonic() - started
 
 
 def test_smoke_json_has_every_section_and_positive_figures(smoke):
@@ -72,11 +80,16 @@ def test_smoke_runs_cover_each_scenario_with_full_length_streams(smoke):
     for system in ("inprocess", "torchserve"):
         assert {(system, "length"), (system, "concurrency")} <= seen
     assert ("torchserve", "poisson") in seen
-    # the two TorchServe variants run the schedule in alternating rounds (one in --smoke)
+    # the two TorchServe variants run each load's schedule in alternating rounds (one in --smoke)
     paired = [r for r in runs if r["scenario"] == "poisson" and r["system"].startswith("torchserve")]
-    assert sorted(r["system"] for r in paired) == ["torchserve", "torchserve-continuous"]
+    assert sorted((r["load"], r["system"]) for r in paired) == [
+        ("mixed", "torchserve"), ("mixed", "torchserve-continuous"),
+        ("wide", "torchserve"), ("wide", "torchserve-continuous")]
     for run in paired:
         assert run["rounds"] == 1 and len(run["round_ratios"]) == 1 and run["round_ratios"][0] > 0, run
+    wide = next(r for r in paired if r["load"] == "wide")
+    assert wide["output_choices"] == results["plan"]["poisson_wide"]["outputs"]
+    assert results["ratios"]["continuous_throughput_vs_micro_wide"]["goal"] == ">= 2.0"
     # ... and the same static wave back to back, one ratio per pair (2 pairs of 4 streams in --smoke)
     waves = [r for r in runs if r["scenario"] == "paired-variants"]
     assert sorted((r["system"], r["concurrency"]) for r in waves) == [("torchserve", 4), ("torchserve-continuous", 4)]
