@@ -17,6 +17,9 @@ Two modes, chosen by the model-config:
   those steps; ``context.stopping_criteria`` tells the frontend which responses are a
   stream's last. A request missing from a call is one whose client went away (the frontend
   drops it), so its slot is freed at once.
+
+Both load the same way (:class:`ModelService`): model-config, torch threads, the model and its
+runner, metrics, warm-up.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ import logging
 import os
 import threading
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any, Dict, List, Optional, Union
@@ -35,8 +39,8 @@ from ts.handler_utils.utils import send_intermediate_predict_response
 
 from llama_engine import Engine, RequestError, load_model_config, parse_request
 from llama_engine.continuous import ContinuousScheduler, RequestHandle
-from llama_engine.engine import PreparedRequest
 from llama_engine.formatting import CONTENT_TYPES, JSON, full_response, stream_chunk, stream_error
+from llama_engine.lifecycle import PreparedRequest, request_error
 from llama_engine.openai_api import Reply, as_openai_error, parse_openai
 from llama_engine.request import describe_form_error
 from llama_engine.streamer import GenerationResult
@@ -113,8 +117,11 @@ def set_torch_threads(config) -> int:
 
 
 @dataclass
-class Slot:
-    """One request of the frontend batch as it moves through the stages."""
+class BatchEntry:
+    """One request of TorchServe's frontend batch as it moves through the MicroBatching stages.
+
+    (Not a slot: that is a KV-cache row of continuous batching.)
+    """
 
     index: int
     raw: Any
@@ -149,55 +156,100 @@ class Responder:
 
 
 def _stage(fn):
-    """Turn any exception of a stage into a 500 for the slots it was working on."""
+    """Turn any exception of a stage into a 500 for the requests it was working on."""
 
     @functools.wraps(fn)
-    def wrapper(self, slots: List[Slot]):
+    def wrapper(self, entries: List[BatchEntry]):
         try:
-            return fn(self, slots)
-        except Exception as exc:  # noqa: BLE001 - must never escape a stage thread
+            return fn(self, entries)
+        except Exception as exc:  # must never escape a stage thread
             logger.exception("%s failed", fn.__name__)
-            for slot in slots:
-                if slot.error is None:
-                    self._fail(slot, RequestError(f"internal error in {fn.__name__}: {exc}", status=500))
-            return slots
+            for entry in entries:
+                if entry.error is None:
+                    self._fail(entry, RequestError(f"internal error in {fn.__name__}: {exc}", status=500))
+            return entries
 
     return wrapper
 
 
-class LlamaHandler:
+class ModelService(ABC):
+    """What both modes do at load: read the model-config, set torch's threads, load the model
+    with its runner (the static engine or the continuous scheduler), set up the metrics, warm
+    up and report. Each mode says how it loads and warms up its runner, and handles requests."""
+
+    #: The engine or the scheduler, once loaded; it has the ``backend``.
+    runner: Any = None
+
     def __init__(self):
         self.initialized = False
-        self.context = None
-        self.responder: Optional[Responder] = None
 
     def initialize(self, context) -> None:
         started = time.perf_counter()
         self.config = load_model_config(context.model_yaml_config)
         threads = set_torch_threads(self.config)
-        model_dir = context.system_properties.get("model_dir")
+        self.runner = self._load(context.system_properties.get("model_dir"))
+        self.metrics = TorchServeMetrics(context.metrics, context.model_name, self.config.slots,
+                                         continuous=self.config.continuous)
+        warm_up_and_report(self.config.handler.warmup, self._warm_up, self.runner.backend, started, self.metrics)
+        self._ready()
+        self.initialized = True
+        logger.info("model ready in %.1f s (torch threads %d, %s)", time.perf_counter() - started, threads,
+                    self._describe())
+
+    @abstractmethod
+    def _load(self, model_dir: str):
+        """The runner for ``self.config``, with its model loaded from ``model_dir``."""
+
+    @abstractmethod
+    def _warm_up(self) -> None:
+        """Run the runner's warm-up (when ``handler.warmup`` asks for one)."""
+
+    @abstractmethod
+    def _ready(self) -> None:
+        """After the warm-up, before the first request."""
+
+    @abstractmethod
+    def _describe(self) -> str:
+        """The mode and its settings, for the log line that says the model is ready."""
+
+    @abstractmethod
+    def handle(self, data: List[Any], context) -> List[str]:
+        """One call of TorchServe's frontend: a response body for each request of ``data``."""
+
+
+class LlamaHandler(ModelService):
+    def __init__(self):
+        super().__init__()
+        self.context = None
+        self.responder: Optional[Responder] = None
+
+    def _load(self, model_dir: str) -> Engine:
         micro = self.config.micro_batching
         self.engine = Engine.from_config(self.config.handler, model_dir, batch_size=micro.micro_batch_size)
-        self.metrics = TorchServeMetrics(context.metrics, context.model_name, micro.micro_batch_size)
-        warm_up_and_report(self.config.handler.warmup, lambda: self.engine.warmup(batch_size=micro.micro_batch_size),
-                           self.engine.backend, started, self.metrics)
+        return self.engine
+
+    def _warm_up(self) -> None:
+        self.engine.warmup(batch_size=self.config.micro_batching.micro_batch_size)
+
+    def _ready(self) -> None:
+        micro = self.config.micro_batching
         self.micro_batching = MicroBatching(self, micro_batch_size=micro.micro_batch_size,
                                             parallelism=micro.parallelism)
-        self.initialized = True
-        logger.info("model ready in %.1f s (torch threads %d, micro_batch_size %d)",
-                    time.perf_counter() - started, threads, micro.micro_batch_size)
+
+    def _describe(self) -> str:
+        return f"micro_batch_size {self.config.micro_batching.micro_batch_size}"
 
     def handle(self, data: List[Any], context) -> List[str]:
         started = time.perf_counter()
         self.context = context
         self.responder = Responder(context)
-        slots = [Slot(index=i, raw=item) for i, item in enumerate(data)]
-        for _ in slots:
+        entries = [BatchEntry(index=i, raw=item) for i, item in enumerate(data)]
+        for _ in entries:
             self.metrics.received()
-        logger.info("batch of %d requests, micro_batch_size %d", len(slots),
+        logger.info("batch of %d requests, micro_batch_size %d", len(entries),
                     self.micro_batching.micro_batch_size)
-        done = self.micro_batching.handle(slots)
-        finals = {slot.index: self._final_body(slot) for slot in done}
+        done = self.micro_batching.handle(entries)
+        finals = {entry.index: self._final_body(entry) for entry in done}
         self._report_outcomes(done)
         context.metrics.add_time("HandlerTime", round((time.perf_counter() - started) * 1000, 2), None, "ms")
         return [finals[i] for i in range(len(data))]
@@ -205,93 +257,93 @@ class LlamaHandler:
     # -- stages (each runs in MicroBatching's threads) -------------------------------------
 
     @_stage
-    def preprocess(self, slots: List[Slot]) -> List[Slot]:
-        for slot in slots:
+    def preprocess(self, entries: List[BatchEntry]) -> List[BatchEntry]:
+        for entry in entries:
             try:
-                request = self._parse(slot)
+                request = self._parse(entry)
                 if isinstance(request, Reply):
-                    slot.reply = request
+                    entry.reply = request
                     continue
-                slot.prepared = self.engine.prepare(request)
+                entry.prepared = self.engine.prepare(request)
             except RequestError as exc:
-                self._fail(slot, exc)
-            except Exception as exc:  # noqa: BLE001 - a bug on one input fails that request only
-                logger.exception("preprocess failed for request %d", slot.index)
-                self._fail(slot, RequestError(f"internal error in preprocess: {exc}", status=500))
-        return slots
+                self._fail(entry, exc)
+            except Exception as exc:  # a bug on one input fails that request only
+                logger.exception("preprocess failed for request %d", entry.index)
+                self._fail(entry, RequestError(f"internal error in preprocess: {exc}", status=500))
+        return entries
 
     @_stage
-    def inference(self, slots: List[Slot]) -> List[Slot]:
-        runnable = [s for s in slots if s.error is None and s.prepared is not None]
-        for slot in runnable:
-            if slot.stream:
-                self.responder.set_status(slot.index, 200, CONTENT_TYPES[slot.prepared.request.output])
+    def inference(self, entries: List[BatchEntry]) -> List[BatchEntry]:
+        runnable = [e for e in entries if e.error is None and e.prepared is not None]
+        for entry in runnable:
+            if entry.stream:
+                self.responder.set_status(entry.index, 200, CONTENT_TYPES[entry.prepared.request.output])
         started = time.perf_counter()
         try:
-            results = self.engine.generate([s.prepared for s in runnable],
+            results = self.engine.generate([e.prepared for e in runnable],
                                            sink=functools.partial(self._send_events, runnable), metrics=self.metrics)
-        except Exception as exc:  # noqa: BLE001 - the error belongs to this micro-batch only
+        except Exception as exc:  # the error belongs to this micro-batch only
             logger.exception("generation failed")
-            for slot in runnable:
-                self._fail(slot, RequestError(f"generation failed: {exc}", status=500))
-            return slots
-        for slot, result in zip(runnable, results):
-            slot.result = result
+            for entry in runnable:
+                self._fail(entry, request_error(exc, entry.prepared.request))
+            return entries
+        for entry, result in zip(runnable, results):
+            entry.result = result
         if results:
             elapsed = time.perf_counter() - started
             steps = max(r.generated_tokens for r in results)
             logger.info("micro-batch of %d: %d tokens in %.0f ms (%.2f ms/step)", len(results),
                         sum(r.generated_tokens for r in results), elapsed * 1000, elapsed * 1000 / max(steps, 1))
-        return slots
+        return entries
 
     @_stage
-    def postprocess(self, slots: List[Slot]) -> List[Slot]:
-        return slots
+    def postprocess(self, entries: List[BatchEntry]) -> List[BatchEntry]:
+        return entries
 
     # -- helpers -----------------------------------------------------------------------------
 
-    def _parse(self, slot: Slot):
-        return read_request(self.context, slot.index, slot.raw, self.config.handler.max_input_bytes)
+    def _parse(self, entry: BatchEntry):
+        return read_request(self.context, entry.index, entry.raw, self.config.handler.max_input_bytes)
 
-    def _send_events(self, slots: List[Slot], events) -> None:
+    def _send_events(self, entries: List[BatchEntry], events) -> None:
         bodies = {}
         for event in events:
-            slot = slots[event.row]
-            if slot.stream:
-                bodies[slot.index] = stream_chunk(slot.prepared.request, event)
-                slot.sent = True
+            entry = entries[event.row]
+            if entry.stream:
+                bodies[entry.index] = stream_chunk(entry.prepared.request, event)
+                entry.sent = True
         self.responder.send(bodies)
 
-    def _fail(self, slot: Slot, error: RequestError) -> None:
+    def _fail(self, entry: BatchEntry, error: RequestError) -> None:
         """Record the error; a stream already under way ends with an error line at once.
 
         An error before the first chunk goes out with the final response, as a plain 4xx/5xx:
         the frontend closes the connection after a non-2xx chunk, so it cannot be streamed.
         """
-        slot.error = error = api_error(self.context, slot.index, error)
-        if slot.sent:
-            self.responder.send({slot.index: stream_error(slot.prepared.request, error)})
+        entry.error = error = api_error(self.context, entry.index, error)
+        if entry.sent:
+            self.responder.send({entry.index: stream_error(entry.prepared.request, error)})
 
-    def _report_outcomes(self, slots: List[Slot]) -> None:
+    def _report_outcomes(self, entries: List[BatchEntry]) -> None:
         """Count each request without a result (the engine counted the others) and record the counts."""
-        for slot in slots:
-            if slot.reply is not None:
+        for entry in entries:
+            if entry.reply is not None:
                 self.metrics.answered()
-            elif slot.result is None:
-                self.metrics.error(slot.error.status if slot.error else 500, slot.prepared)
+            elif entry.result is None:
+                self.metrics.error(entry.error.status if entry.error else 500, entry.prepared)
         self.metrics.flush()
 
-    def _final_body(self, slot: Slot) -> str:
-        if slot.sent:
+    def _final_body(self, entry: BatchEntry) -> str:
+        if entry.sent:
             return ""
-        if slot.reply is not None:
-            self.responder.set_status(slot.index, slot.reply.status, slot.reply.content_type)
-            return slot.reply.body
-        if slot.result is not None:
-            self.responder.set_status(slot.index, 200, JSON)
-            return full_response(slot.prepared.request, slot.result)
-        error = slot.error or RequestError("request produced no result", status=500)
-        self.responder.set_status(slot.index, error.status, JSON)
+        if entry.reply is not None:
+            self.responder.set_status(entry.index, entry.reply.status, entry.reply.content_type)
+            return entry.reply.body
+        if entry.result is not None:
+            self.responder.set_status(entry.index, 200, JSON)
+            return full_response(entry.prepared.request, entry.result)
+        error = entry.error or RequestError("request produced no result", status=500)
+        self.responder.set_status(entry.index, error.status, JSON)
         return error.to_json()
 
 
@@ -309,31 +361,31 @@ class LiveRequest:
         return self.prepared.request.stream
 
 
-class ContinuousHandler:
+class ContinuousHandler(ModelService):
     """Continuous batching through TorchServe's ``continuousBatching`` frontend mode."""
 
     def __init__(self):
-        self.initialized = False
+        super().__init__()
         self.live: Dict[str, LiveRequest] = {}
         self.round_trips = RoundTrips()
 
-    def initialize(self, context) -> None:
-        started = time.perf_counter()
-        self.config = load_model_config(context.model_yaml_config)
-        threads = set_torch_threads(self.config)
+    def _load(self, model_dir: str) -> ContinuousScheduler:
         settings = self.config.continuous_batching
         self.steps_per_call = settings.steps_per_call
-        self.scheduler = ContinuousScheduler.from_config(
-            self.config.handler, context.system_properties.get("model_dir"), self.config.slots,
-            settings.max_prefill_tokens_per_step)
-        self.metrics = TorchServeMetrics(context.metrics, context.model_name, self.config.slots, continuous=True)
-        warm_up_and_report(self.config.handler.warmup, self.scheduler.warmup, self.scheduler.backend, started,
-                           self.metrics)
+        self.scheduler = ContinuousScheduler.from_config(self.config.handler, model_dir, self.config.slots,
+                                                         settings.max_prefill_tokens_per_step)
+        return self.scheduler
+
+    def _warm_up(self) -> None:
+        self.scheduler.warmup()
+
+    def _ready(self) -> None:
         self.scheduler.metrics = self.metrics  # after the warm-up, whose requests are not counted
-        self.initialized = True
-        logger.info("model ready in %.1f s (torch threads %d, continuous batching: %d slots, %d prompt tokens "
-                    "per step, %d steps per call)", time.perf_counter() - started, threads, self.config.slots,
-                    settings.max_prefill_tokens_per_step, self.steps_per_call)
+
+    def _describe(self) -> str:
+        return (f"continuous batching: {self.config.slots} slots, "
+                f"{self.config.continuous_batching.max_prefill_tokens_per_step} prompt tokens per step, "
+                f"{self.steps_per_call} steps per call")
 
     def handle(self, data: List[Any], context) -> List[str]:
         started = time.perf_counter()
@@ -385,7 +437,7 @@ class ContinuousHandler:
                                                 request_id=rid)
         except RequestError as exc:
             return exc
-        except Exception as exc:  # noqa: BLE001 - a bug on one input fails that request only
+        except Exception as exc:  # a bug on one input fails that request only
             logger.exception("admitting request %s failed", rid)
             return RequestError(f"internal error: {exc}", status=500)
         self.live[rid] = live
@@ -395,7 +447,7 @@ class ContinuousHandler:
         if not live.stream:
             return
         if live.handle.error is not None:
-            live.chunks.append(stream_error(live.prepared.request, _as_request_error(live.handle.error)))
+            live.chunks.append(stream_error(live.prepared.request, live.handle.error))
         else:
             live.chunks.append(stream_chunk(live.prepared.request, event))
 
@@ -421,7 +473,7 @@ class ContinuousHandler:
             if error is None:
                 body = full_response(live.prepared.request, live.handle.result)
             else:
-                error = api_error(context, idx, _as_request_error(error))
+                error = api_error(context, idx, error)
                 body, status = error.to_json(), error.status
         if first:  # a non-200 status only ever comes with a non-streaming request's JSON
             set_head(context, idx, status, CONTENT_TYPES[live.prepared.request.output] if live.stream else JSON)
@@ -476,12 +528,6 @@ class RoundTrips:
 def _is_last(flag: Optional[bool], _body) -> Optional[bool]:
     """TorchServe's per-request stopping criterion: True last, False more to come, None not a stream."""
     return flag
-
-
-def _as_request_error(error: BaseException) -> RequestError:
-    if isinstance(error, RequestError):
-        return error
-    return RequestError(f"generation failed: {error}", status=500)
 
 
 _service = None

@@ -144,15 +144,15 @@ def test_bad_and_good_requests_in_one_micro_batch(handler):
     assert "req-1" not in streams and "req-2" not in streams
 
 
-def test_stage_wrapper_routes_an_escaping_exception_to_its_slots(handler):
+def test_stage_wrapper_routes_an_escaping_exception_to_its_requests(handler):
     @llama_handler._stage
-    def broken(self, slots):
+    def broken(self, entries):
         raise ValueError("stage bug")
 
     ctx = Context("tiny", "", None, 8, None, "0.12.0")
     ctx.request_ids = {0: "a", 1: "b"}
     ctx.request_processor = [RequestProcessor({}), RequestProcessor({})]
     handler.responder = llama_handler.Responder(ctx)
-    slots = [llama_handler.Slot(0, None), llama_handler.Slot(1, None)]
-    assert broken(handler, slots) is slots
-    assert all(s.error.status == 500 and "stage bug" in s.error.message for s in slots)
+    entries = [llama_handler.BatchEntry(0, None), llama_handler.BatchEntry(1, None)]
+    assert broken(handler, entries) is entries
+    assert all(e.error.status == 500 and "stage bug" in e.error.message for e in entries)
