@@ -199,10 +199,6 @@ class HandlerConfig:
             raise ConfigError("handler.neuron_cc_flags: --cache_dir would send the compiler to another cache than the "
                               "one the handler sets up (NEURON_COMPILE_CACHE_URL); remove it")
 
-    @property
-    def max_prompt_length(self) -> Optional[int]:
-        return self.context_length_estimate[-1] if self.backend == "neuron" else None
-
 
 def _check_relative(key: str, value: str) -> None:
     if os.path.isabs(value) or ".." in value.split("/"):

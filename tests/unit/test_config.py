@@ -116,8 +116,7 @@ def test_neuron_config_normalises_buckets():
     data["handler"]["context_length_estimate"] = [1024, 256, 512, 256]
     cfg = load_model_config(data)
     assert cfg.handler.n_positions == [2048]
-    assert cfg.handler.context_length_estimate == [256, 512, 1024]
-    assert cfg.handler.max_prompt_length == 1024
+    assert cfg.handler.context_length_estimate == [256, 512, 1024]  # the last caps prompts (NeuronBackend)
 
 
 @pytest.mark.parametrize("key,value,expected", [
