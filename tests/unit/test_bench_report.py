@@ -75,3 +75,22 @@ def test_a_schedule_with_widely_spread_outputs_leaves_micro_batches_mostly_idle(
     assert replay(even, 8, steps, 1000.0, 256, 5.0)["micro_rows_per_step"] == 8
     spread = replay(wide, 8, steps, 1000.0, 256, 5.0)
     assert spread["micro_rows_per_step"] < 2.5 and spread["bound"] > 2
+
+
+def test_the_schedules_ideal_pays_for_arrivals_and_the_drain():
+    from scripts.bench.continuous_bound import simulate
+
+    steps = {rows: 10.0 + rows for rows in range(0, 9)}
+    one = simulate([(2.0, 100, 5)], 8, steps, 1000.0, 256, 0.0)
+    # 100 prompt tokens at 1000/s give the first token, then 4 one-row steps of 11 ms
+    assert abs(one["ideal_s"] - (0.1 + 4 * 0.011)) < 1e-9 and one["sim_tokens"] == 5
+    together = [(0.0, 100, 50)] * 8
+    apart = [(i * 1.0, 100, 50) for i in range(8)]  # one at a time: 1-row steps, gaps between
+    fast, slow = simulate(together, 8, steps, 1000.0, 256, 0.0), simulate(apart, 8, steps, 1000.0, 256, 0.0)
+    assert fast["sim_tokens"] == slow["sim_tokens"] == 400
+    assert slow["ideal_tps"] < fast["ideal_tps"] / 2
+    # with the whole wave's prompts in one pass: 0.8 s of prefill, every first token, then 49 8-row steps
+    whole = simulate(together, 8, steps, 1000.0, 800, 0.0)
+    assert abs(whole["ideal_s"] - (0.8 + 49 * steps[8] / 1e3)) < 1e-9
+    # in 256-token chunks the first prompts start decoding in the passes that prefill the others
+    assert fast["ideal_s"] < whole["ideal_s"]
