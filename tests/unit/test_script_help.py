@@ -54,7 +54,7 @@ def test_answers_help_with_its_usage(argv):
 
 def test_the_scripts_are_found():
     labels = [label for label, _ in commands()]
-    assert "scripts/tsctl.py" in labels and "scripts.bench" in labels and "scripts/measure_continuous.py" in labels
+    assert "scripts/tsctl.py" in labels and "scripts.bench" in labels and "scripts.bench.measure_continuous" in labels
 
 
 def test_the_installed_entry_points_are_pyprojects():

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Cold against warm start, side by side: ``torchserve --start`` to the first streamed token.
 
-    python scripts/measure_startup.py --config model-config/tiny-llama-compiled.yaml --checkpoint build/tiny-llama
+    python -m scripts.bench.measure_startup --config model-config/tiny-llama-compiled.yaml --checkpoint build/tiny-llama
 
 Builds the artifact once (with its compile cache), then serves two copies of it from fresh
 TorchServe work directories:
@@ -28,7 +28,7 @@ import yaml
 from scripts import build_model
 from scripts.tsctl import TorchServe, free_port
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def make_cold_copy(store: Path, name: str, cold_name: str) -> None:

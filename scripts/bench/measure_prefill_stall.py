@@ -8,7 +8,7 @@ prompt and reports, for each budget: the longest step while the prompt was prefi
 worst inter-token gap a running stream saw), the median step before it, and the new
 request's time to first token.
 
-Usage: python scripts/measure_prefill_stall.py [--model build/bench-model-fp32] [--threads 2]
+Usage: python -m scripts.bench.measure_prefill_stall [--model build/bench-model-fp32] [--threads 2]
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def measure(scheduler, prompt_ids, running: int, budget: int):

@@ -1,6 +1,6 @@
 """Tokens/s: ContinuousScheduler with 8 concurrent requests vs Engine.generate on a static batch of 8 (tiny model, CPU).
 
-    python scripts/measure_continuous.py [torch_threads]
+    python -m scripts.bench.measure_continuous [torch_threads]
 """
 import argparse
 import time
@@ -13,7 +13,7 @@ from llama_engine.backends.torch_backend import TorchSlotBackend
 from llama_engine.config import HandlerConfig
 from llama_engine.continuous import ContinuousScheduler
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 _parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 _parser.add_argument("torch_threads", nargs="?", type=int, default=2, help="torch threads (default 2)")
