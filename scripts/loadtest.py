@@ -13,56 +13,34 @@ import argparse
 import json
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 
-import requests
-
+from scripts.streaming_client import StreamError, TorchServeAdapter, run_wave
 from scripts.tsctl import ROOT, read_key
 
 PROMPTS = ["The function returns", "If the object is", "A list of", "The default value is",
            "When the file", "This module provides", "Return the number of", "The following"]
 
 
-def one_stream(url, headers, prompt, max_new_tokens, out):
+def run_round(adapter: TorchServeAdapter, concurrency: int, max_new_tokens: int, timeout: float = 600) -> dict:
+    """``concurrency`` streams at once (the shared client's wave); a failed stream raises StreamError."""
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(concurrency)]
     started = time.perf_counter()
-    first = None
-    tokens = 0
-    with requests.post(url, json={"inputs": prompt, "parameters": {"max_new_tokens": max_new_tokens}},
-                       headers=headers, stream=True, timeout=600) as r:
-        r.raise_for_status()
-        for line in r.iter_lines(chunk_size=None):
-            if not line:
-                continue
-            message = json.loads(line)
-            if "token" in message:
-                tokens += 1
-                if first is None:
-                    first = time.perf_counter() - started
-    out.append({"ttft": first, "tokens": tokens, "total": time.perf_counter() - started})
-
-
-def run_round(url, headers, concurrency, max_new_tokens):
-    out = []
-    threads = [threading.Thread(target=one_stream,
-                                args=(url, headers, PROMPTS[i % len(PROMPTS)], max_new_tokens, out))
-               for i in range(concurrency)]
-    started = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    records = run_wave(adapter, prompts, max_new_tokens, timeout)
     wall = time.perf_counter() - started
-    tokens = sum(o["tokens"] for o in out)
+    failed = [r.error or "no token" for r in records if not r.ok]
+    if failed:
+        raise StreamError(f"{len(failed)} of {concurrency} streams failed: {failed[0]}")
+    tokens = sum(len(r.token_times) for r in records)
     return {
         "concurrency": concurrency,
-        "ttft_ms_p50": 1000 * statistics.median(o["ttft"] for o in out),
-        "ttft_ms_max": 1000 * max(o["ttft"] for o in out),
+        "ttft_ms_p50": 1000 * statistics.median(r.ttft for r in records),
+        "ttft_ms_max": 1000 * max(r.ttft for r in records),
         "tokens": tokens,
         "wall_s": wall,
         "aggregate_tokens_per_s": tokens / wall,
-        "per_stream_tokens_per_s": statistics.median(o["tokens"] / o["total"] for o in out),
+        "per_stream_tokens_per_s": statistics.median(len(r.token_times) / r.e2e for r in records),
     }
 
 
@@ -76,13 +54,16 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args(argv)
 
-    url = f"{args.url}/predictions/{args.model}"
-    headers = {"Authorization": f"Bearer {read_key(args.workdir)}"}
-    run_round(url, headers, 1, 4)  # warm the connection path
-    for concurrency in args.concurrency:
-        rounds = [run_round(url, headers, concurrency, args.max_new_tokens) for _ in range(args.rounds)]
-        best = max(rounds, key=lambda r: r["aggregate_tokens_per_s"])
-        print(json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in best.items()}))
+    adapter = TorchServeAdapter(args.url, args.model, {"Authorization": f"Bearer {read_key(args.workdir)}"})
+    try:
+        run_round(adapter, 1, 4)  # warm the connection path
+        for concurrency in args.concurrency:
+            rounds = [run_round(adapter, concurrency, args.max_new_tokens) for _ in range(args.rounds)]
+            best = max(rounds, key=lambda r: r["aggregate_tokens_per_s"])
+            print(json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in best.items()}))
+    except StreamError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -23,9 +23,8 @@ import sys
 import time
 from pathlib import Path
 
-import requests
-
 from scripts import loadtest
+from scripts.streaming_client import StreamError, TorchServeAdapter, stream_one
 from scripts.tsctl import TorchServe, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -48,24 +47,19 @@ def benchmark_concurrency(cfg) -> list:
     return sorted({1, cfg.slots})
 
 
-def stream_prompt(url: str, headers: dict, prompt: str, max_new_tokens: int) -> dict:
-    started = time.perf_counter()
-    first, text, final = None, [], {}
-    with requests.post(url, json={"inputs": prompt, "parameters": {"max_new_tokens": max_new_tokens}},
-                       headers=headers, stream=True, timeout=600) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line:
-                continue
-            message = json.loads(line)
-            first = first or time.perf_counter() - started
-            piece = message.get("token", {}).get("text", "")
-            text.append(piece)
-            print(piece, end="", flush=True)
-            final = message if "details" in message else final
+def echo(text: str) -> None:
+    print(text, end="", flush=True)
+
+
+def stream_prompt(adapter: TorchServeAdapter, prompt: str, max_new_tokens: int) -> dict:
+    """Stream ``prompt`` (an adapter with ``on_text=echo`` prints its tokens as they arrive);
+    a failed stream raises StreamError."""
+    record = stream_one(adapter, prompt, max_new_tokens, timeout=600)
     print()
-    return {"ttft_s": round(first or 0, 3), "total_s": round(time.perf_counter() - started, 3),
-            "text": "".join(text), "details": final.get("details")}
+    if not record.ok:
+        raise StreamError(record.error or "the stream ended without a token")
+    return {"ttft_s": round(record.ttft, 3), "total_s": round(record.e2e, 3),
+            "text": "".join(record.text), "details": record.details}
 
 
 def main(argv=None) -> int:
@@ -111,13 +105,17 @@ def main(argv=None) -> int:
             return 1
 
         print("== 3. stream a prompt", flush=True)
-        url = f"{server.url()}/predictions/{args.model}"
         headers = {"Authorization": f"Bearer {server.key}"}
-        report["stream"] = stream_prompt(url, headers, args.prompt, args.max_new_tokens)
-
-        print("== 4. short benchmark", flush=True)
-        report["benchmark"] = [loadtest.run_round(url, headers, c, args.max_new_tokens)
-                               for c in benchmark_concurrency(cfg)]
+        try:
+            report["stream"] = stream_prompt(TorchServeAdapter(server.url(), args.model, headers, on_text=echo),
+                                             args.prompt, args.max_new_tokens)
+            print("== 4. short benchmark", flush=True)
+            adapter = TorchServeAdapter(server.url(), args.model, headers)
+            report["benchmark"] = [loadtest.run_round(adapter, c, args.max_new_tokens)
+                                   for c in benchmark_concurrency(cfg)]
+        except StreamError as exc:
+            print(f"FAIL: {exc}")
+            return 1
     finally:
         server.stop()
 

@@ -67,7 +67,7 @@ def main(argv=None) -> int:
     import requests
 
     from scripts import s3_upload
-    from scripts.stream import iter_messages
+    from scripts.streaming_client import iter_messages
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("s3_uri")

@@ -7,8 +7,9 @@
 Locally, the inference key is read from the key_file.json that TorchServe wrote into its
 start directory (``build/serve`` for ``make serve``). On SageMaker the request goes through
 ``invoke_endpoint_with_response_stream`` with the standard boto3 credential chain; its
-``PayloadPart`` events split the NDJSON stream at arbitrary byte offsets, so the
-:class:`LineIterator` reassembles whole lines (and whole UTF-8 characters) before parsing.
+``PayloadPart`` events split the NDJSON stream at arbitrary byte offsets; the shared reader
+(``scripts/streaming_client.py``) reassembles whole lines (and whole UTF-8 characters) before
+parsing them.
 """
 from __future__ import annotations
 
@@ -17,60 +18,12 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterator
+
+from scripts.streaming_client import RequestRecord, StreamTimeout, iter_messages, post_chunks, read_stream
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_URL = "http://127.0.0.1:8080"
-
-
-class LineIterator:
-    """Yield complete lines (bytes, without the newline) from an iterable of byte chunks.
-
-    Accepts raw ``bytes`` chunks or SageMaker event-stream events
-    (``{"PayloadPart": {"Bytes": b"..."}}``); a line may span any number of chunks, and a chunk
-    may hold several lines. Lines are only decoded by the caller, once whole, so a multi-byte
-    character split across chunks is never decoded in halves.
-    """
-
-    def __init__(self, chunks: Iterable):
-        self.chunks = iter(chunks)
-        self.buffer = bytearray()
-
-    def __iter__(self) -> Iterator[bytes]:
-        for chunk in self.chunks:
-            self.buffer += _payload(chunk)
-            while True:
-                newline = self.buffer.find(b"\n")
-                if newline < 0:
-                    break
-                line = bytes(self.buffer[:newline])
-                del self.buffer[:newline + 1]
-                yield line
-        if self.buffer:
-            yield bytes(self.buffer)
-            self.buffer.clear()
-
-
-def _payload(chunk) -> bytes:
-    if isinstance(chunk, (bytes, bytearray)):
-        return bytes(chunk)
-    if "PayloadPart" in chunk:
-        return chunk["PayloadPart"]["Bytes"]
-    for error in ("ModelStreamError", "InternalStreamFailure"):
-        if error in chunk:
-            raise RuntimeError(f"{error}: {chunk[error].get('Message', chunk[error])}")
-    return b""
-
-
-def iter_messages(chunks: Iterable) -> Iterator[dict]:
-    """Parse a stream into messages: NDJSON lines, or TGI-style SSE ``data:`` events."""
-    for line in LineIterator(chunks):
-        line = line.strip()
-        if not line:
-            continue
-        if line.startswith(b"data:"):
-            line = line[len(b"data:"):].strip()
-        yield json.loads(line.decode("utf-8"))
 
 
 def local_url(workdir: Path) -> str:
@@ -84,24 +37,12 @@ def local_url(workdir: Path) -> str:
 
 
 def local_chunks(args, body: dict) -> Iterator[bytes]:
-    """The response body's chunks; a stream cut short (its worker died) is a RuntimeError that says so."""
-    import requests
-
+    """The response body's chunks; a stream cut short (its worker died) is a StreamError that says so."""
     from scripts.tsctl import read_key
 
     headers = {"Authorization": f"Bearer {read_key(args.workdir)}", "Content-Type": "application/json"}
     url = f"{args.url or local_url(args.workdir)}/predictions/{args.model}"
-    try:
-        with requests.post(url, json=body, headers=headers, stream=True,
-                           timeout=(10, args.read_timeout)) as response:
-            if response.status_code != 200:
-                raise RuntimeError(f"HTTP {response.status_code}: {response.text}")
-            yield from response.iter_content(chunk_size=None)
-    except requests.exceptions.ChunkedEncodingError as exc:
-        raise RuntimeError(f"the stream from {url} was cut before its last message (did the worker die? "
-                           f"see the server's logs): {exc}") from None
-    except requests.exceptions.Timeout:
-        raise RuntimeError(f"no data from {url} for {args.read_timeout:.0f} s (--read-timeout)") from None
+    return post_chunks(url, body, headers, read_timeout=args.read_timeout)
 
 
 def sagemaker_chunks(args, body: dict) -> Iterator[dict]:
@@ -138,26 +79,24 @@ def main(argv=None) -> int:
         params.update(do_sample=True, temperature=args.temperature)
     body = {"inputs": args.prompt, "parameters": params}
     source = sagemaker_chunks if args.sagemaker_endpoint else local_chunks
-    started = time.perf_counter()
-    first, final = None, {}
+    record = RequestRecord("torchserve", None, args.max_new_tokens)
+    record.start = time.perf_counter()
     try:
-        for message in iter_messages(source(args, body)):
-            if "error" in message:
-                print(f"\nerror: {message['error']}", file=sys.stderr)
-                return 1
-            first = first if first is not None else time.perf_counter() - started
-            print(message.get("token", {}).get("text", ""), end="", flush=True)
-            final = message if "details" in message else final
-    except RuntimeError as exc:
+        read_stream(iter_messages(source(args, body)), record, on_text=lambda text: print(text, end="", flush=True))
+    except StreamTimeout as exc:
+        print(f"\nerror: {exc} (--read-timeout)", file=sys.stderr)
+        return 1
+    except RuntimeError as exc:  # a StreamError, or SageMaker's stream errors
         print(f"\nerror: {exc}", file=sys.stderr)
         return 1
-    if not final and not args.sagemaker_endpoint:
+    if record.end is None and not args.sagemaker_endpoint:
         print("\nerror: the stream ended without its final message", file=sys.stderr)
         return 1
-    total = time.perf_counter() - started
+    total = time.perf_counter() - record.start
     print()
-    if args.details and final:
-        d = final["details"]
+    if args.details and record.details:
+        d = record.details
+        first = record.ttft if record.token_times else total
         rate = d["generated_tokens"] / total if total else 0.0
         print(f"[finish_reason={d['finish_reason']} input_length={d['input_length']} "
               f"generated_tokens={d['generated_tokens']} ttft={first * 1000:.0f} ms "

@@ -1,11 +1,8 @@
-"""One streaming HTTP client, with an adapter per server protocol.
+"""The bench's peers' protocols, as adapters of the shared streaming client (``scripts/streaming_client.py``).
 
-Every request is timed the same way whatever the server: ``start`` before the request is
-sent, one timestamp per token as its line arrives, ``end`` when the request's last line
-(the one that says it is complete) arrives. Adapters only build the request and read lines:
+Every request is timed the same way whatever the server (see that module, which also holds
+:class:`~scripts.streaming_client.TorchServeAdapter` for this project's handler, NDJSON):
 
-* :class:`TorchServeAdapter`: this project's handler, NDJSON (one ``{"token": ...}`` line per
-  token; the last line adds ``details`` with ``generated_tokens`` and ``finish_reason``).
 * :class:`LlamaServerAdapter`: llama.cpp's ``llama-server`` ``POST /completion`` with
   ``stream: true``: SSE ``data: {"content", "stop", ...}`` events, the last with
   ``stop: true`` and ``tokens_predicted``; ``n_predict`` and ``ignore_eos: true``. Tokens are
@@ -23,98 +20,8 @@ turns into the same ids.
 from __future__ import annotations
 
 import json
-import threading
-import time
-from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
 
-import requests
-
-from .prompts import Prompt
-
-
-@dataclass
-class RequestRecord:
-    system: str
-    input_tokens: int
-    requested_tokens: int
-    start: float = 0.0  # perf_counter when sent
-    token_times: List[float] = field(default_factory=list)  # perf_counter per token line
-    end: Optional[float] = None  # perf_counter of the request's last line
-    reported_tokens: Optional[int] = None  # the server's own count, when it says
-    finish_reason: Optional[str] = None
-    error: Optional[str] = None
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None and self.end is not None and bool(self.token_times)
-
-    @property
-    def output_tokens(self) -> int:
-        return self.reported_tokens if self.reported_tokens is not None else len(self.token_times)
-
-    @property
-    def ttft(self) -> float:
-        return self.token_times[0] - self.start
-
-    @property
-    def e2e(self) -> float:
-        return self.end - self.start
-
-    def itls(self) -> List[float]:
-        t = self.token_times
-        return [b - a for a, b in zip(t, t[1:])]
-
-    def decode_tokens_per_s(self) -> Optional[float]:
-        """Tokens after the first over the time after the first: the stream's decode rate."""
-        span = self.token_times[-1] - self.token_times[0]
-        return (len(self.token_times) - 1) / span if len(self.token_times) > 1 and span > 0 else None
-
-
-class Adapter(ABC):
-    name = "?"
-
-    @abstractmethod
-    def request(self, prompt: Prompt, max_new_tokens: int) -> Tuple[str, Dict[str, str], dict]:
-        ...
-
-    @abstractmethod
-    def parse(self, line: bytes, record: RequestRecord, now: float) -> bool:
-        """Read one line into ``record``; True when the request is complete."""
-
-
-class TorchServeAdapter(Adapter):
-    name = "torchserve"
-
-    def __init__(self, base_url: str, model: str, headers: Optional[Dict[str, str]] = None):
-        self.url = f"{base_url}/predictions/{model}"
-        self.headers = dict(headers or {})
-
-    def request(self, prompt, max_new_tokens):
-        body = {"inputs": prompt.text, "parameters": {"max_new_tokens": max_new_tokens}}
-        return self.url, self.headers, body
-
-    def parse(self, line, record, now):
-        message = json.loads(line)
-        if "error" in message:
-            record.error = f"{message.get('code', '?')}: {message['error']}"
-            return True
-        token = message.get("token")
-        if token is not None and token.get("id") is not None:
-            record.token_times.append(now)
-        details = message.get("details")
-        if details is not None:
-            record.reported_tokens = details.get("generated_tokens")
-            record.finish_reason = details.get("finish_reason")
-            return True
-        return False
-
-
-def _sse_payload(line: bytes) -> Optional[bytes]:
-    if not line.startswith(b"data:"):
-        return None  # comments, event names, blank separators
-    return line[5:].strip()
+from scripts.streaming_client import Adapter, sse_data
 
 
 class LlamaServerAdapter(Adapter):
@@ -132,7 +39,7 @@ class LlamaServerAdapter(Adapter):
     FINISH = {"limit": "length", "eos": "stop", "word": "stop"}
 
     def parse(self, line, record, now):
-        payload = _sse_payload(line)
+        payload = sse_data(line)
         if not payload:
             return False
         message = json.loads(payload)
@@ -176,7 +83,7 @@ class OpenAICompletionsAdapter(Adapter):
         return self.url, {}, body
 
     def parse(self, line, record, now):
-        payload = _sse_payload(line)
+        payload = sse_data(line)
         if not payload:
             return False
         if payload == b"[DONE]":
@@ -197,72 +104,3 @@ class OpenAICompletionsAdapter(Adapter):
         if usage and usage.get("completion_tokens") is not None:
             record.reported_tokens = usage["completion_tokens"]
         return False
-
-
-def stream_one(adapter: Adapter, prompt: Prompt, max_new_tokens: int, timeout: float,
-               record: Optional[RequestRecord] = None) -> RequestRecord:
-    record = record or RequestRecord(adapter.name, len(prompt), max_new_tokens)
-    url, headers, body = adapter.request(prompt, max_new_tokens)
-    record.start = time.perf_counter()
-    try:
-        with requests.post(url, json=body, headers=headers, stream=True, timeout=(10, timeout)) as r:
-            if r.status_code != 200:
-                record.error = f"HTTP {r.status_code}: {r.text[:300]}"
-                return record
-            for line in r.iter_lines(chunk_size=None):
-                now = time.perf_counter()
-                if not line:
-                    continue
-                if adapter.parse(line, record, now):
-                    record.end = now
-                    break
-            if record.end is None and record.error is None:
-                if record.token_times:  # some servers just close the stream
-                    record.end = record.token_times[-1]
-                else:
-                    record.error = "stream ended without a token"
-    except (requests.RequestException, OSError, ValueError) as exc:
-        record.error = f"{type(exc).__name__}: {exc}"[:300]
-    return record
-
-
-def run_wave(adapter: Adapter, prompts: List[Prompt], max_new_tokens: int, timeout: float) -> List[RequestRecord]:
-    """All prompts at once, one thread (and connection) each; returns when all have finished."""
-    records = [RequestRecord(adapter.name, len(p), max_new_tokens) for p in prompts]
-    barrier = threading.Barrier(len(prompts))
-
-    def go(prompt, record):
-        barrier.wait()
-        stream_one(adapter, prompt, max_new_tokens, timeout, record)
-
-    threads = [threading.Thread(target=go, args=(p, r), daemon=True) for p, r in zip(prompts, records)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout + 30)
-    for r in records:
-        if r.end is None and r.error is None:
-            r.error = "client timeout"
-    return records
-
-
-def run_schedule(adapter: Adapter, schedule: List[Tuple[float, Prompt, int]], timeout: float) -> List[RequestRecord]:
-    """Open loop: send each (offset_s, prompt, max_new_tokens) at its time, whatever is in flight."""
-    records, threads = [], []
-    t0 = time.perf_counter()
-    for offset, prompt, max_new in schedule:
-        delay = t0 + offset - time.perf_counter()
-        if delay > 0:
-            time.sleep(delay)
-        record = RequestRecord(adapter.name, len(prompt), max_new)
-        thread = threading.Thread(target=stream_one, args=(adapter, prompt, max_new, timeout, record), daemon=True)
-        thread.start()
-        records.append(record)
-        threads.append(thread)
-    deadline = time.perf_counter() + timeout + 30
-    for t in threads:
-        t.join(max(0.0, deadline - time.perf_counter()))
-    for r in records:
-        if r.end is None and r.error is None:
-            r.error = "client timeout"
-    return records

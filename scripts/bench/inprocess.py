@@ -13,7 +13,8 @@ import time
 from pathlib import Path
 from typing import List
 
-from .clients import RequestRecord
+from scripts.streaming_client import RequestRecord
+
 from .prompts import Prompt
 
 

@@ -22,10 +22,10 @@ import tempfile
 import time
 from pathlib import Path
 
-import requests
 import yaml
 
 from scripts import build_model
+from scripts.streaming_client import TorchServeAdapter, stream_one
 from scripts.tsctl import TorchServe, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -53,11 +53,11 @@ def time_to_first_token(store: Path, model: str, workdir: Path, timeout: float) 
     try:
         server.wait_ready(timeout)
         ready = time.perf_counter() - started
-        with requests.post(f"{server.url()}/predictions/{model}", stream=True, timeout=timeout,
-                           json={"inputs": "The function returns", "parameters": {"max_new_tokens": 8}},
-                           headers={"Authorization": f"Bearer {server.key}"}) as r:
-            next(line for line in r.iter_lines() if line)
-            first = time.perf_counter() - started
+        adapter = TorchServeAdapter(server.url(), model, {"Authorization": f"Bearer {server.key}"})
+        record = stream_one(adapter, "The function returns", 8, timeout)
+        if not record.ok:
+            raise RuntimeError(f"{model}: {record.error}")
+        first = record.token_times[0] - started
     finally:
         server.stop()
     return {"variant": model, "start_to_ready_s": round(ready, 1), "start_to_first_token_s": round(first, 1)}

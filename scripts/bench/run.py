@@ -31,10 +31,10 @@ from typing import Dict, List, Optional
 
 from llama_engine.cpu import auto_dtype
 from scripts.bench import machine, model as bench_model, report
-from scripts.bench.clients import run_schedule, run_wave
 from scripts.bench.membw import read_bandwidth
 from scripts.bench.prompts import PromptFactory
 from scripts.bench.stats import summarize
+from scripts.streaming_client import run_schedule, run_wave
 
 ROOT = Path(__file__).resolve().parents[2]
 

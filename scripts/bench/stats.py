@@ -19,7 +19,7 @@ from typing import Dict, Iterable, List, Optional
 
 import numpy as np
 
-from .clients import RequestRecord
+from scripts.streaming_client import RequestRecord
 
 
 def percentiles(values: Iterable[float], scale: float = 1000.0) -> Optional[Dict[str, float]]:

@@ -22,7 +22,9 @@ from typing import Dict, List, Optional, Tuple
 
 import requests
 
-from .clients import Adapter, LlamaServerAdapter, OpenAICompletionsAdapter, TorchServeAdapter
+from scripts.streaming_client import Adapter, TorchServeAdapter
+
+from .clients import LlamaServerAdapter, OpenAICompletionsAdapter
 from .server_metrics import ServerMetrics
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -11,7 +11,7 @@ import pytest
 import requests
 
 from scripts import s3_upload, sagemaker_local
-from scripts.stream import iter_messages
+from scripts.streaming_client import iter_messages
 
 from readonly import guarded_read_only_view
 from s3_server import fake_aws_credentials, moto_s3_server, new_bucket

@@ -19,14 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from scripts.bench.clients import (
-    LlamaServerAdapter,
-    OpenAICompletionsAdapter,
-    TorchServeAdapter,
-    run_schedule,
-    run_wave,
-)
+from scripts.bench.clients import LlamaServerAdapter, OpenAICompletionsAdapter
 from scripts.bench.prompts import Prompt, PromptFactory
+from scripts.streaming_client import TorchServeAdapter, run_schedule, run_wave
 
 ROOT = Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
