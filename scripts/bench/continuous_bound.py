@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 from llama_engine.cpu import auto_dtype
-from scripts.bench.run import MODES, poisson_lengths
+from scripts.bench.plan import MODES, poisson_lengths
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -89,7 +89,7 @@ def test_systems_filter_keeps_the_suites_order_and_rejects_unknown_names():
 
     import pytest
 
-    from scripts.bench.run import SYSTEMS, parse_systems
+    from scripts.bench.plan import SYSTEMS, parse_systems
 
     assert parse_systems("vllm, llama.cpp") == ["llama.cpp", "vllm"]
     assert parse_systems(",".join(SYSTEMS)) == list(SYSTEMS)
@@ -129,7 +129,7 @@ def test_round_trip_lines_of_the_continuous_handler_parse(caplog):
     import logging
 
     import llama_handler
-    from scripts.bench.run import round_trips
+    from scripts.bench.scenarios import round_trips
 
     trips = llama_handler.RoundTrips(every=1.0)
     with caplog.at_level(logging.INFO, logger=llama_handler.logger.name):

@@ -1,0 +1,153 @@
+"""What a bench run will do, fixed before it measures anything.
+
+* :data:`MODES`: the plan of each mode (``--smoke``, ``--quick``, the default): the model, the
+  lengths, concurrencies, Poisson loads (:data:`LOADS`, each a plan key of :data:`POISSON_PLAN`),
+  rounds, waits and the time budget; :func:`make_plan` applies the command line to one.
+* :data:`SYSTEMS` and :data:`SCENARIOS`, and their ``--systems`` / ``--scenarios`` parsers.
+* :class:`Prompts`: the very same prompts and Poisson schedules for every system
+  (:func:`poisson_lengths` draws a schedule's arrivals and lengths from the seed).
+* :class:`Budget`: the time left (``--max-minutes``); later phases are skipped past it.
+* :func:`derived_config`: a served model-config with the run's dtype and threads.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from pathlib import Path
+from typing import List, Optional
+
+from scripts.bench.prompts import PromptFactory
+
+ROOT = Path(__file__).resolve().parents[2]
+
+#: The second Poisson load: most answers short, one in five long. A micro-batch runs until its
+#: longest answer ends, so its rows sit idle most of their steps; continuous batching refills them.
+WIDE = dict(rate=1.0, duration=40.0, inputs=[64, 128, 256], outputs=[8, 16, 32, 64, 512])
+WIDE_QUICK = dict(rate=1.0, duration=15.0, inputs=[64, 128, 256], outputs=[8, 16, 32, 256])
+LOADS = ("mixed", "wide")
+#: Each load's plan key.
+POISSON_PLAN = {"mixed": "poisson", "wide": "poisson_wide"}
+
+# (input tokens, output tokens) pairs; every length pair runs at concurrency 1.
+MODES = {
+    "smoke": dict(
+        model="tiny", dtype="float32", lengths=[(32, 8), (96, 8)], length_repeats=2, ttft_probes=0, probe_tokens=0,
+        concurrency=[4], conc_input=32, conc_output=8, rounds=1,
+        poisson=dict(rate=4.0, duration=2.0, inputs=[16, 32, 64], outputs=[4, 8]), poisson_rounds=1,
+        poisson_wide=dict(rate=4.0, duration=1.5, inputs=[16, 32], outputs=[2, 4, 24]), bound=False,
+        membw_gb=0.25, paired_rounds=2, paired_concurrency=[1, 4], quiet_wait=0, quiet_budget=0, peers=False, fp32_decode=False, max_minutes=4, request_timeout=120, docs=False),
+    "quick": dict(
+        model="bench", dtype="auto", lengths=[(256, 32), (768, 32)], length_repeats=3, ttft_probes=0,
+        probe_tokens=0, concurrency=[1, 2, 4, 8, 16], conc_input=128, conc_output=32, rounds=1,
+        poisson=dict(rate=1.0, duration=20.0, inputs=[64, 128, 256, 512], outputs=[16, 32, 64]), poisson_rounds=1,
+        poisson_wide=WIDE_QUICK, bound=True,
+        membw_gb=1.0, paired_rounds=3, paired_concurrency=[1, 8], quiet_wait=10, quiet_budget=60, peers=True, fp32_decode=False, max_minutes=10, request_timeout=300, docs=True),
+    "default": dict(
+        model="bench", dtype="auto", lengths=[(256, 768), (512, 512), (768, 256)], length_repeats=1,
+        ttft_probes=4, probe_tokens=8, concurrency=[1, 2, 4, 8, 16], conc_input=256, conc_output=128, rounds=2,
+        poisson=dict(rate=1.0, duration=60.0, inputs=[128, 256, 512, 768], outputs=[32, 64, 128, 256]),
+        poisson_rounds=2, poisson_wide=WIDE, bound=True,
+        membw_gb=2.0, paired_rounds=3, paired_concurrency=[1, 8], quiet_wait=30, quiet_budget=300, peers=True, fp32_decode=True, max_minutes=50, request_timeout=900, docs=True),
+}
+
+SYSTEMS = ("inprocess", "torchserve", "torchserve-continuous", "llama.cpp", "llama.cpp-q8_0", "vllm")
+SCENARIOS = ("length", "ttft", "concurrency", "paired", "poisson", "poisson-wide")
+
+
+def log(msg: str) -> None:
+    """The bench's progress line."""
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def make_plan(mode: str, scenarios: List[str], poisson_rate: Optional[float] = None,
+              poisson_duration: Optional[float] = None, poisson_rounds: Optional[int] = None) -> dict:
+    """The plan of ``mode`` with the command line's scenarios and Poisson overrides."""
+    plan = dict(MODES[mode])
+    plan["scenarios"] = scenarios
+    plan["poisson"] = dict(plan["poisson"])
+    if poisson_rate:
+        plan["poisson"]["rate"] = poisson_rate
+    if poisson_duration:
+        plan["poisson"]["duration"] = poisson_duration
+    if poisson_rounds:
+        plan["poisson_rounds"] = poisson_rounds
+    return plan
+
+
+def parse_systems(value: str) -> List[str]:
+    """``--systems``: a comma-separated subset of SYSTEMS, in SYSTEMS' order."""
+    names = [n.strip() for n in value.split(",") if n.strip()]
+    unknown = [n for n in names if n not in SYSTEMS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown system(s) {', '.join(unknown) or '(none)'}; choose from {', '.join(SYSTEMS)}")
+    return [n for n in SYSTEMS if n in names]
+
+
+def parse_scenarios(value: str) -> List[str]:
+    """``--scenarios``: a comma-separated subset of SCENARIOS."""
+    names = [n.strip() for n in value.split(",") if n.strip()]
+    unknown = [n for n in names if n not in SCENARIOS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown scenario(s) {', '.join(unknown) or '(none)'}; "
+                                         f"choose from {', '.join(SCENARIOS)}")
+    return [n for n in SCENARIOS if n in names]
+
+
+class Budget:
+    def __init__(self, minutes: float):
+        self.deadline = time.monotonic() + minutes * 60
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def ok(self, what: str, need: float = 0.0) -> bool:
+        if self.left() > need:
+            return True
+        log(f"skipping {what}: out of the time budget (--max-minutes)")
+        return False
+
+
+class Prompts:
+    """Every system gets the very same prompts: drawn once, up front, from a seeded factory."""
+
+    def __init__(self, factory: PromptFactory, plan: dict, max_length: int, seed: int):
+        self.lengths = {(i, o): [factory.make(i) for _ in range(plan["length_repeats"])] for i, o in plan["lengths"]}
+        self.probes = {i: [factory.make(i) for _ in range(plan["ttft_probes"])] for i, _ in plan["lengths"]}
+        self.waves = {(c, r): [factory.make(plan["conc_input"]) for _ in range(c)]
+                      for c in plan["concurrency"] for r in range(plan["rounds"])}
+        self.warm = factory.make(16)
+        self.schedules = {load: [(t, factory.make(inp), out) for t, inp, out in
+                                 poisson_lengths(plan[POISSON_PLAN[load]], max_length, seed)] for load in LOADS}
+        self.schedule = self.schedules["mixed"]
+
+
+def poisson_lengths(p: dict, max_length: int, seed: int) -> List[tuple]:
+    """The Poisson schedule's (arrival s, input tokens, output tokens), drawn from ``seed``."""
+    rng = random.Random(seed + 1)
+    t, schedule = 0.0, []
+    while True:
+        t += rng.expovariate(p["rate"])
+        if t > p["duration"]:
+            return schedule
+        inp = rng.choice(p["inputs"])
+        schedule.append((t, inp, rng.choice([o for o in p["outputs"] if inp + o <= max_length] or [1])))
+
+
+def derived_config(base: Path, out: Path, dtype: str, threads: Optional[int], overrides: dict) -> Path:
+    """``base`` with ``handler.dtype`` (and ``torch_threads``, ``overrides``) set, written to ``out``
+    and validated as the project loads it."""
+    import yaml
+
+    from llama_engine import load_model_config_file
+
+    data = yaml.safe_load(base.read_text())
+    data["handler"]["dtype"] = dtype
+    if threads:
+        data["handler"]["torch_threads"] = threads
+    data["handler"].update(overrides)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(f"# derived by scripts/bench from {base.relative_to(ROOT) if base.is_relative_to(ROOT) else base}\n"
+                   + yaml.safe_dump(data, sort_keys=False))
+    load_model_config_file(str(out))  # the project's validation
+    return out
