@@ -52,11 +52,13 @@ venv: $(VENV)/.installed  ## the virtual environment (.venv): the pinned require
 
 # The pinned requirements, then the project itself, editable and without dependencies (pyproject.toml):
 # llama_engine and the scripts package import from anywhere, and the llama-* commands are on .venv/bin.
+# -qq there: setuptools warns on every editable install that a same-named folder may shadow the
+# package (scripts/ is that package); errors still show.
 $(VENV)/.installed: requirements.txt requirements-dev.txt pyproject.toml | check-prereqs
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -r requirements-dev.txt
-	$(BIN)/python -m pip install --quiet --no-deps -e .
+	$(BIN)/python -m pip install -qq --no-deps -e .
 	touch $@
 
 # The embedded default model: built offline and deterministically.
