@@ -89,8 +89,10 @@ def main(argv=None) -> int:
     parser.add_argument("--checkpoint", required=True, type=Path, help="HF checkpoint directory (safetensors)")
     parser.add_argument("--name", help="model name (default: the config's file name)")
     parser.add_argument("--build-dir", type=Path, help="default build/models/<name>")
-    parser.add_argument("--export-path", type=Path, default=ROOT / "model_store")
-    parser.add_argument("--archive-format", default="no-archive", choices=sorted(build_archive.FORMATS))
+    parser.add_argument("--export-path", type=Path, default=ROOT / "model_store",
+                        help="where the archive goes (default model_store/)")
+    parser.add_argument("--archive-format", default="no-archive", choices=sorted(build_archive.FORMATS),
+                        help="torch-model-archiver's format: a directory (no-archive, the default), .tar.gz or .mar")
     parser.add_argument("--legacy-split", action="store_true", help="Neuron SDK < 2.18 checkpoint layout")
     args = parser.parse_args(argv)
 

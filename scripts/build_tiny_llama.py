@@ -309,8 +309,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="build/tiny-llama", help="output directory")
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="training steps")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--vocab-size", type=int, default=2048)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the training order (default 0)")
+    parser.add_argument("--vocab-size", type=int, default=2048, help="BPE vocabulary to train (default 2048)")
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error("--steps must be >= 1")

@@ -46,12 +46,14 @@ def run_round(adapter: TorchServeAdapter, concurrency: int, max_new_tokens: int,
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--url", default="http://127.0.0.1:8080")
-    parser.add_argument("--model", default="tiny-llama")
-    parser.add_argument("--workdir", type=Path, default=ROOT / "build" / "serve")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--url", default="http://127.0.0.1:8080", help="TorchServe's inference address")
+    parser.add_argument("--model", default="tiny-llama", help="the model name in /predictions/<model>")
+    parser.add_argument("--workdir", type=Path, default=ROOT / "build" / "serve",
+                        help="where torchserve was started (holds key_file.json)")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8],
+                        help="concurrent streams, one JSON line each (default 1 8)")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens per stream (default 64)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds per concurrency; the best is printed (default 3)")
     args = parser.parse_args(argv)
 
     adapter = TorchServeAdapter(args.url, args.model, {"Authorization": f"Bearer {read_key(args.workdir)}"})

@@ -65,11 +65,12 @@ def stream_prompt(adapter: TorchServeAdapter, prompt: str, max_new_tokens: int) 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="a model-config name, e.g. llama-2-7b-inf2-xlarge-b1")
-    parser.add_argument("--checkpoint", required=True, type=Path)
+    parser.add_argument("--checkpoint", required=True, type=Path, help="HF checkpoint directory (safetensors)")
     parser.add_argument("--config", type=Path, help="default model-config/<model>.yaml")
     parser.add_argument("--workdir", type=Path, help="default build/neuron-smoke/<model>")
-    parser.add_argument("--prompt", default="Today the weather is really nice and I am planning on")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--prompt", default="Today the weather is really nice and I am planning on",
+                        help="the prompt streamed in step 3")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens per stream (default 64)")
     parser.add_argument("--skip-build", action="store_true", help="reuse model_store/<model>")
     args = parser.parse_args(argv)
 

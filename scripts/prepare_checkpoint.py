@@ -79,8 +79,8 @@ def legacy_split(src: Path, out: Path) -> Path:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint", required=True, type=Path)
-    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--checkpoint", required=True, type=Path, help="HF checkpoint directory (safetensors weights)")
+    parser.add_argument("--out", required=True, type=Path, help="directory to write the prepared checkpoint to")
     parser.add_argument("--legacy-split", action="store_true", help="save_pretrained_split layout (Neuron SDK < 2.18)")
     args = parser.parse_args(argv)
     out = (legacy_split if args.legacy_split else prepare)(args.checkpoint.resolve(), args.out)

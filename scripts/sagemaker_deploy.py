@@ -310,7 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="give up waiting after this many seconds (default: the config's download and startup "
                           "timeouts plus 30 minutes for provisioning)")
     und = sub.add_parser("undeploy", help="delete the endpoint, endpoint config and model of a name")
-    und.add_argument("--name", required=True)
+    und.add_argument("--name", required=True, help="the name deploy gave the three resources")
     und.add_argument("--region", help="AWS region (default: boto3's configuration)")
     und.add_argument("--dry-run", action="store_true", help="print the requests; send nothing")
     return parser

@@ -70,10 +70,11 @@ def main(argv=None) -> int:
     from scripts.streaming_client import iter_messages
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("s3_uri")
+    parser.add_argument("s3_uri", help="s3://bucket/prefix/ holding the uploaded model directory")
     parser.add_argument("--endpoint-url", help="an S3-compatible endpoint instead of AWS S3")
-    parser.add_argument("--region")
-    parser.add_argument("--workdir", type=Path, default=ROOT / "build" / "sagemaker-local")
+    parser.add_argument("--region", help="AWS region (default: boto3's configuration)")
+    parser.add_argument("--workdir", type=Path, default=ROOT / "build" / "sagemaker-local",
+                        help="the model download (opt/ml/model) and the server's files (default build/sagemaker-local)")
     parser.add_argument("--check", action="store_true", help="stream one prompt via /invocations, then stop")
     args = parser.parse_args(argv)
 

@@ -57,7 +57,7 @@ def sagemaker_chunks(args, body: dict) -> Iterator[dict]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("prompt")
+    parser.add_argument("prompt", help="the prompt to stream an answer to")
     parser.add_argument("--url", help="TorchServe's inference address (default: the one of --workdir's "
                         f"config.properties, else {DEFAULT_URL})")
     parser.add_argument("--model", default="tiny-llama", help="the model name in /predictions/<model>")

@@ -200,13 +200,14 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=auto_dtype("cpu"),
                    help="default: what handler.dtype: auto picks on this CPU")
     p.add_argument("--model", type=Path, help="checkpoint (default: build/bench-model-<dtype>)")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--slots", type=int, default=8)
+    p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    p.add_argument("--slots", type=int, default=8, help="continuous-batching slots, the micro-batch too (default 8)")
     p.add_argument("--rate", type=float, help="arrivals per second (default: the load's in the full bench)")
     p.add_argument("--duration", type=float, help="seconds of arrivals (default: the load's in the full bench)")
     p.add_argument("--chunk", type=int, default=256, help="prefill tokens per step (max_prefill_tokens_per_step)")
-    p.add_argument("--max-length", type=int, default=1024)
-    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--max-length", type=int, default=1024,
+                   help="prompt + output tokens per request, as handler.max_length (default 1024)")
+    p.add_argument("--repeats", type=int, default=7, help="timings per measured step cost; the median counts (default 7)")
     p.add_argument("--seed", type=int, default=0, help="the benchmark's --seed")
     args = p.parse_args(argv)
     args.model = args.model or ROOT / "build" / ("bench-model-bf16" if args.dtype == "bfloat16" else "bench-model-fp32")

@@ -51,12 +51,14 @@ def measure(scheduler, prompt_ids, running: int, budget: int):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", type=Path, default=ROOT / "build" / "bench-model-fp32")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--model", type=Path, default=ROOT / "build" / "bench-model-fp32",
+                        help="checkpoint directory (default build/bench-model-fp32)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the model's dtype (default float32)")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     parser.add_argument("--running", type=int, default=7, help="streams decoding when the long prompt arrives")
-    parser.add_argument("--prompt-tokens", type=int, default=768)
-    parser.add_argument("--budgets", type=int, nargs="+", default=[64, 128, 256, 512, 768])
+    parser.add_argument("--prompt-tokens", type=int, default=768, help="length of the prompt admitted (default 768)")
+    parser.add_argument("--budgets", type=int, nargs="+", default=[64, 128, 256, 512, 768],
+                        help="max_prefill_tokens_per_step values to compare (default 64 128 256 512 768)")
     args = parser.parse_args(argv)
 
     import torch

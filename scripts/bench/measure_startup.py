@@ -65,9 +65,10 @@ def time_to_first_token(store: Path, model: str, workdir: Path, timeout: float) 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", required=True, type=Path)
-    parser.add_argument("--checkpoint", required=True, type=Path)
-    parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--config", required=True, type=Path, help="model-config YAML to build (compile: true)")
+    parser.add_argument("--checkpoint", required=True, type=Path, help="HF checkpoint directory (safetensors)")
+    parser.add_argument("--timeout", type=float, default=900,
+                        help="seconds to wait for each server to be ready and to stream (default 900)")
     args = parser.parse_args(argv)
 
     name = args.config.stem

@@ -62,7 +62,8 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     mode.add_argument("--quick", action="store_true", help="fewer, shorter runs (about 2 minutes here)")
     mode.add_argument("--smoke", action="store_true", help="the tiny model, seconds of load (used by the tests)")
     parser.add_argument("--out", type=Path, default=ROOT / "build" / "bench", help="results directory")
-    parser.add_argument("--config", type=Path, default=ROOT / "model-config" / "bench-llama.yaml")
+    parser.add_argument("--config", type=Path, default=ROOT / "model-config" / "bench-llama.yaml",
+                        help="the micro-batching model-config served as torchserve (and run in-process)")
     parser.add_argument("--continuous-config", type=Path, default=ROOT / "model-config" / "bench-llama-continuous.yaml",
                         help="the continuous-batching variant served as torchserve-continuous")
     parser.add_argument("--dtype", choices=["auto", "bfloat16", "float32"],
@@ -71,7 +72,7 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     parser.add_argument("--tiny", type=Path, default=ROOT / "build" / "tiny-llama",
                         help="the embedded tiny model: the tokenizer source, and the model of --smoke")
     parser.add_argument("--docs", type=Path, help="Markdown page to rewrite (default docs/benchmarks.md, not in --smoke)")
-    parser.add_argument("--no-docs", action="store_true")
+    parser.add_argument("--no-docs", action="store_true", help="do not rewrite any docs page")
     parser.add_argument("--no-peers", action="store_true", help="do not start installed peers")
     parser.add_argument("--systems", type=parse_systems, default=list(SYSTEMS), metavar="A,B",
                         help=f"run only these ({', '.join(SYSTEMS)}; default all); a subset does not "
@@ -84,7 +85,7 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     parser.add_argument("--poisson-rounds", type=int, help="alternating rounds of the two TorchServe variants")
     parser.add_argument("--llama-gguf", type=Path, help="GGUF of the bench model for llama-server")
     parser.add_argument("--max-minutes", type=float, help="time budget; later phases are skipped past it")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the prompts and Poisson schedules (default 0)")
     parser.add_argument("--render", type=Path, metavar="JSON",
                         help="measure nothing: rewrite the Markdown, plots (and --docs) from a results JSON")
     return parser.parse_args(argv)
