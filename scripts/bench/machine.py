@@ -8,7 +8,7 @@ import time
 from importlib import metadata
 from pathlib import Path
 
-from llama_engine import cpu
+from llama_engine import cpu as cpu_features
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -24,9 +24,9 @@ def _cpu_model() -> str:
 
 
 def machine_info() -> dict:
-    flags = cpu.cpu_flags()
-    info = {"cpu": _cpu_model(), "logical_cpus": os.cpu_count(), "cpu_flags": cpu.reported_flags(flags),
-            "cpu_class": cpu.cpu_class(flags), "auto_dtype": cpu.auto_dtype("cpu", flags),
+    flags = cpu_features.cpu_flags()
+    info = {"cpu": _cpu_model(), "logical_cpus": os.cpu_count(), "cpu_flags": cpu_features.reported_flags(flags),
+            "cpu_class": cpu_features.cpu_class(flags), "auto_dtype": cpu_features.auto_dtype("cpu", flags),
             "platform": platform.platform()}
     try:
         import psutil

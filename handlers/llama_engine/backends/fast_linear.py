@@ -12,17 +12,14 @@ computes the same product (oneDNN accumulates in float32 and rounds the output o
 plain path does), so logits agree with the plain model to bfloat16 rounding.
 
 It is applied only where it pays: bfloat16 (and float16) weights on a CPU with mkldnn and
-native bf16 support. float32 weights go to MKL's packed sgemm instead
-(``mkl._mkl_reorder_linear_weight`` / ``mkl._mkl_linear``, inductor's choice for fp32):
-as fast as ``nn.Linear`` for one row and about 1.8x faster for 8 rows. ``_mkl_linear``
-falls back to its ``orig_weight`` argument when the row count differs from the
-``batch_size`` it is given; :class:`MklPackedLinear` always passes the actual row count,
-so the original weight is never read and is not kept (a zero-stride stand-in is passed).
-Each fp32 layer is checked against ``nn.Linear`` once when it is packed and stays plain if
-they disagree. The fp32 packing is opt-in (``LLAMA_PACKED_LINEAR=1``): a pass over the bench
-model's linears ran 1.8x faster at 8 rows on 1 thread, but whole decode steps at 2 threads
-measured the same as ``nn.Linear`` (0.97-1.02x), and MKL's packed format of small matrices
-takes up to ~5x their size. ``LLAMA_PACKED_LINEAR=0`` turns all packing off.
+native bf16 support, always; float32 weights where a measurement at load says so. Which float32
+kernel wins depends on the CPU: on an AMX Xeon, ``nn.Linear`` (MKL's sgemm) and packed kernels
+measured alike end to end; on an AVX2-only AMD EPYC, MKL's sgemm ran the bench model's weights
+at 15 GFLOPS for 8 rows where oneDNN's packed kernel ran at 33 (118 vs 55 ms per pass over all
+of them at 2 threads, minimum of 20) and 1 row ~12% slower. So :func:`pack_linears` times the
+model's first linears both ways at 1 and at 8 rows when it loads (well under a second) and
+packs float32 only if that is faster by 10%; it logs the timings. ``LLAMA_PACKED_LINEAR=0``
+turns all packing off, ``=1`` packs float32 without measuring.
 
 oneDNN weights are packed for 8 rows (:data:`ONEDNN_BATCH_HINT`): streaming the bench
 model's 85 bf16 weights once at 2 threads took 26.5 ms packed for 8 rows against 34.9 ms
@@ -33,17 +30,23 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Optional
+import time
+from typing import Dict, Optional, Sequence
 
 import torch
 from torch import nn
 
 logger = logging.getLogger(__name__)
 
-#: Environment switch: "0" disables packing, "1" also packs float32 (MKL), default bf16/fp16 only.
+#: Environment switch: "0" disables packing, "1" packs float32 without measuring, default: bf16/fp16
+#: always, float32 where it measures faster.
 ENV = "LLAMA_PACKED_LINEAR"
 #: Row count oneDNN lays the packed weights out for (any row count still computes correctly).
 ONEDNN_BATCH_HINT = 8
+#: The same for float32: laid out for 1 row, oneDNN matched MKL's sgemm at 1 row (30.6 vs 30.3 ms per
+#: pass over the bench model's weights, AVX2 EPYC, 2 threads) and still ran 8 rows 1.7x faster
+#: (67.4 vs 115.4 ms); laid out for 8 it lost ~5% at 1 row.
+FP32_BATCH_HINT = 1
 
 
 class PackedLinear(nn.Module):
@@ -68,31 +71,6 @@ class PackedLinear(nn.Module):
                f"dtype={self.dtype}, packed=mkldnn"
 
 
-class MklPackedLinear(nn.Module):
-    """float32 ``y = x @ W.T + b`` through MKL's packed sgemm (inference only)."""
-
-    def __init__(self, linear: nn.Linear, batch_hint: int = 1):
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        weight = linear.weight.detach()
-        self.register_buffer("packed_weight", torch.ops.mkl._mkl_reorder_linear_weight(weight, batch_hint),
-                             persistent=False)
-        bias = None if linear.bias is None else linear.bias.detach().clone()
-        self.register_buffer("bias", bias, persistent=False)
-        # Never read: forward always passes the actual row count as batch_size.
-        self._stand_in = weight.new_zeros(1).expand(self.out_features, self.in_features)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // self.in_features
-        flat = x.reshape(rows, self.in_features)
-        out = torch.ops.mkl._mkl_linear(flat, self.packed_weight, self._stand_in, self.bias, rows)
-        return out.view(*x.shape[:-1], self.out_features)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, " \
-               f"dtype=torch.float32, packed=mkl"
-
-
 def _agrees(linear: nn.Linear, packed: nn.Module) -> bool:
     """The packed layer computes the plain one's product (a few row counts, one random input each)."""
     gen = torch.Generator().manual_seed(0)
@@ -107,7 +85,7 @@ def _agrees(linear: nn.Linear, packed: nn.Module) -> bool:
 
 
 def packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether oneDNN packed linears are expected to beat ``nn.Linear`` for ``dtype`` on ``device``."""
+    """Whether oneDNN can pack ``dtype`` linears on ``device`` (for float32, whether it pays is measured)."""
     if torch.device(device).type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
     if not torch.backends.mkldnn.enabled:
@@ -116,9 +94,7 @@ def packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     if dtype == torch.float16:
         return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
-    if dtype == torch.float32:
-        return bool(torch._C.has_mkl) and hasattr(torch.ops.mkl, "_mkl_linear")
-    return False
+    return dtype == torch.float32
 
 
 def pack_linears(model: nn.Module, batch_hint: Optional[int] = None) -> int:
@@ -138,24 +114,66 @@ def pack_linears(model: nn.Module, batch_hint: Optional[int] = None) -> int:
     weight = targets[0][2].weight
     if not packing_supported(weight.dtype, weight.device):
         return 0
-    if weight.dtype == torch.float32 and setting not in ("1", "true", "on", "yes"):
-        return 0  # measured no faster end to end at 2 threads (see the module docstring): opt-in only
     fp32 = weight.dtype == torch.float32
+    if fp32 and setting not in ("1", "true", "on", "yes") and not fp32_packing_pays([t[2] for t in targets]):
+        return 0
     swapped = 0
     for parent, name, child in targets:
         if child.weight.dtype != weight.dtype or child.weight.device.type != "cpu":
             continue
-        if fp32:
-            packed = MklPackedLinear(child, batch_hint or 1)
-        else:
-            packed = PackedLinear(child, batch_hint or ONEDNN_BATCH_HINT)
+        packed = PackedLinear(child, batch_hint or (FP32_BATCH_HINT if fp32 else ONEDNN_BATCH_HINT))
         if fp32 and not _agrees(child, packed):
-            logger.warning("MKL packed linear disagrees with nn.Linear; keeping nn.Linear")
+            logger.warning("oneDNN packed linear disagrees with nn.Linear; keeping nn.Linear")
             return swapped
         setattr(parent, name, packed)
         swapped += 1
-    logger.info("packed %d linear layers (%s, %s)", swapped, weight.dtype, "mkl" if fp32 else "onednn")
+    logger.info("packed %d linear layers (%s, onednn)", swapped, weight.dtype)
     return swapped
+
+
+#: float32 decisions of this process, by torch thread count: one measurement serves every model loaded.
+_FP32_DECISIONS: Dict[int, bool] = {}
+#: Weights the measurement streams (the model's first linears): enough to leave the caches.
+SAMPLE_BYTES = 64 * 2**20
+
+
+def fp32_packing_pays(linears: Sequence[nn.Linear], repeats: int = 9) -> bool:
+    """Whether oneDNN-packed float32 products beat ``nn.Linear`` on this CPU by 10%, measured.
+
+    The first linears (up to :data:`SAMPLE_BYTES` of weights) run plain and packed, alternately,
+    at 1 row and at ``ONEDNN_BATCH_HINT`` rows (a decode step alone and in a full batch); each
+    side's score is the sum of its two fastest passes, so a busy machine slows both and the
+    minimum keeps what each kernel can do.
+    """
+    threads = torch.get_num_threads()
+    if threads in _FP32_DECISIONS:
+        return _FP32_DECISIONS[threads]
+    sample, size = [], 0
+    for linear in linears:
+        sample.append(linear)
+        size += linear.weight.numel() * 4
+        if size >= SAMPLE_BYTES:
+            break
+    packed = [PackedLinear(linear, FP32_BATCH_HINT) for linear in sample]
+    best = {"plain": {}, "packed": {}}
+    with torch.inference_mode():
+        for rows in (1, ONEDNN_BATCH_HINT):
+            inputs = [torch.randn(rows, linear.in_features) for linear in sample]
+            for _ in range(repeats):
+                for side, layers in (("plain", sample), ("packed", packed)):
+                    start = time.perf_counter()
+                    for layer, x in zip(layers, inputs):
+                        layer(x)
+                    elapsed = time.perf_counter() - start
+                    best[side][rows] = min(best[side].get(rows, elapsed), elapsed)
+    plain, onednn = sum(best["plain"].values()), sum(best["packed"].values())
+    pays = _FP32_DECISIONS[threads] = onednn < 0.9 * plain
+    logger.info("float32 linears, %d threads, %.0f MB of weights: nn.Linear %s ms, oneDNN packed %s ms "
+                "(1 / %d rows) -> %s", threads, size / 1e6,
+                " / ".join(f"{1e3 * t:.2f}" for t in best["plain"].values()), " / ".join(
+                    f"{1e3 * t:.2f}" for t in best["packed"].values()), ONEDNN_BATCH_HINT,
+                "oneDNN packed" if pays else "nn.Linear")
+    return pays
 
 
 def concat_linears(linears) -> nn.Linear:
