@@ -103,6 +103,8 @@ def ratios(results: dict) -> dict:
     out.update(continuous_ratios(runs, results.get("extra")))
     best = max((r for r in (served, find(runs, CONTINUOUS, "concurrency", concurrency=c)) if r),
                key=lambda r: r["output_tokens_per_s"], default=None)
+    best1 = max((r for r in (find(runs, s, "concurrency", concurrency=1) for s in (SERVED, CONTINUOUS)) if r),
+                key=lambda r: r["output_tokens_per_s"], default=None)
     peers = {}
     for name in PEER_NAMES:
         if results["systems"].get(name, {}).get("status") != "ok":
@@ -116,13 +118,15 @@ def ratios(results: dict) -> dict:
                 best["output_tokens_per_s"] / peer["output_tokens_per_s"], f">= {goal}" if goal else "report",
                 (lambda v, g=goal: v >= g) if goal else None,
                 f"served output tok/s ({best['system']}) / {name} output tok/s at {c} streams", concurrency=c)
-        single, served1 = find(runs, name, "concurrency", concurrency=1), find(runs, SERVED, "concurrency", concurrency=1)
-        if single and served1:
+        single = find(runs, name, "concurrency", concurrency=1)
+        if single and best1:
             goal = LLAMA_CPP_GOALS[1] if name == "llama.cpp" else None
             out[f"peer_ratio_{name}_1_stream"] = _ratio(
-                served1["output_tokens_per_s"] / single["output_tokens_per_s"], f">= {goal}" if goal else "report",
+                best1["output_tokens_per_s"] / single["output_tokens_per_s"], f">= {goal}" if goal else "report",
                 (lambda v, g=goal: v >= g) if goal else None,
-                f"served output tok/s ({SERVED}) / {name} output tok/s at 1 stream", concurrency=1)
+                f"served output tok/s ({best1['system']}) / {name} output tok/s at 1 stream", concurrency=1,
+                by_variant={r["system"]: round(r["output_tokens_per_s"] / single["output_tokens_per_s"], 4)
+                            for r in (find(runs, s, "concurrency", concurrency=1) for s in (SERVED, CONTINUOUS)) if r})
     if peers:
         strongest = max(peers, key=peers.get)
         out["peer_ratio_strongest"] = _ratio(
@@ -300,8 +304,10 @@ def markdown(results: dict, plots: List[Path]) -> str:
         for r in results["runs"] if r.get("scenario") == "poisson" and r.get("offered_rate_per_s"))
     cpu_text = ("Where the CPU went (share of all the machine's CPU time, per process):\n\n" + "\n".join(cpu_lines) + "\n") \
         if cpu_lines else ""
+    merged = results.get("extra", {}).get("merged")
+    merged_text = f"\n{merged}\n" if merged else ""
     return f"""Mode `{results['mode']}`, {results['timestamp']}, `{results['command']}`, {results['phases_s']['total_s']:.0f} s.
-
+{merged_text}
 **Machine**: {m['cpu']} (CPU class `{cpu_label(m)}`), {m['logical_cpus']} logical CPUs, {m.get('memory_gb', '?')} GB, {m.get('virtualization', 'bare metal or unknown')}; {m['platform']}; CPU features {', '.join(m.get('cpu_flags', []))}.
 **Versions**: Python {v['python']}, torch {v['torch']}, transformers {v['transformers']}, TorchServe {v['torchserve']}, {v.get('java')}, git {v.get('git')}.
 **Model**: {model['name']}: {model['parameters']:,} parameters ({model['hidden_size']} hidden, {model['num_hidden_layers']} layers, {model['num_attention_heads']} heads, {model['num_key_value_heads']} KV heads, intermediate {model['intermediate_size']}, vocab {model['vocab_size']}), {model['dtype']}; EOS suppressed (its tokenizer declares no EOS token).
@@ -367,7 +373,8 @@ def by_cpu_table(table: dict) -> str:
                                         f"{table[c]['mode']} {table[c]['timestamp']}" for c in classes) + " |"]
     rows = [f"| {name} | {goals.get(name, '')} | " + " | ".join(_f(table[c]["ratios"].get(name), 3) for c in classes)
             + " |" for name in names]
-    return "\n".join(head + rows) + "\n"
+    notes = [f"\n`{c}`: {table[c]['note']}" for c in classes if table[c].get("note")]
+    return "\n".join(head + rows) + "\n" + "\n".join(notes) + ("\n" if notes else "")
 
 
 def server_metrics_text(results: dict) -> str:
