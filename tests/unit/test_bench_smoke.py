@@ -12,9 +12,8 @@ import signal
 import struct
 import subprocess
 import sys
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
@@ -22,6 +21,8 @@ import pytest
 from scripts.bench.clients import LlamaServerAdapter, OpenAICompletionsAdapter
 from scripts.bench.prompts import Prompt, PromptFactory
 from scripts.streaming_client import TorchServeAdapter, run_schedule, run_wave
+
+from loopback_http import loopback_server
 
 ROOT = Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -195,12 +196,8 @@ class FakeServer(BaseHTTPRequestHandler):
 
 @pytest.fixture(scope="module")
 def fake_server():
-    server = ThreadingHTTPServer(("127.0.0.1", 0), FakeServer)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
+    with loopback_server(FakeServer) as url:
+        yield url
 
 
 @pytest.mark.parametrize("make", [lambda url: TorchServeAdapter(url, "m", {"Authorization": "Bearer k"}),

@@ -4,9 +4,8 @@ failures each script reports (an error message, a cut stream, an error status); 
 loadtest.py and neuron_smoke.py, which read their streams through it."""
 import json
 import random
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import pytest
 
@@ -22,6 +21,8 @@ from scripts.streaming_client import (
     read_stream,
     stream_one,
 )
+
+from loopback_http import loopback_server
 
 LINES = [{"token": {"id": 1, "text": "Hello", "logprob": -0.1, "special": False}},
          {"token": {"id": 2, "text": " 🦙🎉", "logprob": -0.2, "special": False}},
@@ -115,12 +116,8 @@ class FakeTorchServe(BaseHTTPRequestHandler):
 
 @pytest.fixture(scope="module")
 def fake_torchserve():
-    server = ThreadingHTTPServer(("127.0.0.1", 0), FakeTorchServe)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
+    with loopback_server(FakeTorchServe) as url:
+        yield url
 
 
 @pytest.fixture
