@@ -169,21 +169,25 @@ def simulate(schedule, slots: int, step_ms: dict, prefill_tps: float, chunk: int
     return dict(ideal_tps=tokens / (finished - start), ideal_s=finished - start, sim_tokens=tokens)
 
 
-def measure(model: Path, dtype: str, slots: int, schedule, chunk: int, max_length: int, repeats: int = 7) -> dict:
-    """Step costs measured on the slot backend in this process, and both schedulers' replays of ``schedule``.
+def load_backend(model: Path, dtype: str, slots: int, max_length: int):
+    """The slot backend the steps are measured on (load it once for several schedules)."""
+    from llama_engine.backends.torch_backend import TorchSlotBackend
+
+    return TorchSlotBackend.from_pretrained(str(model), slots, max_length, dtype, "cpu")
+
+
+def measure(backend, schedule, chunk: int, repeats: int = 7) -> dict:
+    """Step costs measured on ``backend`` (:func:`load_backend`), and both schedulers' replays of ``schedule``.
 
     Returns :func:`replay`'s figures plus the measured ``step_ms`` (by rows), ``prefill_tokens_per_s``,
     ``merged_rows_ms``, the ``context`` they were measured at, and ``flat_bound`` (the bound if a
     step cost the same with any number of rows: what the schedule alone allows).
     """
-    from llama_engine.backends.torch_backend import TorchSlotBackend
-
+    slots = backend.max_slots
     context = round(statistics.mean(inp + out / 2 for _, inp, out in schedule))
-    backend = TorchSlotBackend.from_pretrained(str(model), slots, max_length, dtype, "cpu")
     steps = step_times(backend, slots, context, repeats)
     tps = prefill_rate(backend, max(inp for _, inp, _ in schedule), chunk, max(3, repeats // 2))
     merged = merged_rows_ms(backend, slots - 1, chunk, context, repeats)
-    del backend
     r = replay(schedule, slots, steps, tps, chunk, merged)
     flat = replay(schedule, slots, {rows: steps[1] for rows in steps}, tps, chunk, 0.0)
     sim = simulate(schedule, slots, steps, tps, chunk, merged)
@@ -218,7 +222,7 @@ def main(argv=None) -> int:
     load = dict(plan["poisson_wide"] if args.load == "wide" else plan["poisson"])
     load.update({k: v for k, v in (("rate", args.rate), ("duration", args.duration)) if v})
     schedule = poisson_lengths(load, args.max_length, args.seed)
-    r = measure(args.model, args.dtype, args.slots, schedule, args.chunk, args.max_length, args.repeats)
+    r = measure(load_backend(args.model, args.dtype, args.slots, args.max_length), schedule, args.chunk, args.repeats)
     steps, tps, merged, context = r["step_ms"], r["prefill_tokens_per_s"], r["merged_rows_ms"], r["context"]
     print(f"{args.model.name}, {args.dtype}, {args.threads} threads, {args.slots} slots; load: {load['rate']} req/s "
           f"for {load['duration']} s, inputs {load['inputs']}, outputs {load['outputs']} (seed {args.seed}): "

@@ -101,10 +101,7 @@ def ratios(results: dict) -> dict:
                           **inputs)
 
     out.update(continuous_ratios(runs, results.get("extra")))
-    best = max((r for r in (served, find(runs, CONTINUOUS, "concurrency", concurrency=c)) if r),
-               key=lambda r: r["output_tokens_per_s"], default=None)
-    best1 = max((r for r in (find(runs, s, "concurrency", concurrency=1) for s in (SERVED, CONTINUOUS)) if r),
-                key=lambda r: r["output_tokens_per_s"], default=None)
+    best, best1 = _best_served(runs, c), _best_served(runs, 1)
     peers = {}
     for name in PEER_NAMES:
         if results["systems"].get(name, {}).get("status") != "ok":
@@ -126,7 +123,7 @@ def ratios(results: dict) -> dict:
                 (lambda v, g=goal: v >= g) if goal else None,
                 f"served output tok/s ({best1['system']}) / {name} output tok/s at 1 stream", concurrency=1,
                 by_variant={r["system"]: round(r["output_tokens_per_s"] / single["output_tokens_per_s"], 4)
-                            for r in (find(runs, s, "concurrency", concurrency=1) for s in (SERVED, CONTINUOUS)) if r})
+                            for r in _served_rows(runs, 1)})
     if peers:
         strongest = max(peers, key=peers.get)
         out["peer_ratio_strongest"] = _ratio(
@@ -138,6 +135,16 @@ def ratios(results: dict) -> dict:
         out["peer_ratio_strongest"] = _ratio(None, ">= 1.0", None,
                                              "served output tok/s / the strongest peer's; no peer ran", **states)
     return out
+
+
+def _served_rows(runs, concurrency: int) -> List[dict]:
+    """Both served variants' concurrency-sweep rows at ``concurrency`` (those that ran)."""
+    return [r for r in (find(runs, s, "concurrency", concurrency=concurrency) for s in (SERVED, CONTINUOUS)) if r]
+
+
+def _best_served(runs, concurrency: int) -> Optional[dict]:
+    """The served variant with the higher output tok/s at ``concurrency``: the handler as a user would configure it."""
+    return max(_served_rows(runs, concurrency), key=lambda r: r["output_tokens_per_s"], default=None)
 
 
 def continuous_ratios(runs, extra: Optional[dict] = None) -> dict:

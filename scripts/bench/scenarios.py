@@ -162,15 +162,15 @@ def continuous_bounds(cb_cfg, checkpoint: Path, dtype: str, prompts: Prompts, pl
     prefill budget: the ideal continuous batcher's tok/s (``ideal_tps``) that the served one is held to."""
     import torch
 
-    from scripts.bench.continuous_bound import measure
+    from scripts.bench.continuous_bound import load_backend, measure
 
     torch.set_num_threads(threads)
+    backend = load_backend(checkpoint, dtype, cb_cfg.slots, cb_cfg.handler.max_length)
     out = {}
     for load in LOADS:
         schedule = [(t, len(ids), n) for t, ids, n in prompts.schedules[load]]
         if schedule:
-            out[load] = measure(checkpoint, dtype, cb_cfg.slots, schedule,
-                                cb_cfg.continuous_batching.max_prefill_tokens_per_step, cb_cfg.handler.max_length)
+            out[load] = measure(backend, schedule, cb_cfg.continuous_batching.max_prefill_tokens_per_step)
             log(f"continuous bound, {load} load: ideal {out[load]['ideal_tps']:.1f} tok/s, micro-batching replay "
                 f"{out[load]['micro_tps']:.1f} tok/s, at most {out[load]['bound']:.2f}x")
     return out
