@@ -27,19 +27,26 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-MODULE = "handlers/llama_engine/backends/torch_backend.py"
+BACKENDS = "handlers/llama_engine/backends"
+#: The modules taken from the baseline revision, in import order: a kernel change in
+#: ``fast_linear`` is compared as well as one in ``torch_backend``.
+MODULES = ("fast_linear", "torch_backend")
 
 
 def load_baseline(rev: str):
-    """The baseline revision's torch_backend module, importable next to the current one."""
-    source = subprocess.run(["git", "show", f"{rev}:{MODULE}"], cwd=ROOT, check=True, capture_output=True,
-                            text=True).stdout
-    name = "llama_engine.backends._baseline_torch_backend"
-    spec = importlib.util.spec_from_loader(name, loader=None)
-    module = importlib.util.module_from_spec(spec)
-    module.__package__ = "llama_engine.backends"
-    sys.modules[name] = module
-    exec(compile(source, f"{rev}:{MODULE}", "exec"), module.__dict__)
+    """The baseline revision's torch_backend module (over its own fast_linear), importable next to the current one."""
+    module = None
+    for stem in MODULES:
+        source = subprocess.run(["git", "show", f"{rev}:{BACKENDS}/{stem}.py"], cwd=ROOT, check=True,
+                                capture_output=True, text=True).stdout
+        for earlier in MODULES[:MODULES.index(stem)]:
+            source = source.replace(f"from .{earlier} import", f"from ._baseline_{earlier} import")
+        name = f"llama_engine.backends._baseline_{stem}"
+        spec = importlib.util.spec_from_loader(name, loader=None)
+        module = importlib.util.module_from_spec(spec)
+        module.__package__ = "llama_engine.backends"
+        sys.modules[name] = module
+        exec(compile(source, f"{rev}:{BACKENDS}/{stem}.py", "exec"), module.__dict__)
     return module
 
 
