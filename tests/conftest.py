@@ -42,6 +42,15 @@ def tokenizer(tiny_model_dir):
 
 
 @pytest.fixture(scope="module")
+def hf_model(tiny_model_dir):
+    """The tiny model as HF loads it (float32, nothing fused or packed): the reference forward, and
+    a model that slot backends may share (the engine's own backend owns and fuses its copy)."""
+    from llama_engine.backends.torch_backend import load_model
+
+    return load_model(str(tiny_model_dir), "float32", "cpu", max_length=256)
+
+
+@pytest.fixture(scope="module")
 def engine(tiny_model_dir):
     """The tiny model's static engine on one torch thread (restored after the module).
 

@@ -11,9 +11,9 @@ backend in this process, the time of one decode step with 1..8 rows (all at the 
 context) and the chunked prefill rate, then replays the benchmark's schedule (the same
 seeded draws as ``python -m scripts.bench``) on a saturated server:
 
-* micro-batching: requests in arrival order, 8 to a batch, each batch padded to its longest
-  prompt and decoding until its longest output ends, finished rows dropped (as the handler
-  does);
+* micro-batching: requests in arrival order, 8 to a batch, the batch's prompts prefilled
+  unpadded (each row in its own slot) and decoding until its longest output ends, finished
+  rows dropped (as the handler does);
 * an ideal continuous batcher: every decode step carries all 8 slots, prompts prefilled
   without padding in chunks of ``--chunk`` tokens, each chunk in the same forward pass as a
   decode step of the other slots (as the scheduler runs them), no scheduling or serving cost
@@ -25,9 +25,8 @@ machine when both sides run the same decode steps. A third figure, the schedule'
 cost besides the model: the served continuous server's throughput is held to it (the saturated
 replay ignores the gaps between arrivals and the drain after the last, which no server avoids). A second replay makes every step cost
 what a 1-row step does: the limit of the schedule itself, however cheap extra rows become.
-Neither is a bound on the served ratio: the served micro-batching handler runs the static
-backend (HF's forward over a growing cache), whose steps cost more than the slot backend's,
-so the served ratio can exceed them.
+Both handlers run the slot backend's forward (micro-batching puts row ``i`` of a batch in slot
+``i``), so these steps are what both serve with.
 """
 from __future__ import annotations
 
@@ -109,7 +108,7 @@ def replay(schedule, slots: int, step_ms: dict, prefill_tps: float, chunk: int, 
         longest = max(out for _, _, out in batch)
         micro_steps += longest
         micro_decode += sum(step_ms[sum(1 for _, _, out in batch if out > s)] for s in range(longest)) / 1e3
-        micro_prefill += len(batch) * max(inp for _, inp, _ in batch) / prefill_tps
+        micro_prefill += sum(inp for _, inp, _ in batch) / prefill_tps
     # A pass that prefills a chunk also decodes the other slots - 1 rows at ``merged_ms``.
     merged_steps = sum(-(-inp // chunk) for _, inp, _ in schedule)
     pure_steps = max(tokens - merged_steps * (slots - 1), 0) / slots
@@ -232,14 +231,14 @@ def main(argv=None) -> int:
     print(f"chunked prefill ({args.chunk} per call): {tps:.0f} prompt tokens/s; {args.slots - 1} decode rows in "
           f"the same pass add {merged:.1f} ms (a decode step alone: {steps[args.slots - 1]:.1f} ms)")
     print(f"micro-batching: {r['micro_rows_per_step']:.2f} rows per decode step; decode {r['micro_decode_s']:.1f} s "
-          f"+ padded prefill {r['micro_prefill_s']:.1f} s -> {r['micro_tps']:.1f} tok/s")
+          f"+ prefill {r['micro_prefill_s']:.1f} s -> {r['micro_tps']:.1f} tok/s")
     print(f"saturated continuous ({args.slots} rows every step, no cost besides the model): decode "
           f"{r['ideal_decode_s']:.1f} s + prefill {r['ideal_prefill_s']:.1f} s -> {r['saturated_ideal_tps']:.1f} tok/s")
     print(f"the schedule's ideal (that batcher on the arrivals as they come, drain included): {r['ideal_s']:.1f} s "
           f"-> {r['ideal_tps']:.1f} tok/s (the served continuous server's yardstick)")
     print(f"continuous / micro throughput when both run these steps: at most {r['bound']:.2f}x")
     print(f"even if a step cost the same with 1 or {args.slots} rows (their K/V reads free, decode rows free in a "
-          f"prefill pass): at most {r['flat_bound']:.2f}x; the rest is the schedule's (rows per step, padding)")
+          f"prefill pass): at most {r['flat_bound']:.2f}x; the rest is the schedule's (rows per step)")
     return 0
 
 

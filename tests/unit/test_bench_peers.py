@@ -144,8 +144,8 @@ def test_round_trip_lines_of_the_continuous_handler_parse(caplog):
     assert parsed[0]["round_trip_ms"] == pytest.approx(1.5, abs=0.01)
 
 
-def test_continuous_bound_replay_counts_rows_padding_and_merged_chunks():
-    """Two slots, outputs 4 and 2: micro decodes 4 steps (1.5 rows each) after a padded prefill;
+def test_continuous_bound_replay_counts_rows_and_merged_chunks():
+    """Two slots, outputs 4 and 2: micro decodes 4 steps (1.5 rows each) after an unpadded prefill;
     the ideal batcher prefills each prompt in one merged pass and decodes the rest 2 rows a step."""
     from scripts.bench.continuous_bound import replay
 
@@ -153,7 +153,7 @@ def test_continuous_bound_replay_counts_rows_padding_and_merged_chunks():
     r = replay(schedule, slots=2, step_ms={1: 10.0, 2: 10.0}, prefill_tps=1000.0, chunk=10, merged_ms=0.0)
     assert r["micro_rows_per_step"] == pytest.approx(1.5)
     assert r["micro_decode_s"] == pytest.approx(0.04)
-    assert r["micro_prefill_s"] == pytest.approx(0.02)  # both prompts padded to 10 tokens
+    assert r["micro_prefill_s"] == pytest.approx(0.016)  # 10 + 6 tokens: each row in its own slot, unpadded
     assert r["ideal_decode_s"] == pytest.approx(0.02)  # (6 tokens - 2 merged rows) / 2 rows a step
     assert r["ideal_prefill_s"] == pytest.approx(0.016)
-    assert r["bound"] == pytest.approx(0.06 / 0.036)
+    assert r["bound"] == pytest.approx(0.056 / 0.036)

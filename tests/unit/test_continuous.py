@@ -34,9 +34,9 @@ def engine(tiny_model_dir):
 
 
 @pytest.fixture(scope="module")
-def backend(engine):
-    """Shares the engine's HF weights; 4 slots."""
-    return TorchSlotBackend(engine.backend.model, max_slots=4, max_length=MAX_LENGTH)
+def backend(hf_model):
+    """Over the module's plain HF model (shared, so not fused); 4 slots."""
+    return TorchSlotBackend(hf_model, max_slots=4, max_length=MAX_LENGTH)
 
 
 def make_scheduler(engine, backend, **kw):
@@ -92,8 +92,8 @@ def drain(scheduler, limit=1000):
 # ----- the slot backend
 
 
-def test_slot_backend_matches_hf_logits(engine, backend):
-    model = engine.backend.model
+def test_slot_backend_matches_hf_logits(engine, backend, hf_model):
+    model = hf_model
     tok = engine.tokenizer
     a, b = tok(PROMPTS[3])["input_ids"], tok(PROMPTS[0])["input_ids"]
     with torch.inference_mode():
@@ -116,14 +116,14 @@ def test_slot_backend_matches_hf_logits(engine, backend):
 
 
 @pytest.mark.parametrize("waste", [0.0, 1.5, 1e9], ids=["row-by-row", "default", "batched-over-the-run"])
-def test_decode_attention_plans_match_hf_logits(engine, waste):
+def test_decode_attention_plans_match_hf_logits(engine, waste, hf_model):
     """Rows out of slot order, a gap in the run, lengths far apart: each plan gives HF's logits.
 
     The gap slot holds a half-prefilled prompt that must be neither read nor written.
     """
-    backend = TorchSlotBackend(engine.backend.model, max_slots=4, max_length=MAX_LENGTH)
+    backend = TorchSlotBackend(hf_model, max_slots=4, max_length=MAX_LENGTH)
     backend.batched_attention_waste = waste
-    model, tok = engine.backend.model, engine.tokenizer
+    model, tok = hf_model, engine.tokenizer
     prompts = {3: tok(LONG_PROMPT)["input_ids"], 0: tok(PROMPTS[2])["input_ids"], 1: tok(PROMPTS[1])["input_ids"]}
     gap = tok(PROMPTS[4])["input_ids"]
     followers = {3: [11, 12], 0: [13, 14], 1: [15, 16]}
@@ -142,11 +142,11 @@ def test_decode_attention_plans_match_hf_logits(engine, waste):
     torch.testing.assert_close(backend.prefill_slot(2, gap[2:], start=2), gap_ref[-1], atol=1e-4, rtol=1e-4)
 
 
-def test_decode_attention_plan_follows_the_cost_rule(engine):
+def test_decode_attention_plan_follows_the_cost_rule(engine, hf_model):
     """Batched over the run while it reads <= 1.5x the K/V the rows need, else one call per row."""
     from llama_engine.backends.torch_backend import _RangeAttention, _RowAttention
 
-    backend = TorchSlotBackend(engine.backend.model, max_slots=8, max_length=MAX_LENGTH)
+    backend = TorchSlotBackend(hf_model, max_slots=8, max_length=MAX_LENGTH)
     def plan(slots, lengths):
         return backend._decode_attention(slots, lengths, torch.tensor(lengths).unsqueeze(1))
 
@@ -158,13 +158,13 @@ def test_decode_attention_plan_follows_the_cost_rule(engine):
 
 
 @pytest.mark.parametrize("waste", [0.0, 1e9], ids=["row-by-row", "batched-over-the-run"])
-def test_one_pass_with_chunks_and_decode_rows_matches_hf_logits(engine, waste, monkeypatch):
+def test_one_pass_with_chunks_and_decode_rows_matches_hf_logits(engine, waste, monkeypatch, hf_model):
     """``step_slots``: two prompt chunks (one new, one continued) and two decode rows, one forward pass."""
     from llama_engine.backends.base import PrefillChunk
 
-    backend = TorchSlotBackend(engine.backend.model, max_slots=4, max_length=MAX_LENGTH)
+    backend = TorchSlotBackend(hf_model, max_slots=4, max_length=MAX_LENGTH)
     backend.batched_attention_waste = waste
-    model, tok = engine.backend.model, engine.tokenizer
+    model, tok = hf_model, engine.tokenizer
     running = {2: tok(PROMPTS[3])["input_ids"], 0: tok(PROMPTS[1])["input_ids"]}
     new, continued = tok(PROMPTS[5])["input_ids"], tok(LONG_PROMPT)["input_ids"]
     with torch.inference_mode():
@@ -186,12 +186,12 @@ def test_one_pass_with_chunks_and_decode_rows_matches_hf_logits(engine, waste, m
     assert [backend.slot_length(s) for s in range(4)] == [len(running[0]) + 1, len(new), len(running[2]) + 1, 30]
 
 
-def test_a_chunk_that_fails_its_checks_stays_out_of_the_pass(engine):
+def test_a_chunk_that_fails_its_checks_stays_out_of_the_pass(engine, hf_model):
     """A wrong start or a slot used twice gets its own ValueError; the rest of the step still runs."""
     from llama_engine.backends.base import PrefillChunk
 
-    backend = TorchSlotBackend(engine.backend.model, max_slots=4, max_length=MAX_LENGTH)
-    model, tok = engine.backend.model, engine.tokenizer
+    backend = TorchSlotBackend(hf_model, max_slots=4, max_length=MAX_LENGTH)
+    model, tok = hf_model, engine.tokenizer
     a, b = tok(PROMPTS[0])["input_ids"], tok(PROMPTS[4])["input_ids"]
     with torch.inference_mode():
         ref_a, ref_b = model(torch.tensor([a + [5]])).logits[0, -1], model(torch.tensor([b])).logits[0, -1]
@@ -206,15 +206,15 @@ def test_a_chunk_that_fails_its_checks_stays_out_of_the_pass(engine):
     torch.testing.assert_close(out.decode[0], ref_a, atol=1e-4, rtol=1e-4)
 
 
-def test_separate_calls_confine_a_failure_to_its_part(engine, monkeypatch):
+def test_separate_calls_confine_a_failure_to_its_part(engine, monkeypatch, hf_model):
     """The base ``step_slots`` (for backends without a shared pass) runs each part on its own."""
     from llama_engine.backends.base import PrefillChunk, SlotBackend
 
-    backend = TorchSlotBackend(engine.backend.model, max_slots=4, max_length=MAX_LENGTH)
+    backend = TorchSlotBackend(hf_model, max_slots=4, max_length=MAX_LENGTH)
     tok = engine.tokenizer
     a, b = tok(PROMPTS[0])["input_ids"], tok(PROMPTS[4])["input_ids"]
     backend.prefill_slot(0, a)
-    want = TorchSlotBackend(engine.backend.model, max_slots=4, max_length=MAX_LENGTH).prefill_slot(2, b)
+    want = TorchSlotBackend(hf_model, max_slots=4, max_length=MAX_LENGTH).prefill_slot(2, b)
     prefill = backend.prefill_slot
     monkeypatch.setattr(backend, "prefill_slot",
                         lambda slot, ids, start=0: (_ for _ in ()).throw(RuntimeError("chunk lost")) if slot == 1

@@ -90,7 +90,7 @@ def test_prepare_checks_once_and_names_the_prompt_field_of_a_chat(tokenizer):
     assert prepared.max_new_tokens == 3 and prepared.limits == life.limits
 
 
-def test_each_request_is_checked_once_in_both_batching_modes(engine, tokenizer, monkeypatch):
+def test_each_request_is_checked_once_in_both_batching_modes(engine, tokenizer, monkeypatch, hf_model):
     """The static engine checks in ``prepare``; the scheduler's ``submit`` checks again only a request
     prepared against other limits (another engine's, or one made by hand)."""
     calls = []
@@ -99,7 +99,7 @@ def test_each_request_is_checked_once_in_both_batching_modes(engine, tokenizer, 
     request = GenerationRequest("The function returns", SamplingParams(max_new_tokens=4))
     engine.prepare(request)
     assert len(calls) == 1
-    scheduler = ContinuousScheduler(TorchSlotBackend(engine.backend.model, max_slots=2, max_length=128), tokenizer)
+    scheduler = ContinuousScheduler(TorchSlotBackend(hf_model, max_slots=2, max_length=128), tokenizer)
     calls.clear()
     scheduler.submit(scheduler.prepare(request))
     assert len(calls) == 1
@@ -111,8 +111,8 @@ def test_each_request_is_checked_once_in_both_batching_modes(engine, tokenizer, 
     assert calls == [scheduler.lifecycle.limits]
 
 
-def test_both_batching_modes_refuse_with_the_same_words(engine, tokenizer):
-    backend = TorchSlotBackend(engine.backend.model, max_slots=2, max_length=engine.backend.max_length)
+def test_both_batching_modes_refuse_with_the_same_words(engine, tokenizer, hf_model):
+    backend = TorchSlotBackend(hf_model, max_slots=2, max_length=engine.backend.max_length)
     scheduler = ContinuousScheduler(backend, tokenizer, default_max_new_tokens=16)
     request = GenerationRequest("word " * 400)
     with pytest.raises(RequestError) as static:
@@ -215,8 +215,8 @@ def test_status_is_an_enum_not_a_string():
     assert RequestStatus.RUNNING != "running"
 
 
-def test_the_scheduler_moves_its_requests_through_the_same_states(engine, tokenizer):
-    backend = TorchSlotBackend(engine.backend.model, max_slots=1, max_length=128)
+def test_the_scheduler_moves_its_requests_through_the_same_states(engine, tokenizer, hf_model):
+    backend = TorchSlotBackend(hf_model, max_slots=1, max_length=128)
     scheduler = ContinuousScheduler(backend, tokenizer, max_queue=4, max_prefill_tokens_per_step=2)
     first = scheduler.submit(scheduler.prepare(GenerationRequest("The function returns a value",
                                                                  SamplingParams(max_new_tokens=3))))

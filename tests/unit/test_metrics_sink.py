@@ -179,8 +179,8 @@ def test_the_static_engine_reports_every_row_of_every_group(engine):
     assert min(queue) > 0 and sum(queue) <= sum(ttft) <= sum(e2e)  # (finish order differs from row order)
 
 
-def test_the_scheduler_reports_admissions_tokens_cancellations_and_steps(engine):
-    backend = TorchSlotBackend(engine.backend.model, max_slots=2, max_length=256)
+def test_the_scheduler_reports_admissions_tokens_cancellations_and_steps(engine, hf_model):
+    backend = TorchSlotBackend(hf_model, max_slots=2, max_length=256)
     scheduler = ContinuousScheduler(backend, engine.tokenizer, max_slots=2, max_queue=4)
     sink = scheduler.metrics = Recorder(capacity=2, continuous=True, real_clock=True)
     done = [scheduler.submit(prepared(engine, p, n)) for p, n in (("The function returns", 4), ("A list of", 6))]

@@ -136,29 +136,29 @@ def test_the_double_enforces_the_continuous_batching_build(tiny_model_dir, tmp_p
 # ----- the SDK's continuous-batching calls, as the double enforces them
 
 
-def hf_next_logits(engine, ids):
+def hf_next_logits(model, ids):
     with torch.inference_mode():
-        return engine.backend.model(torch.tensor([ids])).logits[0, -1].float()
+        return model(torch.tensor([ids])).logits[0, -1].float()
 
 
-def test_decode_of_some_slots_leaves_the_others_intact(engine, fresh):
+def test_decode_of_some_slots_leaves_the_others_intact(engine, fresh, hf_model):
     """The token graph runs every slot; the backend must keep the slots it does not advance."""
     tok = engine.tokenizer
     a, b = tok(PROMPTS[3])["input_ids"], tok(PROMPTS[0])["input_ids"]
-    torch.testing.assert_close(fresh.prefill_slot(2, a), hf_next_logits(engine, a), atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(fresh.prefill_slot(0, b), hf_next_logits(engine, b), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(fresh.prefill_slot(2, a), hf_next_logits(hf_model, a), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(fresh.prefill_slot(0, b), hf_next_logits(hf_model, b), atol=1e-4, rtol=1e-4)
     for token in (5, 6, 7):  # slot 0 waits while slot 2 decodes
-        torch.testing.assert_close(fresh.decode_slots([2], [token])[0], hf_next_logits(engine, a + [token]),
+        torch.testing.assert_close(fresh.decode_slots([2], [token])[0], hf_next_logits(hf_model, a + [token]),
                                    atol=1e-4, rtol=1e-4)
         a = a + [token]
     fresh.prefill_slot(3, [b[0]])  # a one-token prompt while others hold sequences
     step = fresh.decode_slots([0, 2], [9, 8])  # slots out of compiled order come back in call order
-    torch.testing.assert_close(step[0], hf_next_logits(engine, b + [9]), atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(step[1], hf_next_logits(engine, a + [8]), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(step[0], hf_next_logits(hf_model, b + [9]), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(step[1], hf_next_logits(hf_model, a + [8]), atol=1e-4, rtol=1e-4)
     assert [fresh.slot_length(s) for s in range(SLOTS)] == [len(b) + 1, 0, len(a) + 1, 1]
 
 
-def test_the_double_overwrites_slots_missing_from_a_decode(engine, fresh):
+def test_the_double_overwrites_slots_missing_from_a_decode(engine, fresh, hf_model):
     """What the backend guards against: raw SDK calls that decode only slot 2 corrupt slot 0."""
     tok = engine.tokenizer
     model = fresh.model
@@ -167,7 +167,7 @@ def test_the_double_overwrites_slots_missing_from_a_decode(engine, fresh):
     fresh.prefill_slot(2, a)
     model.forward(torch.tensor([[5]]), cache_ids=torch.tensor([[len(a)]]), start_ids=torch.tensor([2]))
     got = model.forward(torch.tensor([[9]]), cache_ids=torch.tensor([[len(b)]]), start_ids=torch.tensor([0]))[0]
-    assert not torch.allclose(got, hf_next_logits(engine, b + [9]), atol=1e-3)
+    assert not torch.allclose(got, hf_next_logits(hf_model, b + [9]), atol=1e-3)
 
 
 def test_the_double_refuses_what_the_sdk_cannot_run(engine, fresh):
@@ -189,7 +189,7 @@ def test_the_double_refuses_what_the_sdk_cannot_run(engine, fresh):
         model.forward(torch.tensor([[5]]), cache_ids=torch.tensor([[6]]), start_ids=torch.tensor([1]))
 
 
-def test_backend_prefill_checks(engine, fresh):
+def test_backend_prefill_checks(engine, fresh, hf_model):
     ids = engine.tokenizer(PROMPTS[3])["input_ids"]
     with pytest.raises(ValueError, match="prefill it first"):
         fresh.decode_slots([1], [5])
@@ -197,7 +197,7 @@ def test_backend_prefill_checks(engine, fresh):
     with pytest.raises(ValueError, match="cannot prefill from 2"):
         fresh.prefill_slot(1, ids[4:], start=2)
     # start > 0: the SDK cannot append at an offset, so the backend re-encodes from position 0
-    torch.testing.assert_close(fresh.prefill_slot(1, ids[4:], start=4), hf_next_logits(engine, ids),
+    torch.testing.assert_close(fresh.prefill_slot(1, ids[4:], start=4), hf_next_logits(hf_model, ids),
                                atol=1e-4, rtol=1e-4)
     long_ids = engine.tokenizer(LONG_PROMPT)["input_ids"]
     assert len(long_ids) > 64
@@ -213,7 +213,7 @@ def test_backend_prefill_checks(engine, fresh):
 # ----- through the scheduler
 
 
-def test_interleaved_arrivals_equal_each_request_alone(engine, fresh):
+def test_interleaved_arrivals_equal_each_request_alone(engine, fresh, hf_model):
     """Arrivals at different steps; new prompts are prefilled while only the older slots decode.
 
     The scheduler prefills each Neuron prompt in one call (``incremental_prefill`` is False);
@@ -221,7 +221,7 @@ def test_interleaved_arrivals_equal_each_request_alone(engine, fresh):
     lengths = [14, 6, 10, 12, 3, 9]
     arrivals = {0: [0, 1], 2: [2], 5: [3, 4], 9: [5]}
     handles = run_interleaved(engine, fresh, arrivals, lengths, max_slots=3, max_prefill_tokens_per_step=8)
-    torch_backend = TorchSlotBackend(engine.backend.model, max_slots=3, max_length=256)
+    torch_backend = TorchSlotBackend(hf_model, max_slots=3, max_length=256)
     on_torch = run_interleaved(engine, torch_backend, arrivals, lengths, max_prefill_tokens_per_step=8)
     for i, prompt in enumerate(PROMPTS):
         ref = alone(engine, prompt, lengths[i])

@@ -3,8 +3,9 @@
 * :func:`pack_linears` (oneDNN packed linears in bfloat16, and in float32 where measured faster):
   logits of prefill and decode match the plain HF model (within bfloat16 rounding; to float32
   summation order), for TorchBackend and TorchSlotBackend.
-* :class:`GrowingCache` (TorchBackend's preallocated KV cache): decode logits equal those of
-  HF's DynamicCache, across buffer growth and after ``retain``.
+* :class:`TorchBackend` (static batches on the slot cache, row ``i`` in slot ``i``): left padding
+  dropped, ``retain`` keeps the rows' logits, the cache grows for a larger batch, and a failed
+  prefill leaves every slot free.
 """
 import pytest
 import torch
@@ -12,7 +13,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from llama_engine.backends import fast_linear
 from llama_engine.backends.fast_linear import PackedLinear, pack_linears, packing_supported
-from llama_engine.backends.torch_backend import GrowingCache, TorchBackend, TorchSlotBackend
+from llama_engine.backends.torch_backend import TorchBackend, TorchSlotBackend
 
 BF16 = pytest.mark.skipif(not packing_supported(torch.bfloat16, torch.device("cpu")),
                           reason="no oneDNN bfloat16 support on this CPU")
@@ -172,18 +173,6 @@ def test_slot_backend_packed_matches_plain_model(tiny_model_dir, dtype):
         assert_close(g, w[0], dtype)
 
 
-def test_growing_cache_equals_dynamic_cache_across_growth(tiny_model_dir):
-    model = load(tiny_model_dir, torch.float32)
-    ids, mask = prompts()
-    cache = GrowingCache(max_length=40, headroom=2)  # grows several times over 20 steps, then past max_length
-    got = reference_logits(model, ids, mask, 40, cache=cache)
-    want = reference_logits(model, ids, mask, 40)
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
-    assert cache.get_seq_length() == ids.shape[1] + 40
-    assert cache.key_cache[0].shape[-2] == ids.shape[1] + 40
-
-
 def test_torch_backend_retain_matches_a_fresh_batch(tiny_model_dir):
     """Rows kept by retain() decode as they would have in the full batch (the cache rows follow)."""
     backend = TorchBackend(str(tiny_model_dir), dtype="float32", device="cpu", max_length=64)
@@ -197,22 +186,28 @@ def test_torch_backend_retain_matches_a_fresh_batch(tiny_model_dir):
         torch.testing.assert_close(logits[-1], full[step][[0, 2]], atol=1e-5, rtol=1e-5)
 
 
-@torch.inference_mode()
-def test_growing_cache_crop_and_repeat_interleave_follow_dynamic_cache(tiny_model_dir):
-    """After crop() and batch_repeat_interleave(), decoding goes on exactly as with a DynamicCache."""
-    model = load(tiny_model_dir, torch.float32)
-    ids, mask = prompts()
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    results = []
-    for cache in (DynamicCache(), GrowingCache(max_length=40, headroom=2)):
-        model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
-        cache.crop(ids.shape[1] - 2)
-        cache.batch_repeat_interleave(2)
-        token = ids[:, -2:].repeat_interleave(2, dim=0)
-        out = model(input_ids=token, attention_mask=mask.repeat_interleave(2, dim=0),
-                    position_ids=positions[:, -2:].repeat_interleave(2, dim=0), past_key_values=cache, use_cache=True)
-        results.append(out.logits[:, -1, :])
-    torch.testing.assert_close(results[1], results[0], atol=1e-5, rtol=1e-5)
+def test_torch_backend_grows_its_cache_for_a_larger_batch_and_frees_slots_on_release(tiny_model_dir):
+    backend = TorchBackend(str(tiny_model_dir), dtype="float32", device="cpu", max_length=64, batch_size=2)
+    ids, mask = prompts(batch=4)
+    logits = backend_logits(backend, ids, mask, 2)
+    assert backend.slots.max_slots == 4 and logits[-1].shape[0] == 4
+    assert [backend.slots.slot_length(s) for s in range(4)] == [ids.shape[1] - 3 + 2] + [ids.shape[1] + 2] * 3
+    with pytest.raises(RuntimeError, match="in use"):
+        backend.slots.reserve_slots(5)
+    backend.release()
+    assert [backend.slots.slot_length(s) for s in range(4)] == [0] * 4
+
+
+def test_torch_backend_prefill_that_fails_leaves_every_slot_free(tiny_model_dir):
+    backend = TorchBackend(str(tiny_model_dir), dtype="float32", device="cpu", max_length=16, batch_size=2)
+    ids = torch.randint(3, 2000, (2, 20))
+    mask = torch.ones_like(ids)
+    mask[0, :10] = 0  # row 0 fits (10 tokens), row 1 does not (20)
+    with pytest.raises(ValueError, match="positions"):
+        backend.prefill(ids, mask)
+    assert [backend.slots.slot_length(s) for s in range(2)] == [0, 0]
+    ok_ids, ok_mask = prompts(batch=2)
+    assert backend.prefill(ok_ids, ok_mask).shape[0] == 2
 
 
 def test_slot_backend_fuses_projections_and_frees_the_originals_of_its_own_model(tiny_model_dir):

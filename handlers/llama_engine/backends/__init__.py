@@ -72,7 +72,8 @@ def _load(cfg, model_dir: str, batch_size: int, session: Optional[compile_cache.
                                     max_length=cfg.max_length)
     from .torch_backend import TorchBackend
 
-    return TorchBackend(model_path, dtype=cfg.dtype, device=cfg.device, max_length=cfg.max_length)
+    return TorchBackend(model_path, dtype=cfg.dtype, device=cfg.device, max_length=cfg.max_length,
+                        batch_size=batch_size)
 
 
 def create_slot_backend(cfg, model_dir: str, max_slots: int, build_cache_dir: Optional[str] = None) -> SlotBackend:
