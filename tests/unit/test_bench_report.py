@@ -94,3 +94,10 @@ def test_the_schedules_ideal_pays_for_arrivals_and_the_drain():
     assert abs(whole["ideal_s"] - (0.8 + 49 * steps[8] / 1e3)) < 1e-9
     # in 256-token chunks the first prompts start decoding in the passes that prefill the others
     assert fast["ideal_s"] < whole["ideal_s"]
+
+
+def test_load_choices_read_as_weights_when_repeated():
+    from scripts.bench.plan import choices_text
+
+    assert choices_text([8, 16, 32]) == "8/16/32"
+    assert choices_text([8] * 7 + [512]) == "8 (7 in 8), 512 (1 in 8)"
