@@ -21,10 +21,10 @@ model's first linears both ways at 1 and at 8 rows when it loads (well under a s
 packs float32 only if that is faster by 10%; it logs the timings. ``LLAMA_PACKED_LINEAR=0``
 turns all packing off, ``=1`` packs float32 without measuring.
 
-oneDNN weights are packed for 8 rows (:data:`ONEDNN_BATCH_HINT`): streaming the bench
-model's 85 bf16 weights once at 2 threads took 26.5 ms packed for 8 rows against 34.9 ms
-packed for 1, with 1 row as with 8 (medians of 6 passes), and prefill (256 and 768 rows)
-measured the same either way.
+oneDNN weights are packed for 8 rows (:data:`ONEDNN_BATCH_HINT`), in either dtype: streaming
+the bench model's 85 bf16 weights once at 2 threads took 26.5 ms packed for 8 rows against 34.9
+ms packed for 1, with 1 row as with 8 (medians of 6 passes), and prefill (256 and 768 rows)
+measured the same either way; float32 on the AVX2 EPYC likewise (:data:`FP32_BATCH_HINT`).
 """
 from __future__ import annotations
 
