@@ -183,6 +183,8 @@ def measure(backend, schedule, chunk: int, repeats: int = 7) -> dict:
     step cost the same with any number of rows: what the schedule alone allows).
     """
     slots = backend.max_slots
+    for slot in range(slots):  # a backend measured before (the other load) still holds its rows
+        backend.free_slot(slot)
     context = round(statistics.mean(inp + out / 2 for _, inp, out in schedule))
     steps = step_times(backend, slots, context, repeats)
     tps = prefill_rate(backend, max(inp for _, inp, _ in schedule), chunk, max(3, repeats // 2))

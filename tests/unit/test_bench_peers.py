@@ -157,3 +157,20 @@ def test_continuous_bound_replay_counts_rows_and_merged_chunks():
     assert r["ideal_decode_s"] == pytest.approx(0.02)  # (6 tokens - 2 merged rows) / 2 rows a step
     assert r["ideal_prefill_s"] == pytest.approx(0.016)
     assert r["bound"] == pytest.approx(0.056 / 0.036)
+
+
+def test_continuous_bound_measures_two_loads_on_one_backend(tiny_model_dir):
+    """The bench measures the mixed and the wide load on one loaded backend: the second starts from free slots."""
+    import torch
+
+    from scripts.bench.continuous_bound import load_backend, measure
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        backend = load_backend(tiny_model_dir, "float32", slots=2, max_length=64)
+        for schedule in ([(0.0, 8, 4), (0.5, 12, 2)], [(0.0, 6, 8), (0.2, 4, 2), (0.3, 10, 3)]):
+            r = measure(backend, schedule, chunk=8, repeats=1)
+            assert r["tokens"] == sum(out for _, _, out in schedule) and set(r["step_ms"]) == {1, 2}
+    finally:
+        torch.set_num_threads(threads)
