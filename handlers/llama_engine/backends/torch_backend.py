@@ -53,10 +53,11 @@ class TorchBackend(Backend):
     dropped before the model sees it (no work on padding), all rows' prompts go through one
     forward pass, and ``retain`` only forgets the finished rows' slots (no cache copy). Decode
     steps cost what HF's own forward over a padded batch did (``scripts.bench.decode_profile``
-    on the bench model, float32, AVX2 EPYC: 0.92-1.10x of its step time at 1, 4 and 8 rows,
-    within that machine's noise); what changes is the prefill of prompts of different lengths,
-    and that both batching modes run the same forward. The cache holds ``max_length`` positions for as many rows as the largest batch seen (the
-    micro-batch size at load), as the continuous backend's does.
+    on the bench model, float32, AVX2 EPYC: the new step ran 0.92-1.10x as fast at 1, 4 and 8
+    rows, within that machine's noise); what changes is the prefill of prompts of different
+    lengths, and that both batching modes run the same forward. The cache holds
+    ``max_length`` positions for as many rows as the largest batch seen (the micro-batch size
+    at load), as the continuous backend's does.
     """
 
     def __init__(self, model_path: str, dtype: str = "float32", device: str = "auto",
