@@ -194,8 +194,9 @@ def continuous_ratios(runs, extra: Optional[dict] = None) -> dict:
         bound = bounds.get("wide", {})
         out["continuous_throughput_vs_micro_wide"] = _ratio(
             cont_w["output_tokens_per_s"] / micro_w["output_tokens_per_s"], ">= 2.0", lambda v: v >= 2.0,
-            f"Poisson run (wide load: outputs {choices_text(cont_w.get('output_choices') or [8, 512])}): "
-            "continuous-batching output tok/s / micro-batching output tok/s"
+            "Poisson run (wide load" + (f": outputs {choices_text(cont_w['output_choices'])}"
+                                        if cont_w.get("output_choices") else "")
+            + "): continuous-batching output tok/s / micro-batching output tok/s"
             + (f"; continuous_bound allows {bound['bound']:.2f}x" if bound else ""),
             continuous=cont_w["output_tokens_per_s"], micro=micro_w["output_tokens_per_s"],
             round_ratios=cont_w.get("round_ratios"), bound=bound.get("bound"))
