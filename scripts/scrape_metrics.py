@@ -104,6 +104,7 @@ def summary(samples: Samples, model: str) -> dict:
         "waiting": v("llama_requests_waiting"),
         "batch_capacity": v("llama_batch_capacity"),
     }
+    out["forward"] = forward_passes(samples, model)
     out["rows_per_step"] = out["step_rows"] / out["steps"] if out["steps"] else None
     out["ms_per_step"] = 1000 * out["step_seconds"] / out["steps"] if out["steps"] else None
     for histogram in HISTOGRAMS:
@@ -112,6 +113,22 @@ def summary(samples: Samples, model: str) -> dict:
         out[short] = {"count": count, "sum_s": total, "mean_s": total / count if count else None,
                       "p50_s": quantile(samples, histogram, 0.5, model)}
     return out
+
+
+def forward_passes(samples: Samples, model: Optional[str] = None) -> Dict[str, Dict[int, dict]]:
+    """The backend's forward passes by kind and decode rows: ``{"decode"|"prefill": {rows: {"passes",
+    "seconds", "prefill_tokens"}}}``, without the shapes that did not run."""
+    out: Dict[str, Dict[int, dict]] = {}
+    for metric, key in (("llama_forward_passes_total", "passes"), ("llama_forward_seconds_total", "seconds"),
+                        ("llama_forward_prefill_tokens_total", "prefill_tokens")):
+        for (name, ls), v in samples.items():
+            labels = dict(ls)
+            if name != metric or (model is not None and labels.get("ModelName") != model) or "kind" not in labels:
+                continue
+            shape = out.setdefault(labels["kind"], {}).setdefault(int(labels["rows"]), {})
+            shape[key] = shape.get(key, 0.0) + v
+    return {kind: {rows: shape for rows, shape in sorted(shapes.items()) if shape.get("passes")}
+            for kind, shapes in out.items()}
 
 
 def _nonzero(counts: Dict[str, float]) -> Dict[str, float]:

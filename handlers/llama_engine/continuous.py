@@ -198,8 +198,10 @@ class ContinuousScheduler:
         running = sorted((h for h in self._active.values() if h.status is RequestStatus.RUNNING),
                          key=lambda h: h.slot)
         chunks = self._plan_prefill()
+        forward_started = time.perf_counter()
         out = self.backend.step_slots([h.slot for h in running], [h.next_token for h in running],
                                       [PrefillChunk(h.slot, ids, h.prefilled) for h, ids in chunks])
+        self.metrics.forward(len(running), sum(len(ids) for _, ids in chunks), time.perf_counter() - forward_started)
         for (handle, ids), logits in zip(chunks, out.prefills):
             self._prefilled(handle, len(ids), logits)
         self._decoded([h for h in running if h.status is RequestStatus.RUNNING], out.decode)

@@ -98,7 +98,8 @@ class Engine:
             metrics.admitted(generation.prepared)
         started, steps, rows_worked = time.perf_counter(), 0, 0
         try:
-            logits = self.backend.prefill(input_ids, attention_mask)
+            logits = self._forward(metrics, 0, sum(len(p.prompt_ids) for p in batch),
+                                   self.backend.prefill, input_ids, attention_mask)
             for generation in generations:
                 generation.start_decoding()
             while True:
@@ -108,11 +109,18 @@ class Engine:
                 if streamer.finished:
                     break
                 live, tokens = self._shrink(streamer, live, tokens)
-                logits = self.backend.decode(tokens)
+                logits = self._forward(metrics, len(live), 0, self.backend.decode, tokens)
         finally:
             self.backend.release()
             metrics.steps(steps, rows_worked, time.perf_counter() - started)
         return streamer.results()[: len(batch)]
+
+    @staticmethod
+    def _forward(metrics: MetricsSink, rows: int, prefill_tokens: int, call, *args):
+        started = time.perf_counter()
+        logits = call(*args)
+        metrics.forward(rows, prefill_tokens, time.perf_counter() - started)
+        return logits
 
     def _shrink(self, streamer: BatchTextStreamer, live: List[int], tokens: torch.Tensor):
         """Drop finished rows from the running batch, where the backend can."""

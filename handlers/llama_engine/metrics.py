@@ -68,6 +68,14 @@ METRICS = (
     MetricSpec("llama_step_rows_total", COUNTER, "count",
                "requests worked on, summed over the steps (rows still generating, or slots in use)"),
     MetricSpec("llama_step_seconds_total", COUNTER, "s", "time spent in the model steps"),
+    MetricSpec("llama_forward_passes_total", COUNTER, "count",
+               "forward passes by kind (decode: one token for each row; prefill: prompt tokens, with the decode "
+               "rows that continuous batching runs in the same pass) and by those decode rows", ("kind", "rows")),
+    MetricSpec("llama_forward_seconds_total", COUNTER, "s",
+               "time in the backend's forward passes (no sampling, streaming or scheduling), by kind and rows",
+               ("kind", "rows")),
+    MetricSpec("llama_forward_prefill_tokens_total", COUNTER, "count",
+               "prompt tokens the prefill passes computed, by the decode rows in the same pass", ("kind", "rows")),
     MetricSpec("llama_requests_running", GAUGE, "count", "requests admitted and not yet finished"),
     MetricSpec("llama_requests_waiting", GAUGE, "count",
                "requests the handler holds that are not yet admitted into a micro-batch or a slot"),
@@ -122,6 +130,14 @@ class MetricsSink:
 
     def steps(self, count: int, rows: int, seconds: float) -> None:
         """``count`` model steps ran in ``seconds``, working on ``rows`` requests summed over them."""
+
+    def forward(self, rows: int, prefill_tokens: int, seconds: float) -> None:
+        """One backend forward pass: ``rows`` decode rows and ``prefill_tokens`` prompt tokens in ``seconds``.
+
+        What a step costs the model alone, by its shape: the benchmark's ideal schedule is
+        priced with these (``scripts/bench/continuous_bound.py``), and an operator sees what a
+        decode step of ``rows`` rows costs on this machine.
+        """
 
     def compile_cache(self, stats: dict) -> None:
         """The load's compile cache report (``CacheSession.report()``)."""
@@ -221,6 +237,13 @@ class TimedSink(MetricsSink, ABC):
             self._counts[("llama_step_rows_total", ())] += rows
             self._counts[("llama_step_seconds_total", ())] += seconds
         self._maybe_flush()
+
+    def forward(self, rows: int, prefill_tokens: int, seconds: float) -> None:
+        labels = ("prefill" if prefill_tokens else "decode", str(rows))
+        with self._lock:
+            self._counts[("llama_forward_passes_total", labels)] += 1
+            self._counts[("llama_forward_seconds_total", labels)] += seconds
+            self._counts[("llama_forward_prefill_tokens_total", labels)] += prefill_tokens
 
     def compile_cache(self, stats: dict) -> None:
         hits, misses = compile_cache_counts(stats)

@@ -57,4 +57,6 @@ def figures(got: dict, capacity: float) -> dict:
         "time_per_output_token_mean_ms": ms("request_time_per_output_token"),
         "e2e_mean_ms": ms("e2e_request_latency"),
         "queue_mean_ms": ms("request_queue_time"),
+        "forward": {kind: {str(rows): {k: round(v, 6) for k, v in shape.items()} for rows, shape in shapes.items()}
+                    for kind, shapes in got["forward"].items()},
     }

@@ -194,6 +194,12 @@ def test_counts_after_known_traffic_are_exact(server, model, tokenizer):
     assert got["step_rows"] == generated
     assert 0 < got["steps"] and got["step_rows"] <= got["steps"] * CAPACITY[model] and got["step_seconds"] > 0
     assert (got["running"], got["waiting"], got["batch_capacity"]) == (0, 0, CAPACITY[model])
+    # The forward passes, by shape: every prompt token went through a prefill pass once, and every
+    # pass is one step (micro-batching: a micro-batch's prefill and each decode step).
+    forward = got["forward"]
+    assert sum(shape["prefill_tokens"] for shape in forward["prefill"].values()) == prompt_tokens
+    assert sum(shape["passes"] for kind in forward.values() for shape in kind.values()) == got["steps"]
+    assert max(forward["decode"]) <= CAPACITY[model] and all(s["seconds"] > 0 for s in forward["decode"].values())
 
     samples = delta_of(server, before)
     ttft, e2e, queue = (got[k]["sum_s"] for k in ("time_to_first_token", "e2e_request_latency", "request_queue_time"))

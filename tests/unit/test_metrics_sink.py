@@ -154,6 +154,16 @@ def totals(sink):
     return out
 
 
+def forward_totals(counts) -> dict:
+    """``{kind: {decode rows: {"passes", "prefill_tokens"}}}`` of :func:`totals`' forward-pass counters."""
+    out = {}
+    for (name, labels), value in counts.items():
+        key = {"llama_forward_passes_total": "passes", "llama_forward_prefill_tokens_total": "prefill_tokens"}.get(name)
+        if key and value:
+            out.setdefault(labels[0], {}).setdefault(int(labels[1]), {})[key] = value
+    return out
+
+
 def test_the_static_engine_reports_every_row_of_every_group(engine):
     sink = Recorder(capacity=3, real_clock=True)
     batch = [prepared(engine, "The function returns", 3), prepared(engine, "A list of", 7),
@@ -172,6 +182,10 @@ def test_the_static_engine_reports_every_row_of_every_group(engine):
     for r in results:
         reasons[r.finish_reason] = reasons.get(r.finish_reason, 0) + 1
     assert {ls[0]: v for (n, ls), v in counts.items() if n == "llama_request_success_total"} == reasons
+    passes = forward_totals(counts)
+    assert passes["prefill"] == {0: {"passes": 1, "prefill_tokens": sum(len(p.prompt_ids) for p in batch)}}
+    assert sum(shape["passes"] for shape in passes["decode"].values()) == counts[("llama_steps_total", ())] - 1
+    assert set(passes["decode"]) <= {1, 2, 3} and counts[("llama_forward_seconds_total", ("prefill", "0"))] > 0
     engine.generate([prepared(engine, "When the file", 2)], metrics=sink)  # no stream sink: still reported
     assert len(sink.of("llama_e2e_request_latency_seconds")) == 4
     queue, ttft, e2e = (sink.of(f"llama_{n}_seconds") for n in ("request_queue_time", "time_to_first_token",
@@ -198,6 +212,12 @@ def test_the_scheduler_reports_admissions_tokens_cancellations_and_steps(engine,
     assert counts[("llama_request_cancelled_total", ())] == 1 and counts[("llama_requests_total", ())] == 4
     assert counts[("llama_steps_total", ())] == scheduler.steps
     assert len(sink.of("llama_request_queue_time_seconds")) == 3  # the cancelled one never got a slot
+    passes = forward_totals(counts)
+    assert sum(shape["passes"] for kind in passes.values() for shape in kind.values()) == scheduler.steps
+    assert sum(shape.get("prefill_tokens", 0) for shape in passes["prefill"].values()) == \
+        sum(len(h.prepared.prompt_ids) for h in done + [waiting])
+    assert set(passes["decode"]) <= {1, 2} and set(passes["prefill"]) <= {0, 1}  # a prefill pass decodes the other slot
+    assert "prefill_tokens" not in passes["decode"].get(2, {})
     assert sink.of("llama_slots_in_use")[-1] == 0 and sink.of("llama_requests_waiting")[-1] == 0
 
 
