@@ -35,6 +35,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -166,6 +167,43 @@ def simulate(schedule, slots: int, step_ms: dict, prefill_tps: float, chunk: int
             finished = t
             active = [r for r in active if r["made"] < r["out"]]
     return dict(ideal_tps=tokens / (finished - start), ideal_s=finished - start, sim_tokens=tokens)
+
+
+#: Decode passes of one row count the served round must have run for their mean to price that count.
+MIN_PASSES = 5
+
+
+def at_served_costs(bound: dict, forward: dict, schedule) -> Optional[dict]:
+    """The schedule's ideal (:func:`simulate`) priced at the forward passes the served worker ran.
+
+    ``bound`` is :func:`measure`'s (in this process, minutes away from the served round);
+    ``forward`` the server's own ``llama_forward_*`` metrics over one round
+    (``scrape_metrics.forward_passes``). On a host whose speed drifts between minutes, the
+    in-process prices misstate the ideal by tens of percent; these are what the round's model
+    work really cost, so served / this ideal is the scheduling, streaming and serving overhead
+    alone. A decode step of ``r`` rows costs the server's mean decode pass of ``r`` rows (rows it
+    ran fewer than :data:`MIN_PASSES` times: the in-process figure times the median served /
+    in-process ratio of the others); prefill passes keep the in-process shape (prompt tokens /
+    rate + merged decode rows), scaled so that the round's prefill passes cost what they did.
+    None without both decode and prefill passes to price.
+    """
+    slots, inproc = bound["slots"], {int(r): ms for r, ms in bound["step_ms"].items()}
+    served = {int(r): 1000 * shape["seconds"] / shape["passes"] for r, shape in forward.get("decode", {}).items()
+              if shape.get("passes", 0) >= MIN_PASSES and int(r) in inproc}
+    prefill = forward.get("prefill", {}).values()
+    tokens = sum(shape.get("prefill_tokens", 0) for shape in prefill)
+    merged_rows = sum(int(r) * shape["passes"] for r, shape in forward.get("prefill", {}).items())
+    predicted_s = tokens / bound["prefill_tokens_per_s"] + bound["merged_rows_ms"] / 1e3 * merged_rows / max(slots - 1, 1)
+    if not served or predicted_s <= 0:
+        return None
+    decode_scale = statistics.median(served[r] / inproc[r] for r in served)
+    prefill_scale = sum(shape["seconds"] for shape in prefill) / predicted_s
+    step_ms = {r: served.get(r, ms * decode_scale) for r, ms in inproc.items()}
+    tps, merged = bound["prefill_tokens_per_s"] / prefill_scale, bound["merged_rows_ms"] * prefill_scale
+    sim = simulate(schedule, slots, step_ms, tps, bound["chunk"], merged)
+    return dict(ideal_tps=sim["ideal_tps"], ideal_s=sim["ideal_s"], step_ms=step_ms, prefill_tokens_per_s=tps,
+                merged_rows_ms=merged, decode_scale=decode_scale, prefill_scale=prefill_scale,
+                served_rows=sorted(served))
 
 
 def load_backend(model: Path, dtype: str, slots: int, max_length: int):

@@ -405,9 +405,12 @@ class BenchRun:
             for name in (names if k % 2 == 0 else names[::-1]):
                 if plan["quiet_wait"]:
                     monitor.wait_quiet(plan["quiet_wait"])
+                server = self.kept[name][0].metrics()
+                before = server.snapshot()
                 wave = run_schedule(self.kept[name][1], schedule, self.timeout)
                 records[name] += wave
                 per_round[name].append(summarize(wave))
+                per_round[name][-1]["server"] = server.since(before, requests=len(schedule))
                 log(f"{name} {load} poisson round {k + 1}: {brief(per_round[name][-1])}")
         contention = monitor.since(snap)
         ratios = [round(c["output_tokens_per_s"] / m["output_tokens_per_s"], 4)
@@ -420,6 +423,9 @@ class BenchRun:
             run = summarize(records[name], system=name, rounds=len(per_round[name]), round_ratios=ratios,
                             **poisson_labels(load_plan, schedule, load))
             run.update(contention)
+            run["server_forward_rounds"] = [r["server"].get("forward") for r in per_round[name]]
+            if name == "torchserve-continuous":
+                run.update(self._ideal_at_served_costs(load, schedule, rounds))
             if rounds:
                 wall = statistics.mean(r["wall_s"] for r in rounds)
                 rates = [r["output_tokens_per_s"] for r in rounds]
@@ -428,6 +434,20 @@ class BenchRun:
             self.runs.append(run)
         log(f"{load} poisson pairs: continuous / micro per round {ratios}")
         self.phases[f"poisson_{load}_pairs_s"] = time.perf_counter() - t
+
+    def _ideal_at_served_costs(self, load: str, schedule, rounds: List[dict]) -> dict:
+        """Each round's ideal priced at the server's own forward passes in it, and served / that ideal."""
+        from scripts.bench.continuous_bound import at_served_costs
+
+        bound = self.results["extra"].get("continuous_bound", {}).get(load)
+        if not bound:
+            return {}
+        lengths = [(t, len(ids), n) for t, ids, n in schedule]
+        ideals = [at_served_costs(bound, r["server"].get("forward", {}), lengths) for r in rounds]
+        ratios = [round(r["output_tokens_per_s"] / ideal["ideal_tps"], 4) for r, ideal in zip(rounds, ideals) if ideal]
+        return dict(ideal_at_served_costs=[ideal and dict(ideal, step_ms={str(k): v for k, v in ideal["step_ms"].items()})
+                                           for ideal in ideals],
+                    vs_ideal_at_served_costs=ratios)
 
     def stop_variants(self) -> None:
         for name, (system, _) in self.kept.items():

@@ -2,6 +2,8 @@
 table of ratios by CPU class (the figures themselves come from ``make bench``, never asserted)."""
 import json
 
+import pytest
+
 from scripts.bench import report
 from scripts.bench.continuous_bound import replay
 
@@ -94,6 +96,68 @@ def test_the_schedules_ideal_pays_for_arrivals_and_the_drain():
     assert abs(whole["ideal_s"] - (0.8 + 49 * steps[8] / 1e3)) < 1e-9
     # in 256-token chunks the first prompts start decoding in the passes that prefill the others
     assert fast["ideal_s"] < whole["ideal_s"]
+
+
+BOUND = {"slots": 8, "chunk": 256, "step_ms": {str(r): 10.0 + r for r in range(1, 9)},  # as the JSON holds it
+         "prefill_tokens_per_s": 1000.0, "merged_rows_ms": 7.0}
+WAVE = [(i * 0.5, 200, 40) for i in range(16)]
+
+
+def _forward(decode_ms: dict, decode_passes: int, prefill_tokens: int, merged_rows: int, prefill_s: float) -> dict:
+    """A round's forward passes as ``scrape_metrics.forward_passes`` gives them (one prefill shape)."""
+    return {"decode": {r: {"passes": decode_passes, "seconds": decode_passes * ms / 1e3} for r, ms in decode_ms.items()},
+            "prefill": {merged_rows: {"passes": 10, "seconds": prefill_s, "prefill_tokens": prefill_tokens}}}
+
+
+def test_the_ideal_priced_at_the_servers_own_forward_passes():
+    from scripts.bench.continuous_bound import at_served_costs, simulate
+
+    inproc = {r: 10.0 + r for r in range(1, 9)}
+    expected = simulate(WAVE, 8, inproc, 1000.0, 256, 7.0)["ideal_tps"]
+    # passes that cost what the in-process measure said: the same ideal
+    same = _forward(inproc, 20, 2000, 0, 2.0)
+    assert at_served_costs(BOUND, same, WAVE)["ideal_tps"] == pytest.approx(expected)
+    # a host twice as slow in the round: every cost doubles, rows it never ran too
+    slow = at_served_costs(BOUND, _forward({r: 2 * inproc[r] for r in (1, 4, 8)}, 20, 2000, 0, 4.0), WAVE)
+    assert slow["decode_scale"] == pytest.approx(2.0) and slow["prefill_scale"] == pytest.approx(2.0)
+    assert slow["step_ms"][6] == pytest.approx(32.0) and slow["served_rows"] == [1, 4, 8]
+    assert slow["prefill_tokens_per_s"] == pytest.approx(500.0) and slow["merged_rows_ms"] == pytest.approx(14.0)
+    assert expected / 2 < slow["ideal_tps"] < expected  # the gaps between arrivals do not slow down
+    burst = [(0.0, 200, 40)] * 16
+    assert at_served_costs(BOUND, _forward({r: 2 * inproc[r] for r in (1, 4, 8)}, 20, 2000, 0, 4.0), burst)[
+        "ideal_tps"] == pytest.approx(at_served_costs(BOUND, same, burst)["ideal_tps"] / 2)
+    # merged decode rows are priced before the prefill scale: 7 rows in 10 passes at 7 ms per 7 rows
+    merged = at_served_costs(BOUND, _forward(inproc, 20, 2000, 7, 2.07), WAVE)
+    assert merged["prefill_scale"] == pytest.approx(1.0)
+    # too few passes of a row count to price it; nothing to price at all
+    sparse = at_served_costs(BOUND, _forward({2: 24.0, 3: 13.0}, 4, 2000, 0, 2.0) | {"decode": {
+        2: {"passes": 4, "seconds": 0.096}, 3: {"passes": 6, "seconds": 0.078}}}, WAVE)
+    assert sparse["served_rows"] == [3] and sparse["step_ms"][2] == pytest.approx(12.0)
+    assert at_served_costs(BOUND, {}, WAVE) is None
+
+
+def test_continuous_against_the_ideal_at_served_costs_with_the_in_process_one_beside():
+    rounds = {"output_tokens_per_s_rounds": [45.0, 55.0], "vs_ideal_at_served_costs": [0.9, 1.0],
+              "ideal_at_served_costs": [{"ideal_tps": 50.0}, {"ideal_tps": 55.0}]}
+    runs = [_run("torchserve", "poisson", 40.0), _run("torchserve-continuous", "poisson", 50.0, **rounds)]
+    rs = report.ratios(_results(runs, extra={"continuous_bound": {"mixed": {"ideal_tps": 80.0, "bound": 1.5}}}))
+    served = rs["continuous_vs_ideal"]
+    assert served["value"] == 0.95 and served["met"] is True and served["inputs"]["ideal_tps_rounds"] == [50.0, 55.0]
+    inprocess = rs["continuous_vs_ideal_inprocess"]
+    assert inprocess["value"] == 0.625 and inprocess["met"] is None
+
+
+def test_forward_passes_read_from_a_scrape():
+    from scripts.scrape_metrics import forward_passes, parse
+
+    text = "\n".join(f'{name}{{ModelName="{m}",kind="{k}",rows="{r}",Hostname="h",}} {v}' for name, m, k, r, v in (
+        ("llama_forward_passes_total", "m", "decode", "8", 30.0), ("llama_forward_seconds_total", "m", "decode", "8", 1.5),
+        ("llama_forward_passes_total", "m", "prefill", "7", 2.0), ("llama_forward_seconds_total", "m", "prefill", "7", 0.9),
+        ("llama_forward_prefill_tokens_total", "m", "prefill", "7", 512.0),
+        ("llama_forward_passes_total", "other", "decode", "1", 9.0))) + "\n"
+    assert forward_passes(parse(text), "m") == {
+        "decode": {8: {"passes": 30.0, "seconds": 1.5}},
+        "prefill": {7: {"passes": 2.0, "seconds": 0.9, "prefill_tokens": 512.0}}}
 
 
 def test_load_choices_read_as_weights_when_repeated():

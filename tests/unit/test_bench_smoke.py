@@ -81,8 +81,14 @@ def test_smoke_runs_cover_each_scenario_with_full_length_streams(smoke):
     assert sorted((r["load"], r["system"]) for r in paired) == [
         ("mixed", "torchserve"), ("mixed", "torchserve-continuous"),
         ("wide", "torchserve"), ("wide", "torchserve-continuous")]
+    prompt_tokens = {}
     for run in paired:
         assert run["rounds"] == 1 and len(run["round_ratios"]) == 1 and run["round_ratios"][0] > 0, run
+        forward = run["server_forward_rounds"][0]  # the server's own forward passes in the round (its metrics)
+        assert forward["decode"] and all(shape["seconds"] > 0 for shape in forward["decode"].values())
+        prompt_tokens.setdefault(run["load"], set()).add(
+            sum(shape["prefill_tokens"] for shape in forward["prefill"].values()))
+    assert all(len(totals) == 1 and totals.pop() > 0 for totals in prompt_tokens.values())  # both prefilled the same prompts
     wide = next(r for r in paired if r["load"] == "wide")
     assert wide["output_choices"] == results["plan"]["poisson_wide"]["outputs"]
     assert results["ratios"]["continuous_throughput_vs_micro_wide"]["goal"] == ">= 2.0"
