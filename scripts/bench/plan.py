@@ -121,8 +121,9 @@ class Prompts:
     def __init__(self, factory: PromptFactory, plan: dict, max_length: int, seed: int):
         self.lengths = {(i, o): [factory.make(i) for _ in range(plan["length_repeats"])] for i, o in plan["lengths"]}
         self.probes = {i: [factory.make(i) for _ in range(plan["ttft_probes"])] for i, _ in plan["lengths"]}
-        self.waves = {(c, r): [factory.make(plan["conc_input"]) for _ in range(c)]
-                      for c in plan["concurrency"] for r in range(plan["rounds"])}
+        paired_only = [c for c in plan["paired_concurrency"] if c not in plan["concurrency"]]  # drawn last: the
+        self.waves = {(c, r): [factory.make(plan["conc_input"]) for _ in range(c)]  # sweep's prompts stay the same
+                      for c in plan["concurrency"] + paired_only for r in range(plan["rounds"])}
         self.warm = factory.make(16)
         self.schedules = {load: [(t, factory.make(inp), out) for t, inp, out in
                                  poisson_lengths(plan[POISSON_PLAN[load]], max_length, seed)] for load in LOADS}

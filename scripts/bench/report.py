@@ -82,13 +82,25 @@ def ratios(results: dict) -> dict:
             iter(sorted((r for r in runs if r.get("system") == system and r.get("scenario") == "length" and r.get("ok")),
                         key=lambda r: r["input_tokens"])), None)
         rate = run and run.get("decode_tokens_per_s_per_stream")
-        out[key] = _ratio(
+        against_best = _ratio(
             rate * nbytes / bw if rate else None, ">= 0.50", lambda v: v >= 0.50,
-            f"{system} batch-1 decode tok/s x weight bytes per token / memory bandwidth "
+            f"{system} batch-1 decode tok/s (its sweep) x weight bytes per token / the best memory bandwidth of the run "
             f"({results['decode_bound']['threads']} threads)",
             decode_tokens_per_s=rate, weight_bytes_per_token=nbytes,
             bandwidth_gb_per_s=results["decode_bound"]["bandwidth_gb_per_s"],
             input_tokens=run and run["input_tokens"], output_tokens=run and run["output_tokens"])
+        pair = find(runs, system, "paired", concurrency=1)
+        if pair and pair.get("decode_efficiency_median"):
+            out[key] = _ratio(
+                pair["decode_efficiency_median"], ">= 0.50", lambda v: v >= 0.50,
+                f"{system} batch-1 decode tok/s x weight bytes per token / the memory bandwidth measured right before "
+                f"and after it (median of {len(pair['decode_efficiency_rounds'])} paired rounds, "
+                f"{results['decode_bound']['threads']} threads)",
+                rounds=pair["decode_efficiency_rounds"], bandwidth_gb_per_s_samples=pair["bandwidth_gb_per_s_rounds"],
+                weight_bytes_per_token=nbytes)
+            out[f"{key}_vs_best_bandwidth"] = dict(against_best, goal="report", met=None)
+        else:
+            out[key] = against_best
     fp32 = results.get("extra", {}).get("fp32_batch1")
     if fp32 and fp32.get("ok"):
         rate = fp32["decode_tokens_per_s_per_stream"]

@@ -226,6 +226,10 @@ class BenchRun:
 
     # -- 1. the engine in-process ------------------------------------------------------------
 
+    def _bandwidth_now(self) -> float:
+        """GB/s with the bench's threads, a short sample (best of 3) to bracket a measurement."""
+        return read_bandwidth(self.plan["membw_gb"], threads=(self.threads,), repeats=3)[str(self.threads)]["gb_per_s"]
+
     def inprocess(self) -> None:
         """The engine in this process: its sweep, and (default mode) float32 at batch 1 beside it."""
         from scripts.bench.inprocess import InProcessEngine
@@ -301,7 +305,8 @@ class BenchRun:
             t = time.perf_counter()
             paired(("inprocess", self.engine.run_wave),
                    ("torchserve", lambda ps, n: run_wave(adapter, ps, n, self.timeout)),
-                   self.prompts, plan, self.runs, self.monitor)
+                   self.prompts, plan, self.runs, self.monitor,
+                   efficiency=(self._bandwidth_now, self.results["decode_bound"]["weight_bytes_per_token"]))
             self.phases["paired_s"] = time.perf_counter() - t
 
     def served_continuous(self) -> None:

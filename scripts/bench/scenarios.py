@@ -102,7 +102,7 @@ def poisson_rates(ok: int, wall_s: float, schedule) -> dict:
 
 
 def paired(first, second, prompts: Prompts, plan: dict, runs: List[dict], monitor, *, scenario: str = "paired",
-           ratio: str = "served_over_inprocess", concurrency=None) -> None:
+           ratio: str = "served_over_inprocess", concurrency=None, efficiency=None) -> None:
     """The same waves on two systems, alternated A/B, B/A, ...: ``first`` and ``second`` are (name, runner).
 
     The machine's speed drifts between minutes (other processes, other VMs on the host); a ratio
@@ -110,22 +110,37 @@ def paired(first, second, prompts: Prompts, plan: dict, runs: List[dict], monito
     Both systems stay loaded (the idle one waits) and the order alternates. Each system gets a
     ``scenario`` row per concurrency; ``<ratio>`` holds second / first per round and
     ``<ratio>_median`` their median.
+
+    ``efficiency``, ``(bandwidth sampler in GB/s, weight bytes per token)``, brackets each round at
+    1 stream with memory-bandwidth samples: each system's batch-1 decode efficiency per round is
+    its decode tok/s x bytes per token / the mean of the samples before and after that round
+    (``decode_efficiency_rounds``, ``decode_efficiency_median``), so that the bandwidth it is held
+    to is the machine's in that minute, not its best of the run.
     """
     for c in (plan["paired_concurrency"] if concurrency is None else concurrency):
         if (c, 0) not in prompts.waves:
             continue
         items, n = prompts.waves[(c, 0)], plan["conc_output"]
         records = {first[0]: [], second[0]: []}
-        ratios = []
+        ratios, bracket = [], efficiency if c == 1 else None
+        bandwidth = [bracket[0]()] if bracket else []
+        efficiencies = {first[0]: [], second[0]: []}
         snap = monitor.snapshot()
         for k in range(plan["paired_rounds"]):
-            rates = {}
+            rates, decode = {}, {}
             for name, runner in ((first, second) if k % 2 == 0 else (second, first)):
                 wave = runner(items, n)
                 records[name] += wave
                 rates[name] = summarize(wave).get("output_tokens_per_s")
+                decode[name] = wave[0].decode_tokens_per_s() if wave and wave[0].ok else None
             if rates[first[0]] and rates[second[0]]:
                 ratios.append(round(rates[second[0]] / rates[first[0]], 4))
+            if bracket:
+                bandwidth.append(bracket[0]())
+                gb_per_s = (bandwidth[-2] + bandwidth[-1]) / 2
+                for name, rate in decode.items():
+                    if rate:
+                        efficiencies[name].append(round(rate * bracket[1] / (gb_per_s * 1e9), 4))
         contention = monitor.since(snap)
         for name, recs in records.items():
             run = summarize(recs, system=name, scenario=scenario, input_tokens=plan["conc_input"], output_tokens=n,
@@ -138,6 +153,9 @@ def paired(first, second, prompts: Prompts, plan: dict, runs: List[dict], monito
                 # every request of a paired wave has the same lengths: the convention follows per round
                 run["throughput_seq_tokens_per_s"] = round(run["output_tokens_per_s"] * (plan["conc_input"] + n) / n, 3)
             run.update(contention, **{ratio: ratios, f"{ratio}_median": statistics.median(ratios) if ratios else None})
+            if efficiencies[name]:
+                run.update(decode_efficiency_rounds=efficiencies[name], bandwidth_gb_per_s_rounds=bandwidth,
+                           decode_efficiency_median=statistics.median(efficiencies[name]))
             runs.append(run)
         log(f"{scenario} A/B at {c} streams: {second[0]} / {first[0]} per round {ratios}")
 

@@ -50,6 +50,18 @@ def test_continuous_is_held_to_the_ideal_to_vllm_and_to_2x_micro_on_the_wide_loa
     assert rs["continuous_vs_ideal_wide"]["value"] == 0.9
 
 
+def test_batch1_efficiency_is_held_to_the_bandwidth_measured_around_it():
+    sweep = _run("inprocess", "concurrency", 30.0, concurrency=1)  # 30 tok/s x 4e8 B / 10 GB/s = 1.2 against the best
+    pair = _run("inprocess", "paired", 30.0, concurrency=1, decode_efficiency_rounds=[0.4, 0.55, 0.6],
+                bandwidth_gb_per_s_rounds=[20.0, 22.0, 21.0, 24.0], decode_efficiency_median=0.55)
+    rs = report.ratios(_results([sweep, pair]))
+    assert rs["batch1_decode_efficiency"]["value"] == 0.55 and rs["batch1_decode_efficiency"]["met"] is True
+    assert rs["batch1_decode_efficiency_vs_best_bandwidth"]["value"] == 1.2
+    assert rs["batch1_decode_efficiency_vs_best_bandwidth"]["met"] is None
+    alone = report.ratios(_results([sweep]))  # no bracketed pairs: the sweep against the best bandwidth is the figure
+    assert alone["batch1_decode_efficiency"]["value"] == 1.2 and alone["batch1_decode_efficiency"]["met"] is True
+
+
 def test_each_cpu_class_keeps_its_latest_ratios(tmp_path):
     path = tmp_path / "by-cpu.json"
     runs = [_run("torchserve", "concurrency", 100.0, concurrency=8), _run("llama.cpp", "concurrency", 50.0, concurrency=8)]

@@ -99,6 +99,14 @@ def test_smoke_runs_cover_each_scenario_with_full_length_streams(smoke):
         assert run["requests"] == 2 * 4 and len(run["continuous_over_micro"]) == 2, run
         assert all(x > 0 for x in run["continuous_over_micro"]), run
     assert results["ratios"]["continuous_static_vs_micro"]["inputs"]["pairs"] == waves[0]["continuous_over_micro"]
+    # at 1 stream, each A/B round sits between two memory-bandwidth samples; efficiency per round per system
+    one = {r["system"]: r for r in runs if r["scenario"] == "paired" and r["concurrency"] == 1}
+    assert sorted(one) == ["inprocess", "torchserve"]
+    for run in one.values():
+        assert len(run["decode_efficiency_rounds"]) == 2 and len(run["bandwidth_gb_per_s_rounds"]) == 3, run
+        assert all(0 < e for e in run["decode_efficiency_rounds"]) and min(run["bandwidth_gb_per_s_rounds"]) > 0
+    assert results["ratios"]["batch1_decode_efficiency"]["inputs"]["rounds"] == one["inprocess"]["decode_efficiency_rounds"]
+    assert results["ratios"]["batch1_decode_efficiency_served_vs_best_bandwidth"]["met"] is None
     for run in runs:
         assert run["ok"] == run["requests"] > 0, run
         assert run["short_streams"] == 0, run  # EOS is suppressed: every stream has its max_new_tokens
