@@ -11,6 +11,8 @@ from scripts.bench.plan import choices_text
 
 SERVED = "torchserve"
 CONTINUOUS = "torchserve-continuous"
+#: The served variants' short names in the ``paired-peer/<label>`` rows.
+VARIANT_LABELS = {SERVED: "micro", CONTINUOUS: "continuous"}
 INPROCESS = "inprocess"
 PEER_NAMES = ("llama.cpp", "llama.cpp-q8_0", "vllm")
 #: Peer ratio goals (served / peer output tok/s) by concurrency: llama.cpp in the dtype served.
@@ -139,6 +141,7 @@ def ratios(results: dict) -> dict:
                 f"served output tok/s ({best1['system']}) / {name} output tok/s at 1 stream", concurrency=1,
                 by_variant={r["system"]: round(r["output_tokens_per_s"] / single["output_tokens_per_s"], 4)
                             for r in _served_rows(runs, 1)})
+    out.update(_paired_peer_ratios(runs, out, c))
     if peers:
         strongest = max(peers, key=peers.get)
         out["peer_ratio_strongest"] = _ratio(
@@ -149,6 +152,33 @@ def ratios(results: dict) -> dict:
         states = {n: results["systems"].get(n, {}).get("status", "not checked") for n in PEER_NAMES}
         out["peer_ratio_strongest"] = _ratio(None, ">= 1.0", None,
                                              "served output tok/s / the strongest peer's; no peer ran", **states)
+    return out
+
+
+def _paired_peer_ratios(runs, sweep_ratios: dict, c: int) -> dict:
+    """llama-server's goals from back-to-back A/B waves against each served variant, where the run has
+    them (the best variant's median counts); the ratios of the sweeps, tens of minutes apart, stay as
+    ``_sweeps`` rows."""
+    out = {}
+    for key, conc in (("peer_ratio_llama.cpp", c), ("peer_ratio_llama.cpp_1_stream", 1)):
+        pairs = {}
+        for variant, label in VARIANT_LABELS.items():
+            row = find(runs, variant, f"paired-peer/{label}", concurrency=conc)
+            if row and row.get("served_over_peer_median"):
+                pairs[variant] = row
+        if not pairs:
+            continue
+        best = max(pairs, key=lambda v: pairs[v]["served_over_peer_median"])
+        goal = LLAMA_CPP_GOALS.get(conc)
+        out[key] = _ratio(
+            pairs[best]["served_over_peer_median"], f">= {goal}" if goal else "report",
+            (lambda v, g=goal: v >= g) if goal else None,
+            f"served output tok/s ({best}) / llama.cpp output tok/s at {conc} stream(s): median of "
+            f"{len(pairs[best]['served_over_peer'])} back-to-back A/B pairs of the same wave",
+            concurrency=conc, pairs=pairs[best]["served_over_peer"],
+            by_variant={v: row["served_over_peer_median"] for v, row in pairs.items()})
+        if key in sweep_ratios:
+            out[f"{key}_sweeps"] = dict(sweep_ratios[key], goal="report", met=None)
     return out
 
 

@@ -105,8 +105,8 @@ def main(argv=None) -> int:
     bench.close_inprocess()
     bench.served_continuous()
     bench.variant_pairs()  # both variants: the paired static waves, then each Poisson load's rounds
+    bench.peers()  # the variants stay up (idle): llama-server runs paired waves against each
     bench.stop_variants()
-    bench.peers()
     bench.bandwidth_sample("end")  # a second sample: the machine may have been busier at the start
     return bench.outputs()
 
@@ -493,6 +493,8 @@ class BenchRun:
                 run_wave(adapter, [self.prompts.warm], 4, self.timeout)
                 sweep(peer.name, lambda ps, n, a=adapter: run_wave(a, ps, n, self.timeout), self.prompts, plan, budget,
                       self.runs, self.monitor, schedule_runner=lambda s, a=adapter: run_schedule(a, s, self.timeout))
+                if peer.name == "llama.cpp":
+                    self._paired_with_peer(peer.name, adapter)
             except Exception as exc:  # noqa: BLE001
                 traceback.print_exc()
                 status.update(status="failed", detail=f"{type(exc).__name__}: {exc}"[:2000])
@@ -500,6 +502,21 @@ class BenchRun:
                 peer.stop()
                 status["timings"] = peer.timings
             self.phases[f"{peer.name}_s"] = time.perf_counter() - t
+
+    def _paired_with_peer(self, name: str, adapter) -> None:
+        """The peer against each served variant still up, in back-to-back A/B waves (``paired-peer/<variant>``
+        rows): the sweeps ran tens of minutes apart, and this host's speed drifts by tens of percent."""
+        plan = self.plan
+        if not self.kept or "paired" not in plan["scenarios"] or not plan["paired_rounds"] \
+                or not self.budget.ok(f"paired {name}", 60):
+            return
+        t = time.perf_counter()
+        for variant, (_, served) in self.kept.items():
+            paired((name, lambda ps, n: run_wave(adapter, ps, n, self.timeout)),
+                   (variant, lambda ps, n, a=served: run_wave(a, ps, n, self.timeout)),
+                   self.prompts, plan, self.runs, self.monitor, scenario=f"paired-peer/{report.VARIANT_LABELS[variant]}",
+                   ratio="served_over_peer")
+        self.phases[f"paired_{name}_s"] = time.perf_counter() - t
 
     # -- ratios and outputs ------------------------------------------------------------------------
 

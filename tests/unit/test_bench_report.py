@@ -36,6 +36,23 @@ def test_llama_cpp_goals_at_8_and_1_stream_and_q8_is_labelled_apart():
     assert rs["peer_ratio_strongest"]["inputs"]["peer"] == "llama.cpp"  # the quantized row is not "strongest"
 
 
+def test_llama_cpp_goals_come_from_back_to_back_pairs_where_the_run_has_them():
+    runs = [_run("torchserve-continuous", "concurrency", 80.0, concurrency=8),
+            _run("torchserve-continuous", "concurrency", 20.0, concurrency=1),
+            _run("llama.cpp", "concurrency", 90.0, concurrency=8), _run("llama.cpp", "concurrency", 30.0, concurrency=1)]
+    for label, system, at8, at1 in (("micro", "torchserve", 1.02, 0.7), ("continuous", "torchserve-continuous", 1.1, 0.85)):
+        runs += [_run(system, f"paired-peer/{label}", 1.0, concurrency=8, served_over_peer=[at8, at8],
+                      served_over_peer_median=at8),
+                 _run(system, f"paired-peer/{label}", 1.0, concurrency=1, served_over_peer=[at1], served_over_peer_median=at1)]
+    rs = report.ratios(_results(runs))
+    eight, one = rs["peer_ratio_llama.cpp"], rs["peer_ratio_llama.cpp_1_stream"]
+    assert eight["value"] == 1.1 and eight["met"] is True and eight["inputs"]["by_variant"]["torchserve"] == 1.02
+    assert one["value"] == 0.85 and one["met"] is True and one["inputs"]["pairs"] == [0.85]
+    sweeps = rs["peer_ratio_llama.cpp_sweeps"]  # 80 / 90 minutes apart: reported beside, not the bar
+    assert sweeps["value"] == round(80 / 90, 4) and sweeps["met"] is None
+    assert rs["peer_ratio_llama.cpp_1_stream_sweeps"]["value"] == round(20 / 30, 4)
+
+
 def test_continuous_is_held_to_the_ideal_to_vllm_and_to_2x_micro_on_the_wide_load():
     runs = [_run("torchserve", "poisson", 60.0), _run("torchserve-continuous", "poisson", 95.0, load="mixed"),
             _run("vllm", "poisson", 100.0),
