@@ -118,15 +118,15 @@ def summary(samples: Samples, model: str) -> dict:
 def forward_passes(samples: Samples, model: Optional[str] = None) -> Dict[str, Dict[int, dict]]:
     """The backend's forward passes by kind and decode rows: ``{"decode"|"prefill": {rows: {"passes",
     "seconds", "prefill_tokens"}}}``, without the shapes that did not run."""
+    keys = {"llama_forward_passes_total": "passes", "llama_forward_seconds_total": "seconds",
+            "llama_forward_prefill_tokens_total": "prefill_tokens"}
     out: Dict[str, Dict[int, dict]] = {}
-    for metric, key in (("llama_forward_passes_total", "passes"), ("llama_forward_seconds_total", "seconds"),
-                        ("llama_forward_prefill_tokens_total", "prefill_tokens")):
-        for (name, ls), v in samples.items():
-            labels = dict(ls)
-            if name != metric or (model is not None and labels.get("ModelName") != model) or "kind" not in labels:
-                continue
-            shape = out.setdefault(labels["kind"], {}).setdefault(int(labels["rows"]), {})
-            shape[key] = shape.get(key, 0.0) + v
+    for (name, ls), v in samples.items():
+        labels = dict(ls)
+        if name not in keys or (model is not None and labels.get("ModelName") != model) or "kind" not in labels:
+            continue
+        shape = out.setdefault(labels["kind"], {}).setdefault(int(labels["rows"]), {})
+        shape[keys[name]] = shape.get(keys[name], 0.0) + v
     return {kind: {rows: shape for rows, shape in sorted(shapes.items()) if shape.get("passes")}
             for kind, shapes in out.items()}
 

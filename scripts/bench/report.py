@@ -37,6 +37,11 @@ def _ratio(value, goal_text, test, definition, **inputs) -> dict:
             "definition": definition, "inputs": inputs}
 
 
+def _as_report(ratio: dict) -> dict:
+    """The same figure kept beside a goal's: reported, not held to the goal."""
+    return dict(ratio, goal="report", met=None)
+
+
 def _ttft_growth(runs, system):
     ttft_runs = sorted((r for r in runs if r.get("system") == system and r.get("scenario") == "ttft" and r.get("ok")),
                        key=lambda r: r["input_tokens"])
@@ -100,7 +105,7 @@ def ratios(results: dict) -> dict:
                 f"{results['decode_bound']['threads']} threads)",
                 rounds=pair["decode_efficiency_rounds"], bandwidth_gb_per_s_samples=pair["bandwidth_gb_per_s_rounds"],
                 weight_bytes_per_token=nbytes)
-            out[f"{key}_vs_best_bandwidth"] = dict(against_best, goal="report", met=None)
+            out[f"{key}_vs_best_bandwidth"] = _as_report(against_best)
         else:
             out[key] = against_best
     fp32 = results.get("extra", {}).get("fp32_batch1")
@@ -178,7 +183,7 @@ def _paired_peer_ratios(runs, sweep_ratios: dict, c: int) -> dict:
             concurrency=conc, pairs=pairs[best]["served_over_peer"],
             by_variant={v: row["served_over_peer_median"] for v, row in pairs.items()})
         if key in sweep_ratios:
-            out[f"{key}_sweeps"] = dict(sweep_ratios[key], goal="report", met=None)
+            out[f"{key}_sweeps"] = _as_report(sweep_ratios[key])
     return out
 
 
@@ -251,18 +256,15 @@ def _vs_ideal(cont: dict, bound: dict, load: str, goal: str, met) -> dict:
     costs measured in-process before the rounds (reported beside it; the goal's figure otherwise)."""
     key = "continuous_vs_ideal" + ("" if load == "mixed" else f"_{load}")
     ratios = cont.get("vs_ideal_at_served_costs") or []
-
-    def inprocess(goal_text, test):
-        return _ratio(
-            cont["output_tokens_per_s"] / bound["ideal_tps"], goal_text, test,
-            f"Poisson run ({load} load): continuous-batching output tok/s / the schedule's ideal at step costs "
-            "measured in-process before the served rounds (scripts.bench.continuous_bound; the host's speed may "
-            "differ by then)",
-            continuous=cont["output_tokens_per_s"], ideal=round(bound["ideal_tps"], 2),
-            saturated=round(bound.get("saturated_ideal_tps", 0), 2))
-
+    inprocess = _ratio(
+        cont["output_tokens_per_s"] / bound["ideal_tps"], goal, met,
+        f"Poisson run ({load} load): continuous-batching output tok/s / the schedule's ideal at step costs "
+        "measured in-process before the served rounds (scripts.bench.continuous_bound; the host's speed may "
+        "differ by then)",
+        continuous=cont["output_tokens_per_s"], ideal=round(bound["ideal_tps"], 2),
+        saturated=round(bound.get("saturated_ideal_tps", 0), 2))
     if not ratios:
-        return {key: inprocess(goal, met)}
+        return {key: inprocess}
     served = _ratio(
         statistics.mean(ratios), goal, met,
         f"Poisson run ({load} load): continuous-batching output tok/s / the schedule's ideal (scripts.bench."
@@ -270,7 +272,7 @@ def _vs_ideal(cont: dict, bound: dict, load: str, goal: str, met) -> dict:
         "at the forward passes the server itself ran in each round (llama_forward_* metrics); mean over rounds",
         round_ratios=ratios, ideal_tps_rounds=[round(i["ideal_tps"], 2) for i in cont["ideal_at_served_costs"] if i],
         continuous_rounds=cont.get("output_tokens_per_s_rounds"))
-    return {key: served, f"{key.replace('_ideal', '_ideal_inprocess')}": inprocess("report", None)}
+    return {key: served, key.replace("_ideal", "_ideal_inprocess"): _as_report(inprocess)}
 
 
 def poisson_run(runs, system: str, load: str) -> Optional[dict]:

@@ -122,8 +122,9 @@ def paired(first, second, prompts: Prompts, plan: dict, runs: List[dict], monito
             continue
         items, n = prompts.waves[(c, 0)], plan["conc_output"]
         records = {first[0]: [], second[0]: []}
-        ratios, bracket = [], efficiency if c == 1 else None
-        bandwidth = [bracket[0]()] if bracket else []
+        ratios = []
+        sample_bandwidth, bytes_per_token = efficiency if efficiency and c == 1 else (None, None)
+        bandwidth = [sample_bandwidth()] if sample_bandwidth else []
         efficiencies = {first[0]: [], second[0]: []}
         snap = monitor.snapshot()
         for k in range(plan["paired_rounds"]):
@@ -135,12 +136,12 @@ def paired(first, second, prompts: Prompts, plan: dict, runs: List[dict], monito
                 decode[name] = wave[0].decode_tokens_per_s() if wave and wave[0].ok else None
             if rates[first[0]] and rates[second[0]]:
                 ratios.append(round(rates[second[0]] / rates[first[0]], 4))
-            if bracket:
-                bandwidth.append(bracket[0]())
+            if sample_bandwidth:
+                bandwidth.append(sample_bandwidth())
                 gb_per_s = (bandwidth[-2] + bandwidth[-1]) / 2
                 for name, rate in decode.items():
                     if rate:
-                        efficiencies[name].append(round(rate * bracket[1] / (gb_per_s * 1e9), 4))
+                        efficiencies[name].append(round(rate * bytes_per_token / (gb_per_s * 1e9), 4))
         contention = monitor.since(snap)
         for name, recs in records.items():
             run = summarize(recs, system=name, scenario=scenario, input_tokens=plan["conc_input"], output_tokens=n,
