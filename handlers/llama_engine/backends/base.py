@@ -176,6 +176,49 @@ class SlotBackend(ABC):
             raise ValueError(f"slot {slot} is out of range: the backend has {self.max_slots} slots")
 
 
+class SlotBatchBackend(Backend):
+    """Static batches (micro-batching) over a :class:`SlotBackend`: row ``i`` of a batch is slot ``i``.
+
+    Each row sits in its own slot at its own positions, so the engine's left padding is
+    dropped before the model sees it, all rows' prompts go through one ``step_slots`` call,
+    and ``retain`` only forgets the finished rows' slots.
+    """
+
+    def __init__(self, slots: SlotBackend):
+        self.slots = slots
+        self.max_length = slots.max_length
+        self._rows: List[int] = []  # the slot of each row of the running batch
+
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        self.release()
+        self.slots.reserve_slots(input_ids.shape[0])
+        chunks = [PrefillChunk(row, ids[mask.bool()].tolist())
+                  for row, (ids, mask) in enumerate(zip(input_ids.cpu(), attention_mask.cpu()))]
+        out = self.slots.step_slots([], [], chunks)
+        failed = next((o for o in out.prefills if isinstance(o, BaseException)), None)
+        if failed is not None:
+            for chunk in chunks:
+                self.slots.free_slot(chunk.slot)
+            raise failed
+        self._rows = [chunk.slot for chunk in chunks]
+        return torch.stack(out.prefills)
+
+    def decode(self, next_tokens: torch.Tensor) -> torch.Tensor:
+        return self.slots.decode_slots(self._rows, next_tokens.view(-1).tolist())
+
+    def retain(self, rows: Sequence[int]) -> bool:
+        keep = [self._rows[i] for i in rows]
+        for slot in set(self._rows).difference(keep):
+            self.slots.free_slot(slot)
+        self._rows = keep
+        return True
+
+    def release(self) -> None:
+        for slot in self._rows:
+            self.slots.free_slot(slot)
+        self._rows = []
+
+
 def _outcome(fn, *args, **kwargs) -> Outcome:
     try:
         return fn(*args, **kwargs)

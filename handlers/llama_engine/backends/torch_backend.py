@@ -7,7 +7,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from ..cpu import auto_dtype
-from .base import Backend, PrefillChunk, SlotBackend, StepLogits
+from .base import Backend, PrefillChunk, SlotBackend, SlotBatchBackend, StepLogits
 from .fast_linear import FusedLlamaProjections, pack_linears
 
 logger = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ def check_max_length(config, max_length: int) -> None:
                          f"max_position_embeddings ({limit}); lower handler.max_length")
 
 
-class TorchBackend(Backend):
+class TorchBackend(SlotBatchBackend):
     """Static batches (micro-batching) over :class:`TorchSlotBackend`'s forward: row ``i`` is slot ``i``.
 
     Each row sits in its own slot at its own positions, so the engine's left padding is
@@ -62,40 +62,13 @@ class TorchBackend(Backend):
 
     def __init__(self, model_path: str, dtype: str = "float32", device: str = "auto",
                  max_length: int = 512, batch_size: int = 1):
-        self.slots = TorchSlotBackend.from_pretrained(model_path, max(1, batch_size), max_length, dtype, device)
-        self.model, self.device, self.max_length = self.slots.model, self.slots.device, max_length
-        self._rows: List[int] = []  # the slot of each row of the running batch
+        super().__init__(TorchSlotBackend.from_pretrained(model_path, max(1, batch_size), max_length, dtype, device))
+        self.model, self.device = self.slots.model, self.slots.device
         logger.info("torch backend: %s on %s in %s", type(self.model).__name__, self.device, self.model.dtype)
 
     @torch.inference_mode()
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        self.release()
-        self.slots.reserve_slots(input_ids.shape[0])
-        chunks = [PrefillChunk(row, ids[mask.bool()].tolist())
-                  for row, (ids, mask) in enumerate(zip(input_ids.cpu(), attention_mask.cpu()))]
-        out = self.slots.step_slots([], [], chunks)
-        failed = next((o for o in out.prefills if isinstance(o, BaseException)), None)
-        if failed is not None:
-            for chunk in chunks:
-                self.slots.free_slot(chunk.slot)
-            raise failed
-        self._rows = [chunk.slot for chunk in chunks]
-        return torch.stack(out.prefills)
-
-    def decode(self, next_tokens: torch.Tensor) -> torch.Tensor:
-        return self.slots.decode_slots(self._rows, next_tokens.view(-1).tolist())
-
-    def retain(self, rows: Sequence[int]) -> bool:
-        keep = [self._rows[i] for i in rows]
-        for slot in set(self._rows).difference(keep):
-            self.slots.free_slot(slot)
-        self._rows = keep
-        return True
-
-    def release(self) -> None:
-        for slot in self._rows:
-            self.slots.free_slot(slot)
-        self._rows = []
+        return super().prefill(input_ids, attention_mask)
 
 
 class CompiledTorchBackend(Backend):
