@@ -16,7 +16,7 @@ ENGINE_SRC := $(shell find handlers -name '*.py' -not -path '*/__pycache__/*')
 PYTEST_ARGS ?=
 SERVE_ARGS ?=
 CHECKPOINT ?= $(BUILD)/tiny-llama
-BUILD_SCRIPTS := scripts/build_model.py scripts/build_archive.py scripts/prepare_checkpoint.py
+BUILD_SCRIPTS := scripts/build_model.py scripts/build_archive.py scripts/prepare_checkpoint.py scripts/convert_gguf.py
 
 # MODEL may name several model-configs, comma-separated: each is built, served and streamed.
 comma := ,
@@ -28,7 +28,7 @@ ARCHIVE_OF = $(STORE)/$(1)/MAR-INF/MANIFEST.json
 endif
 ARCHIVES := $(foreach m,$(MODELS),$(call ARCHIVE_OF,$(m)))
 
-.PHONY: help demo test lint build check-models one-model serve stop stream check-prereqs venv clean neuron-smoke upload deploy undeploy sagemaker-local bench bench-peers bench-models
+.PHONY: help demo test lint build check-models one-model serve stop stream check-prereqs venv clean neuron-smoke upload deploy undeploy sagemaker-local bench bench-peers bench-models llamacpp
 
 help:  ## list the targets (the first one, so plain `make` shows this)
 	@awk 'BEGIN {FS = ":[^#]*## "} /^[a-z][a-zA-Z_-]*:.*## / {printf "  %-16s %s\n", $$1, $$2}' $(firstword $(MAKEFILE_LIST))
@@ -61,6 +61,15 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt pyproject.toml | check
 	$(BIN)/python -m pip install -qq --no-deps -e .
 	touch $@
 
+# The llamacpp backend: llama-cpp-python built from source for this CPU into the venv, and the
+# llama.cpp tree whose convert_hf_to_gguf.py the build step runs (build/peers/llama.cpp). Needs
+# cmake and a C++ compiler; ~6 minutes on 2 cores, once.
+LLAMACPP_STAMP := $(VENV)/.llamacpp
+llamacpp: $(LLAMACPP_STAMP)  ## build llama-cpp-python for this CPU into the venv (backend llamacpp; ~6 min once)
+$(LLAMACPP_STAMP): scripts/build_peers.sh | $(VENV)/.installed
+	PY=$(abspath $(BIN))/python bash scripts/build_peers.sh backend
+	touch $@
+
 # The embedded default model: built offline and deterministically.
 $(BUILD)/tiny-llama/config.json: scripts/build_tiny_llama.py | $(VENV)/.installed
 	$(BIN)/python scripts/build_tiny_llama.py --out $(BUILD)/tiny-llama
@@ -81,6 +90,7 @@ check-models:
 
 # Prepare the checkpoint, compile into a shipped cache when the config compiles, package.
 $(call ARCHIVE_OF,%): $(CHECKPOINT)/config.json model-config/%.yaml $(ENGINE_SRC) $(BUILD_SCRIPTS) handlers/requirements-model.txt | $(VENV)/.installed
+	@if grep -Eq '^[[:space:]]+backend:[[:space:]]*llamacpp' model-config/$*.yaml; then $(MAKE) --no-print-directory llamacpp; fi
 	PATH=$(abspath $(BIN)):$$PATH $(BIN)/python scripts/build_model.py --config model-config/$*.yaml \
 	  --checkpoint $(CHECKPOINT) --export-path $(STORE) --archive-format $(ARCHIVE_FORMAT)
 
@@ -94,7 +104,7 @@ stop:  ## stop the server that serve/demo started
 stream: | $(VENV)/.installed  ## stream PROMPT from each MODEL of the running server
 	@for m in $(MODELS); do echo "--- $$m"; $(BIN)/python scripts/stream.py "$(PROMPT)" --model $$m --workdir $(SERVE_DIR) --details || exit 1; done
 
-test: $(BUILD)/tiny-llama/config.json | $(VENV)/.installed  ## set up and run the whole test suite (PYTEST_ARGS=...)
+test: $(BUILD)/tiny-llama/config.json | $(VENV)/.installed $(LLAMACPP_STAMP)  ## set up (llama.cpp backend included) and run the whole test suite (PYTEST_ARGS=...)
 	PATH=$(abspath $(BIN)):$$PATH $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 lint: | $(VENV)/.installed  ## ruff over the tree, with the rules in pyproject.toml (CI runs it before the tests)

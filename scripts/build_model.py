@@ -13,6 +13,11 @@
 
     python scripts/build_model.py --config model-config/tiny-llama.yaml --checkpoint build/tiny-llama
 
+For backend llamacpp, step 2 instead converts the checkpoint to a GGUF inside it with
+llama.cpp's own ``convert_hf_to_gguf.py`` (the tree ``make llamacpp`` fetches, or
+``LLAMA_CPP_TREE``), drops the safetensors weights it no longer needs (the tokenizer and
+config stay), and runs one generation through llama.cpp to check the file.
+
 TorchServe then loads the artifact without compiling: the handler verifies the manifest and
 points the compiler at the shipped cache (Neuron: ``model.load()`` of the saved graphs).
 
@@ -24,7 +29,9 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -59,6 +66,38 @@ def compile_and_manifest(cfg, model_root: Path) -> Path:
     partial.rename(cache)
     print(f"    {len(manifest['files'])} cache files, settings {settings}")
     return cache
+
+
+def gguf_outtype(gguf_type: str) -> str:
+    """``handler.gguf_type`` as ``convert_hf_to_gguf.py --outtype``: ``auto`` follows ``dtype: auto`` on this CPU."""
+    if gguf_type != "auto":
+        return gguf_type
+    from llama_engine.cpu import auto_dtype
+
+    return {"bfloat16": "bf16", "float16": "f16"}.get(auto_dtype("cpu"), "f32")
+
+
+def convert_to_gguf(cfg, model_root: Path) -> Path:
+    """The prepared checkpoint as ``handler.gguf`` inside it, then its safetensors weights removed."""
+    tree = Path(os.environ.get("LLAMA_CPP_TREE", ROOT / "build" / "peers" / "llama.cpp"))
+    if not (tree / "convert_hf_to_gguf.py").is_file():
+        raise SystemExit(f"backend llamacpp: no llama.cpp converter at {tree / 'convert_hf_to_gguf.py'}; run `make llamacpp` "
+                         "(or set LLAMA_CPP_TREE to a llama.cpp source tree)")
+    checkpoint = model_root / cfg.handler.model_path
+    target = checkpoint / cfg.handler.gguf
+    partial = target.with_name(target.name + ".partial")
+    outtype = gguf_outtype(cfg.handler.gguf_type)
+    print(f"    {checkpoint} -> {target} (--outtype {outtype})", flush=True)
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "convert_gguf.py"), "--tree", str(tree),
+                             str(checkpoint), "--outfile", str(partial), "--outtype", outtype],
+                            capture_output=True, text=True)
+    if result.returncode != 0:
+        raise SystemExit(f"convert_hf_to_gguf.py failed ({result.returncode}):\n{result.stderr[-3000:]}")
+    partial.rename(target)
+    for weights in [*checkpoint.glob("*.safetensors"), *checkpoint.glob("*.safetensors.index.json")]:
+        weights.unlink()
+    print(f"    wrote {target.name} ({target.stat().st_size / 2**20:.1f} MiB); safetensors weights dropped", flush=True)
+    return target
 
 
 def warm_up(cfg, model_root: Path, build_cache_dir: Path):
@@ -103,7 +142,8 @@ def main(argv=None) -> int:
     name = args.name or args.config.stem
     model_root = args.build_dir or ROOT / "build" / "models" / name
     compiles = cache_kind_and_settings(cfg.handler, cfg.slots, cfg.continuous) is not None
-    total = 4 if compiles else 2
+    gguf = cfg.handler.backend == "llamacpp"
+    total = 4 if compiles else 3 if gguf else 2
 
     started = step(1, total, f"prepare checkpoint {args.checkpoint} -> {model_root / cfg.handler.model_path}")
     model_root.mkdir(parents=True, exist_ok=True)
@@ -114,6 +154,10 @@ def main(argv=None) -> int:
         step(2, total, "compile into the build's compile cache (Neuron: minutes to an hour)")
         step(3, total, "warm up every context bucket and the token graph")
         cache = compile_and_manifest(cfg, model_root)
+    if gguf:
+        step(2, total, "convert the checkpoint to GGUF for llama.cpp, check it with one generation")
+        convert_to_gguf(cfg, model_root)
+        warm_up(cfg, model_root, model_root / "unused-compile-cache")
     step(total, total, f"package with torch-model-archiver ({args.archive_format})")
     stage_dir = build_archive.stage(model_root / cfg.handler.model_path, model_root.with_name(name + ".stage"),
                                     compile_cache=cache)

@@ -8,6 +8,8 @@
 #   build/peers/vllm-venv                          vLLM for CPU (python -m vllm.entrypoints.openai.api_server)
 #
 #   scripts/build_peers.sh [llama|gguf|vllm ...]   default: all three, in that order
+#   scripts/build_peers.sh backend                 llama-cpp-python in $PY's venv (the llamacpp backend) and
+#                                                 the tree whose converter the build step runs (make llamacpp)
 #
 # Every step checks whether its result is already there and skips it if so; delete the
 # result (or build/peers/) to redo it. Env: PY (python for venvs and downloads, default
@@ -36,13 +38,8 @@ say() { printf '[build-peers %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 die() { printf '[build-peers] FAILED: %s\n' "$*" >&2; exit 1; }
 need() { command -v "$1" >/dev/null 2>&1 || die "$1 not found; $2"; }
 
-build_llama() {
-  if [[ -x $LLAMA_BIN ]]; then
-    say "llama-server: already built at $LLAMA_BIN (delete it to rebuild)"
-    return
-  fi
-  need cmake "install cmake (apt-get install cmake)"
-  need g++ "install a C++ compiler (apt-get install g++)"
+fetch_tree() {
+  [[ -f $LLAMA_TREE/CMakeLists.txt ]] && return
   mkdir -p "$PEERS"
   local sdist=$PEERS/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION.tar.gz
   if [[ ! -f $sdist ]]; then
@@ -51,18 +48,46 @@ build_llama() {
       || die "pip download llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION"
     [[ -f $sdist ]] || die "pip download did not leave $sdist (found: $(ls "$PEERS"))"
   fi
-  if [[ ! -f $LLAMA_TREE/CMakeLists.txt ]]; then
-    say "llama.cpp: extracting vendor/llama.cpp from $(basename "$sdist")"
-    local tmp=$PEERS/.extract
-    rm -rf "$tmp" "$LLAMA_TREE"
-    mkdir -p "$tmp"
-    tar -xzf "$sdist" -C "$tmp"
-    local vendored
-    vendored=$(echo "$tmp"/llama_cpp_python-*/vendor/llama.cpp)
-    [[ -f $vendored/CMakeLists.txt ]] || die "no vendor/llama.cpp/CMakeLists.txt in $sdist"
-    mv "$vendored" "$LLAMA_TREE"
-    rm -rf "$tmp"
+  say "llama.cpp: extracting vendor/llama.cpp from $(basename "$sdist")"
+  local tmp=$PEERS/.extract
+  rm -rf "$tmp" "$LLAMA_TREE"
+  mkdir -p "$tmp"
+  tar -xzf "$sdist" -C "$tmp"
+  local vendored
+  vendored=$(echo "$tmp"/llama_cpp_python-*/vendor/llama.cpp)
+  [[ -f $vendored/CMakeLists.txt ]] || die "no vendor/llama.cpp/CMakeLists.txt in $sdist"
+  mv "$vendored" "$LLAMA_TREE"
+  rm -rf "$tmp"
+}
+
+# The project's llamacpp backend: llama-cpp-python built from the same sdist for this CPU
+# (GGML_NATIVE, the package's default) into $PY's environment, and what the build step's
+# GGUF conversion needs there (the tree's convert_hf_to_gguf.py reads a tokenizer through
+# sentencepiece first). ~6 minutes on 2 cores.
+build_backend() {
+  if "$PY" -c "import llama_cpp, sentencepiece" 2>/dev/null; then
+    say "llamacpp backend: llama_cpp already imports in $PY"
+  else
+    need cmake "install cmake (apt-get install cmake)"
+    need g++ "install a C++ compiler (apt-get install g++)"
+    fetch_tree
+    say "llamacpp backend: building llama-cpp-python $LLAMA_CPP_PYTHON_VERSION into $("$PY" -c 'import sys; print(sys.prefix)') (about 6 minutes on 2 cores); log $PEERS/llama-cpp-python.log"
+    CMAKE_BUILD_PARALLEL_LEVEL=$JOBS "$PY" -m pip install "$PEERS/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION.tar.gz" \
+      "sentencepiece>=0.1.98,<0.3.0" >"$PEERS/llama-cpp-python.log" 2>&1 \
+      || die "building llama-cpp-python, see $PEERS/llama-cpp-python.log: $(tail -5 "$PEERS/llama-cpp-python.log")"
   fi
+  fetch_tree
+  say "llamacpp backend: $("$PY" -c 'import llama_cpp; print("llama_cpp", llama_cpp.__version__)'), converter $LLAMA_TREE/convert_hf_to_gguf.py"
+}
+
+build_llama() {
+  if [[ -x $LLAMA_BIN ]]; then
+    say "llama-server: already built at $LLAMA_BIN (delete it to rebuild)"
+    return
+  fi
+  need cmake "install cmake (apt-get install cmake)"
+  need g++ "install a C++ compiler (apt-get install g++)"
+  fetch_tree
   say "llama.cpp: configuring (Release, native, static, no curl/tests/examples)"
   cmake -S "$LLAMA_TREE" -B "$LLAMA_TREE/build" -DCMAKE_BUILD_TYPE=Release \
     -DLLAMA_CURL=OFF -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF \
@@ -108,7 +133,7 @@ build_gguf() {
     # convert_hf_to_gguf.py does not know; its pre-tokenizer is GPT-2's. convert_gguf.py runs the
     # tree's converter unchanged and answers "gpt-2" for the unknown hash after checking
     # tokenizer.json (the tree itself is not patched).
-    "$GGUF_VENV/bin/python" "$ROOT/scripts/bench/convert_gguf.py" --tree "$LLAMA_TREE" \
+    "$GGUF_VENV/bin/python" "$ROOT/scripts/convert_gguf.py" --tree "$LLAMA_TREE" \
       "$src" --outfile "$out.tmp" --outtype "$outtype" >"$PEERS/convert-$suffix.log" 2>&1 \
       || die "convert_hf_to_gguf.py for $src, see $PEERS/convert-$suffix.log: $(tail -5 "$PEERS/convert-$suffix.log")"
     mv "$out.tmp" "$out"
@@ -146,7 +171,8 @@ main() {
       llama) build_llama ;;
       gguf) build_gguf ;;
       vllm) build_vllm ;;
-      *) die "unknown step '$step' (llama, gguf, vllm)" ;;
+      backend) build_backend ;;
+      *) die "unknown step '$step' (llama, gguf, vllm, backend)" ;;
     esac
   done
   say "done: ${steps[*]}"

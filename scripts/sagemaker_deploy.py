@@ -156,6 +156,10 @@ def check_hardware(cfg, instance_type: str) -> List[str]:
         if cores is not None and cfg.handler.tp_degree > cores:
             raise DeployError(f"{instance_type} has {cores} NeuronCores, the config's handler.tp_degree is "
                               f"{cfg.handler.tp_degree}; choose a larger instance or a config built for this one")
+    if cfg.handler.backend == "llamacpp":
+        warnings.append("backend llamacpp needs llama-cpp-python in the serving container, and the SageMaker "
+                        "TorchServe images do not have it (nor does the artifact's requirements-model.txt, since "
+                        "it compiles for the host); pass an IMAGE_URI with llama-cpp-python installed")
     startup = cfg.frontend.startupTimeout
     health = cfg.sagemaker.container_startup_health_check_timeout
     if startup > health:

@@ -22,7 +22,7 @@ from typing import Any, Mapping, Optional
 
 from .errors import ConfigError
 
-BACKENDS = ("torch", "neuron")
+BACKENDS = ("torch", "neuron", "llamacpp")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 STAGES = ("preprocess", "inference", "postprocess")
@@ -112,6 +112,11 @@ GQA_MODES = ("shard-over-heads", "shard-over-batch", "replicated-heads", "all-ga
 NEURON_KEYS = frozenset({"tp_degree", "amp", "n_positions", "context_length_estimate", "neuron_cc_flags",
                          "gqa", "visible_cores", "compilation_worker_count"})
 TORCH_KEYS = frozenset({"dtype", "device", "compile"})
+LLAMACPP_KEYS = frozenset({"gguf", "gguf_type"})
+#: GGUF tensor types the build converts to (llama.cpp's ``convert_hf_to_gguf.py --outtype``);
+#: ``auto``: what ``dtype: auto`` picks on the build machine (bf16 with native bf16, else f32).
+GGUF_TYPES = ("auto", "f32", "bf16", "f16", "q8_0")
+KEYS_OF = {"torch": TORCH_KEYS, "neuron": NEURON_KEYS, "llamacpp": LLAMACPP_KEYS}
 
 
 @dataclass
@@ -133,6 +138,9 @@ class HandlerConfig:
     dtype: str = "auto"
     device: str = "auto"
     compile: bool = False
+    # llamacpp backend: the GGUF (in model_path) the build converts the checkpoint to, and its type
+    gguf: str = "model.gguf"
+    gguf_type: str = "auto"
     # neuron backend (transformers-neuronx); the compiled batch size is micro_batch_size
     tp_degree: Optional[int] = None
     amp: str = "bf16"
@@ -154,6 +162,7 @@ class HandlerConfig:
         "tp_degree": (int, True), "amp": (str, False), "n_positions": ((int, list), True),
         "context_length_estimate": ((int, list), True), "neuron_cc_flags": (str, False),
         "gqa": (str, False), "visible_cores": (str, True), "compilation_worker_count": (int, True),
+        "gguf": (str, False), "gguf_type": (str, False),
     }
 
     def __post_init__(self):
@@ -161,10 +170,11 @@ class HandlerConfig:
         _check_choice("handler.backend", self.backend, BACKENDS)
         _check_choice("handler.dtype", self.dtype, DTYPES)
         _check_choice("handler.device", self.device, DEVICES)
+        _check_choice("handler.gguf_type", self.gguf_type, GGUF_TYPES)
         for key in ("max_length", "max_new_tokens", "max_input_bytes", "torch_threads", "tp_degree",
                     "compilation_worker_count"):
             _check_positive("handler.", key, getattr(self, key))
-        for key in ("model_path", "compile_cache"):
+        for key in ("model_path", "compile_cache", "gguf"):
             _check_relative(key, getattr(self, key))
         if self.max_new_tokens >= self.max_length:
             raise ConfigError(
@@ -349,10 +359,11 @@ def _section(cls, data: Any, name: str):
 
 def _reject_other_backend_keys(data: Mapping) -> None:
     backend = data.get("backend", "torch")
-    foreign = NEURON_KEYS if backend == "torch" else TORCH_KEYS if backend == "neuron" else frozenset()
+    if backend not in KEYS_OF:
+        return  # HandlerConfig names the valid backends
     for key in data:
-        if key in foreign:
-            owner = "neuron" if key in NEURON_KEYS else "torch"
+        owner = next((name for name, keys in KEYS_OF.items() if key in keys), backend)
+        if owner != backend:
             raise ConfigError(f"handler.{key}: applies only to backend {owner}, but backend is {backend}; "
                               f"remove it or set handler.backend: {owner}")
 

@@ -1,5 +1,6 @@
 """The README's serving commands, run through the real Makefile: `make demo`, `make stream`,
-`make stop` with MODEL naming non-default models (one, and a comma list), `tsctl health`.
+`make stop` with MODEL naming non-default models (one, and a comma list; the llamacpp backend's
+among them, which the build converts to GGUF), `tsctl health`.
 
 The server gets free loopback ports (``SERVE_ARGS=--free-ports``) and its own store and work
 directory, so a developer's own `make serve` on 8080 is neither needed nor disturbed.
@@ -18,7 +19,7 @@ from scripts.tsctl import read_key, read_properties
 
 ROOT = Path(__file__).resolve().parents[2]
 
-MODELS = ("tiny-llama-continuous", "tiny-llama")
+MODELS = ("tiny-llama-continuous", "tiny-llama", "tiny-llama-llamacpp")
 
 
 def make(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -29,7 +30,7 @@ def make(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, tiny_model_dir):
-    """`make demo MODEL=tiny-llama-continuous,tiny-llama`, stopped by `make stop` afterwards."""
+    """`make demo MODEL=tiny-llama-continuous,tiny-llama,tiny-llama-llamacpp`, stopped by `make stop` afterwards."""
     work = tmp_path_factory.mktemp("make-serve")
     where = [f"STORE={work / 'store'}", f"SERVE_DIR={work / 'serve'}", "SERVE_ARGS=--free-ports",
              f"CHECKPOINT={tiny_model_dir}"]

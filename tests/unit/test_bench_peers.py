@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from scripts.bench.clients import LlamaServerAdapter
-from scripts.bench.convert_gguf import gpt2_pretokenizer
+from scripts.convert_gguf import gpt2_pretokenizer
 from scripts.streaming_client import RequestRecord
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -38,7 +38,7 @@ def mutate(section, key, value):
     ("handler", "max_length", "512", r"handler\.max_length: expected int, got str"),
     ("", "batchSize", True, r"batchSize: expected int, got bool"),
     ("handler", "warmup", "yes", r"handler\.warmup: expected bool"),
-    ("handler", "backend", "tpu", r"handler\.backend: must be one of torch, neuron"),
+    ("handler", "backend", "tpu", r"handler\.backend: must be one of torch, neuron, llamacpp"),
     ("handler", "dtype", "fp8", r"handler\.dtype: must be one of"),
     ("handler", "max_new_tokens", 600, r"max_new_tokens \(600\) must be smaller than handler\.max_length"),
     ("handler", "model_path", "/etc", r"handler\.model_path: must be a path inside"),
@@ -188,3 +188,35 @@ def test_every_shipped_config_leaves_time_to_load(path):
     cfg = load_model_config_file(str(path))
     floor = 600 if cfg.handler.backend == "neuron" or cfg.handler.compile else 120
     assert cfg.frontend.startupTimeout >= floor
+
+
+def llamacpp_base():
+    return yaml.safe_load((ROOT / "model-config" / "tiny-llama-llamacpp.yaml").read_text())
+
+
+def test_llamacpp_config_defaults():
+    data = llamacpp_base()
+    del data["handler"]["gguf"], data["handler"]["gguf_type"]
+    cfg = load_model_config(data)
+    assert (cfg.handler.backend, cfg.handler.gguf, cfg.handler.gguf_type) == ("llamacpp", "model.gguf", "auto")
+
+
+@pytest.mark.parametrize("key,value,expected", [
+    ("gguf_type", "q4_k", r"handler\.gguf_type: must be one of auto, f32, bf16, f16, q8_0"),
+    ("gguf", "../elsewhere.gguf", r"gguf"),
+    ("dtype", "float32", r"handler\.dtype: applies only to backend torch, but backend is llamacpp"),
+    ("tp_degree", 2, r"handler\.tp_degree: applies only to backend neuron, but backend is llamacpp"),
+])
+def test_bad_llamacpp_config(key, value, expected):
+    data = llamacpp_base()
+    data["handler"][key] = value
+    with pytest.raises(ConfigError, match=expected):
+        load_model_config(data)
+
+
+@pytest.mark.parametrize("backend", ["torch", "neuron"])
+def test_gguf_keys_on_other_backends_are_rejected(backend):
+    data = neuron_base() if backend == "neuron" else base()
+    data["handler"]["gguf_type"] = "f32"
+    with pytest.raises(ConfigError, match=rf"handler\.gguf_type: applies only to backend llamacpp, but backend is {backend}"):
+        load_model_config(data)

@@ -11,6 +11,9 @@ ROOT = Path(__file__).resolve().parents[2]
 # What the PyTorch (Neuronx) inference container already has.
 CONTAINER = {"torch", "ts", "transformers_neuronx", "torch_neuronx", "neuronxcc", "llama_engine",
              "llama_metrics"}  # (the last two ship in the archive)
+# Built for the host's CPU, so never installed per model: the llamacpp backend needs it in the image
+# (make llamacpp here; `make deploy` warns that the SageMaker images lack it).
+HOST_BUILT = {"llama_cpp"}
 IMPORT_TO_DIST = {"yaml": "pyyaml", "transformers": "transformers", "tokenizers": "tokenizers",
                   "safetensors": "safetensors"}
 
@@ -23,7 +26,7 @@ def third_party_imports():
                 names.update(alias.name.split(".")[0] for alias in node.names)
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
                 names.add(node.module.split(".")[0])
-    return {n for n in names if n not in sys.stdlib_module_names and n not in CONTAINER}
+    return {n for n in names if n not in sys.stdlib_module_names and n not in CONTAINER | HOST_BUILT}
 
 
 def test_requirements_model_covers_the_handler():

@@ -264,6 +264,14 @@ def test_neuron_configs_refuse_instances_without_enough_neuron_cores(capsys):
         assert message in capsys.readouterr().err
 
 
+def test_llamacpp_configs_warn_that_the_image_needs_llama_cpp():
+    cfg = load_model_config_file(str(ROOT / "model-config" / "tiny-llama-llamacpp.yaml"))
+    warnings = sagemaker_deploy.check_hardware(cfg, "ml.m5.xlarge")
+    assert any("llama-cpp-python" in w and "IMAGE_URI" in w for w in warnings)
+    torch_cfg = load_model_config_file(str(ROOT / "model-config" / "tiny-llama.yaml"))
+    assert not any("llama-cpp-python" in w for w in sagemaker_deploy.check_hardware(torch_cfg, "ml.m5.xlarge"))
+
+
 def test_tiny_llama_neuron_is_sized_for_ml_inf2_xlarge():
     cfg = load_model_config_file(str(TINY_NEURON))
     requests = sagemaker_deploy.deploy_requests(cfg, name=NAME, s3_uri=S3_URI, role_arn=ROLE, image_uri=IMAGE)

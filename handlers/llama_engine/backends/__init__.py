@@ -1,4 +1,6 @@
-"""Hardware backends, one module per stack, imported only when chosen.
+"""Hardware backends, one module per stack, imported only when chosen: ``torch_backend``
+(HF transformers on CPU or CUDA), ``llamacpp_backend`` (llama.cpp on CPU, over a GGUF the
+build writes), ``neuron_backend`` (transformers-neuronx on Inferentia2).
 
 A backend whose stack compiles (Neuron always, torch with ``compile: true``) loads through
 the compile cache shipped in the model directory (``compile_cache.activate``); the build
@@ -65,6 +67,10 @@ def _load(cfg, model_dir: str, batch_size: int, session: Optional[compile_cache.
         from .neuron_backend import NeuronBackend
 
         return NeuronBackend(model_path, cfg, batch_size, saved_neffs=session.saved_neffs())
+    if cfg.backend == "llamacpp":
+        from .llamacpp_backend import LlamaCppBackend
+
+        return LlamaCppBackend(os.path.join(model_path, cfg.gguf), cfg.max_length, batch_size)
     if cfg.compile:
         from .torch_backend import CompiledTorchBackend
 
@@ -87,6 +93,10 @@ def create_slot_backend(cfg, model_dir: str, max_slots: int, build_cache_dir: Op
         from .neuron_backend import NeuronSlotBackend
 
         backend = NeuronSlotBackend(model_path, cfg, max_slots, saved_neffs=session.saved_neffs())
+    elif cfg.backend == "llamacpp":
+        from .llamacpp_backend import LlamaCppSlotBackend
+
+        backend = LlamaCppSlotBackend(os.path.join(model_path, cfg.gguf), max_slots, cfg.max_length)
     else:
         from .torch_backend import TorchSlotBackend
 

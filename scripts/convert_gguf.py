@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Run llama.cpp's ``convert_hf_to_gguf.py`` on the bench model, naming its BPE pre-tokenizer.
 
-    python scripts/bench/convert_gguf.py --tree build/peers/llama.cpp build/bench-model-bf16 \\
+    python scripts/convert_gguf.py --tree build/peers/llama.cpp build/bench-model-bf16 \\
         --outfile build/peers/bench-model-bf16.gguf --outtype bf16
 
 ``convert_hf_to_gguf.py`` recognises a byte-level BPE tokenizer's pre-tokenizer by hashing

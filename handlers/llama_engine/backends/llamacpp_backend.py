@@ -1,0 +1,238 @@
+"""llama.cpp on CPU, through llama-cpp-python's C API, over a GGUF of the checkpoint.
+
+Why a second CPU backend: on an AVX2-only CPU torch's float32 decode step is GEMV-bound and
+ggml's kernels stream the same weights faster. Measured in one process, interleaved, on a
+2-vCPU AMD EPYC (AVX2, no AVX-512), the bench model in float32, 2 threads,
+``OMP_WAIT_POLICY=PASSIVE``: a decode step of 1 / 2 / 4 / 8 rows took 19.7 / 23.8 / 30.2 / 41.6 ms
+here against 26.9 / 29.2 / 34.1 / 43.8 ms in :class:`~.torch_backend.TorchSlotBackend`, while a
+256-token prefill was ~12% slower (2.0 against 1.76 ms per token). Which wins depends on the
+CPU and the load; ``make bench`` measures both served.
+
+Only the forward pass is llama.cpp's: the engine's batching, sampling, stopping and streaming
+are the same as with torch. Each slot is a llama.cpp sequence (``seq_id`` = slot) in a
+context of ``max_slots`` sequences of ``max_length`` positions each (``kv_unified`` off, so
+every sequence owns its part of the cache); a scheduler step's prompt chunks and decode rows
+go to ``llama_decode`` as one batch, so the weights are read once per step.
+
+The tokenizer stays the checkpoint's own (the engine tokenizes); llama.cpp sees token ids only.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+from .base import PrefillChunk, SlotBackend, SlotBatchBackend, StepLogits
+
+logger = logging.getLogger(__name__)
+
+#: What ``llama_decode``'s return codes mean (llama.h).
+DECODE_ERRORS = {
+    1: "no room in the KV cache for the batch",
+    2: "aborted",
+    -1: "invalid input batch",
+}
+
+
+def import_llama_cpp():
+    """``llama_cpp`` (llama-cpp-python), with its own logging turned down to errors."""
+    try:
+        import llama_cpp
+        from llama_cpp import _logger
+    except ImportError as exc:
+        raise RuntimeError("handler.backend is 'llamacpp' but llama-cpp-python is not installed; run "
+                           "`make llamacpp` (builds it from source for this CPU) or pick backend torch") from exc
+    _logger.set_verbose(False)
+    return llama_cpp
+
+
+class LlamaCppSlotBackend(SlotBackend):
+    """``max_slots`` llama.cpp sequences over one model, for continuous batching (and static batches)."""
+
+    def __init__(self, gguf_path: str, max_slots: int, max_length: int, threads: Optional[int] = None,
+                 max_batch_tokens: Optional[int] = None):
+        if max_slots < 1:
+            raise ValueError(f"max_slots must be >= 1, got {max_slots}")
+        if not os.path.isfile(gguf_path):
+            raise FileNotFoundError(f"no GGUF at {gguf_path}: the build step writes it for backend llamacpp "
+                                    "(make build MODEL=...)")
+        self.lib = import_llama_cpp()
+        self.max_slots, self.max_length = max_slots, max_length
+        self.threads = threads or torch.get_num_threads()
+        #: Tokens one ``llama_decode`` call takes; a longer step is split over several calls.
+        self.max_batch_tokens = max_batch_tokens or max(max_length, max_slots)
+        self.lib.llama_backend_init()
+        self.model = self._load_model(gguf_path)
+        self.n_vocab = self.lib.llama_vocab_n_tokens(self.lib.llama_model_get_vocab(self.model))
+        trained = self.lib.llama_model_n_ctx_train(self.model)
+        if max_length > trained:
+            self.close()
+            raise ValueError(f"handler.max_length ({max_length}) exceeds the model's trained context ({trained}); "
+                             "lower handler.max_length")
+        self.ctx = self._new_context()
+        self.memory = self.lib.llama_get_memory(self.ctx)
+        self.batch = self.lib.llama_batch_init(self.max_batch_tokens, 0, 1)
+        self._lengths: List[int] = [0] * max_slots
+        logger.info("llama.cpp backend: %s, %d slots x %d positions, %d threads (%s)", os.path.basename(gguf_path),
+                    max_slots, max_length, self.threads, self.lib.llama_print_system_info().decode().strip())
+
+    def _load_model(self, gguf_path: str):
+        params = self.lib.llama_model_default_params()
+        model = self.lib.llama_model_load_from_file(gguf_path.encode(), params)
+        if not model:
+            raise RuntimeError(f"llama.cpp could not load {gguf_path} (not a GGUF of a supported architecture?)")
+        return model
+
+    def _new_context(self):
+        params = self.lib.llama_context_default_params()
+        params.n_ctx = self.max_length * self.max_slots
+        params.n_seq_max = self.max_slots
+        params.kv_unified = False
+        params.n_batch = self.max_batch_tokens
+        params.n_ubatch = min(512, self.max_batch_tokens)
+        params.n_threads = params.n_threads_batch = self.threads
+        params.no_perf = True
+        ctx = self.lib.llama_init_from_model(self.model, params)
+        if not ctx:
+            raise RuntimeError(f"llama.cpp could not create a context of {self.max_slots} x {self.max_length} positions")
+        return ctx
+
+    def close(self) -> None:
+        """Free the context, the batch and the model (also at garbage collection)."""
+        lib = getattr(self, "lib", None)
+        if lib is None:
+            return
+        if getattr(self, "batch", None) is not None:
+            lib.llama_batch_free(self.batch)
+            self.batch = None
+        if getattr(self, "ctx", None):
+            lib.llama_free(self.ctx)
+            self.ctx = None
+        if getattr(self, "model", None):
+            lib.llama_model_free(self.model)
+            self.model = None
+
+    def __del__(self):
+        self.close()
+
+    def reserve_slots(self, count: int) -> None:
+        """Make room for ``count`` sequences, with a new context if it has fewer; only while every slot is free."""
+        if count <= self.max_slots:
+            return
+        if any(self._lengths):
+            raise RuntimeError(f"cannot grow the context to {count} sequences while some of its {self.max_slots} are in use")
+        self.lib.llama_free(self.ctx)
+        self.ctx = None
+        self.max_slots = count
+        self.max_batch_tokens = max(self.max_batch_tokens, count)
+        self.lib.llama_batch_free(self.batch)
+        self.batch = self.lib.llama_batch_init(self.max_batch_tokens, 0, 1)
+        self.ctx = self._new_context()
+        self.memory = self.lib.llama_get_memory(self.ctx)
+        self._lengths = [0] * count
+
+    def slot_length(self, slot: int) -> int:
+        return self._lengths[slot]
+
+    def free_slot(self, slot: int) -> None:
+        self.check_slot(slot)
+        self.lib.llama_memory_seq_rm(self.memory, slot, -1, -1)
+        self._lengths[slot] = 0
+
+    @torch.inference_mode()
+    def prefill_slot(self, slot: int, prompt_ids: Sequence[int], start: int = 0) -> torch.Tensor:
+        self.check_prefill(slot, len(prompt_ids), start)
+        return self._step([], [], [PrefillChunk(slot, prompt_ids, start)])[1][0]
+
+    @torch.inference_mode()
+    def decode_slots(self, slots: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
+        self.check_decode(slots, tokens)
+        return self._step(list(slots), tokens, [])[0]
+
+    def step_slots(self, slots: Sequence[int], tokens: Sequence[int], prefills: Sequence[PrefillChunk]) -> StepLogits:
+        """The chunks and the decode rows in one batch; a part that fails its checks stays out of it."""
+        out = StepLogits(prefills=[None] * len(prefills))
+        valid, taken = [], set(slots)
+        for i, chunk in enumerate(prefills):
+            try:
+                if chunk.slot in taken:
+                    raise ValueError(f"slot {chunk.slot} appears twice in one step")
+                self.check_prefill(chunk.slot, len(chunk.token_ids), chunk.start)
+                valid.append(i)
+                taken.add(chunk.slot)
+            except ValueError as exc:
+                out.prefills[i] = exc
+        slots = list(slots)
+        if slots:
+            try:
+                self.check_decode(slots, tokens)
+            except ValueError as exc:
+                out.decode, slots, tokens = exc, [], []
+        if not slots and not valid:
+            return out
+        try:
+            decode, chunk_logits = self._step(slots, tokens, [prefills[i] for i in valid])
+        except Exception as exc:  # noqa: BLE001 - the batch was shared: every part in it failed
+            decode, chunk_logits = exc, [exc] * len(valid)
+        if slots:
+            out.decode = decode
+        for i, logits in zip(valid, chunk_logits):
+            out.prefills[i] = logits
+        return out
+
+    def _step(self, slots: List[int], tokens: Sequence[int],
+              chunks: Sequence[PrefillChunk]) -> Tuple[Optional[torch.Tensor], List[torch.Tensor]]:
+        """Decode rows first, then each chunk (logits of its last token only); advance the slots.
+
+        A step longer than ``max_batch_tokens`` goes over several ``llama_decode`` calls, in
+        order, so each sequence's positions stay consecutive. On a failure the slots touched
+        are rolled back to their lengths before the step.
+        """
+        entries = [(int(token), self._lengths[slot], slot, True) for slot, token in zip(slots, tokens)]
+        for chunk in chunks:
+            last = len(chunk.token_ids) - 1
+            entries += [(int(token), chunk.start + i, chunk.slot, i == last) for i, token in enumerate(chunk.token_ids)]
+        before = {slot: self._lengths[slot] for _, _, slot, _ in entries}
+        try:
+            logits = torch.cat([self._decode(entries[i:i + self.max_batch_tokens])
+                                for i in range(0, len(entries), self.max_batch_tokens)])
+        except Exception:
+            for slot, length in before.items():
+                self.lib.llama_memory_seq_rm(self.memory, slot, length, -1)
+            raise
+        for slot in slots:
+            self._lengths[slot] += 1
+        for chunk in chunks:
+            self._lengths[chunk.slot] = chunk.start + len(chunk.token_ids)
+        decode = logits[:len(slots)] if slots else None
+        return decode, list(logits[len(slots):])
+
+    def _decode(self, entries) -> torch.Tensor:
+        """One ``llama_decode`` call; the logits of the entries that asked for them, ``[n, vocab]`` float32."""
+        batch = self.batch
+        batch.n_tokens = len(entries)
+        for i, (token, pos, seq, wants_logits) in enumerate(entries):
+            batch.token[i] = token
+            batch.pos[i] = pos
+            batch.n_seq_id[i] = 1
+            batch.seq_id[i][0] = seq
+            batch.logits[i] = wants_logits
+        rc = self.lib.llama_decode(self.ctx, batch)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode failed ({rc}: {DECODE_ERRORS.get(rc, 'fatal error')})")
+        n_out = sum(1 for entry in entries if entry[3])
+        if n_out == 0:
+            return torch.empty((0, self.n_vocab))
+        floats = ctypes.cast(self.lib.llama_get_logits(self.ctx), ctypes.POINTER(ctypes.c_float * (n_out * self.n_vocab)))
+        return torch.frombuffer(floats.contents, dtype=torch.float32).view(n_out, self.n_vocab).clone()
+
+
+class LlamaCppBackend(SlotBatchBackend):
+    """Static batches (micro-batching) over :class:`LlamaCppSlotBackend`: row ``i`` is sequence ``i``."""
+
+    def __init__(self, gguf_path: str, max_length: int, batch_size: int = 1, threads: Optional[int] = None):
+        super().__init__(LlamaCppSlotBackend(gguf_path, max(1, batch_size), max_length, threads=threads))
+        self.max_length = max_length

@@ -1,0 +1,184 @@
+"""The llamacpp backend on the real llama.cpp (llama-cpp-python, built by `make llamacpp`), over a
+GGUF of the tiny model made by the build step's own conversion.
+
+Its logits are checked against the torch slot backend's on the same checkpoint (float32 both,
+so they differ only by summation order), through every part of the slot interface: prefill,
+chunked prefill, decode, mixed steps, freed and reused slots, a step split over several
+``llama_decode`` calls, per-part failures and the rollback after a failed call.
+"""
+from __future__ import annotations
+
+import shutil
+import sys
+
+import pytest
+import torch
+
+from llama_engine.backends.base import PrefillChunk
+from llama_engine.backends.llamacpp_backend import LlamaCppBackend, LlamaCppSlotBackend
+from llama_engine.backends.torch_backend import TorchSlotBackend
+from scripts import build_model
+
+MAX_LENGTH = 128
+PROMPT = [1] + list(range(10, 50))
+
+
+def close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal to float32 summation-order noise, relative to the logits' scale."""
+    return (a - b).abs().max().item() <= 2e-3 * max(1.0, b.abs().max().item())
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory, tiny_model_dir):
+    """The tiny checkpoint with ``model.gguf`` inside, as ``build_model.convert_to_gguf`` leaves it."""
+    from llama_engine.config import HandlerConfig
+
+    root = tmp_path_factory.mktemp("gguf")
+    shutil.copytree(tiny_model_dir, root / "model")
+    cfg = type("Cfg", (), {"handler": HandlerConfig(backend="llamacpp", gguf_type="f32")})()
+    return build_model.convert_to_gguf(cfg, root)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    return TorchSlotBackend.from_pretrained(str(tiny_model_dir), 4, MAX_LENGTH, "float32", "cpu")
+
+
+@pytest.fixture()
+def backend(tiny_gguf):
+    made = LlamaCppSlotBackend(str(tiny_gguf), 4, MAX_LENGTH, threads=1)
+    yield made
+    made.close()
+
+
+def test_conversion_keeps_the_tokenizer_and_drops_the_safetensors(tiny_gguf):
+    folder = tiny_gguf.parent
+    assert tiny_gguf.read_bytes()[:4] == b"GGUF"
+    assert (folder / "tokenizer.json").exists() and (folder / "config.json").exists()
+    assert not list(folder.glob("*.safetensors"))
+
+
+def test_gguf_type_auto_follows_the_dtype_auto_picks(monkeypatch):
+    from llama_engine import cpu
+
+    monkeypatch.setattr(cpu, "auto_dtype", lambda device: "bfloat16")
+    assert build_model.gguf_outtype("auto") == "bf16"
+    monkeypatch.setattr(cpu, "auto_dtype", lambda device: "float32")
+    assert build_model.gguf_outtype("auto") == "f32"
+    assert build_model.gguf_outtype("q8_0") == "q8_0"
+
+
+def test_prefill_and_decode_match_torch(backend, reference):
+    for slot in range(2):
+        reference.free_slot(slot)
+    assert close(backend.prefill_slot(0, PROMPT), reference.prefill_slot(0, PROMPT))
+    assert close(backend.prefill_slot(1, PROMPT[:7]), reference.prefill_slot(1, PROMPT[:7]))
+    assert close(backend.decode_slots([0, 1], [5, 9]), reference.decode_slots([0, 1], [5, 9]))
+    assert [backend.slot_length(s) for s in range(3)] == [len(PROMPT) + 1, 8, 0]
+
+
+def test_chunked_prefill_equals_one_prefill(backend):
+    whole = backend.prefill_slot(0, PROMPT)
+    backend.prefill_slot(1, PROMPT[:13])
+    assert close(backend.prefill_slot(1, PROMPT[13:], start=13), whole)
+    assert backend.slot_length(1) == len(PROMPT)
+
+
+def test_one_step_of_rows_and_chunks_matches_torch(backend, reference):
+    for slot in range(4):
+        reference.free_slot(slot)
+    for b in (backend, reference):
+        b.prefill_slot(0, PROMPT)
+        b.prefill_slot(1, PROMPT[:20])
+    ours = backend.step_slots([0], [3], [PrefillChunk(1, PROMPT[20:], 20), PrefillChunk(2, PROMPT[:9])])
+    theirs = reference.step_slots([0], [3], [PrefillChunk(1, PROMPT[20:], 20), PrefillChunk(2, PROMPT[:9])])
+    assert close(ours.decode, theirs.decode)
+    assert all(close(a, b) for a, b in zip(ours.prefills, theirs.prefills))
+
+
+def test_a_freed_slot_forgets_its_sequence(backend):
+    fresh = backend.prefill_slot(0, PROMPT)
+    backend.decode_slots([0], [4])
+    backend.free_slot(0)
+    assert backend.slot_length(0) == 0
+    assert close(backend.prefill_slot(0, PROMPT), fresh)
+
+
+def test_a_step_longer_than_one_call_is_split_in_order(tiny_gguf, backend):
+    small = LlamaCppSlotBackend(str(tiny_gguf), 2, MAX_LENGTH, threads=1, max_batch_tokens=8)
+    try:
+        assert close(small.prefill_slot(0, PROMPT), backend.prefill_slot(0, PROMPT))
+        out = small.step_slots([0], [5], [PrefillChunk(1, PROMPT)])
+        want = backend.step_slots([0], [5], [PrefillChunk(1, PROMPT)])
+        assert close(out.decode, want.decode) and close(out.prefills[0], want.prefills[0])
+    finally:
+        small.close()
+
+
+def test_a_bad_part_fails_alone(backend):
+    backend.prefill_slot(0, PROMPT)
+    out = backend.step_slots([0], [5], [PrefillChunk(3, PROMPT, start=4), PrefillChunk(1, PROMPT)])
+    assert isinstance(out.prefills[0], ValueError) and "cannot prefill from 4" in str(out.prefills[0])
+    assert out.prefills[1].shape == (backend.n_vocab,) and out.decode.shape == (1, backend.n_vocab)
+    with pytest.raises(ValueError, match="empty slot"):
+        backend.decode_slots([2], [1])
+    with pytest.raises(ValueError, match="positions"):
+        backend.prefill_slot(2, list(range(MAX_LENGTH + 1)))
+
+
+def test_a_failed_call_rolls_the_slots_back(backend, monkeypatch):
+    before = backend.prefill_slot(0, PROMPT)
+    decode = backend.lib.llama_decode
+    monkeypatch.setattr(backend.lib, "llama_decode", lambda ctx, batch: -1)
+    out = backend.step_slots([0], [5], [PrefillChunk(1, PROMPT)])
+    assert isinstance(out.decode, RuntimeError) and "invalid input batch" in str(out.decode)
+    assert out.prefills[0] is out.decode
+    monkeypatch.setattr(backend.lib, "llama_decode", decode)
+    assert [backend.slot_length(s) for s in (0, 1)] == [len(PROMPT), 0]
+    backend.free_slot(0)
+    assert close(backend.prefill_slot(0, PROMPT), before)
+
+
+def test_static_batches_drop_left_padding(tiny_gguf, backend):
+    static = LlamaCppBackend(str(tiny_gguf), MAX_LENGTH, batch_size=2, threads=1)
+    try:
+        ids = torch.tensor([[0, 0, 0] + PROMPT[:10], PROMPT[:13]])
+        mask = torch.tensor([[0, 0, 0] + [1] * 10, [1] * 13])
+        logits = static.prefill(ids, mask)
+        assert close(logits[0], backend.prefill_slot(0, PROMPT[:10]))
+        assert close(logits[1], backend.prefill_slot(1, PROMPT[:13]))
+        assert static.retain([1]) and static.decode(torch.tensor([7])).shape == (1, backend.n_vocab)
+        grown = static.prefill(torch.tensor([PROMPT[:10]] * 3), torch.ones(3, 10, dtype=torch.long))
+        assert static.slots.max_slots == 3 and all(close(row, logits[0]) for row in grown)
+        with pytest.raises(RuntimeError, match="while some of its 3 are in use"):
+            static.slots.reserve_slots(4)
+    finally:
+        static.slots.close()
+
+
+def test_engine_generates_through_llama_cpp_as_through_torch(tiny_gguf, tiny_model_dir):
+    from llama_engine import Engine
+    from llama_engine.config import HandlerConfig
+    from llama_engine.params import SamplingParams
+    from llama_engine.request import GenerationRequest
+
+    llama = Engine.from_config(HandlerConfig(backend="llamacpp", model_path="model", max_length=MAX_LENGTH),
+                               str(tiny_gguf.parent.parent))
+    torch_engine = Engine.from_config(HandlerConfig(model_path=tiny_model_dir.name, dtype="float32",
+                                                    max_length=MAX_LENGTH), str(tiny_model_dir.parent))
+    def greedy(engine):
+        batch = [engine.prepare(GenerationRequest(p, SamplingParams(max_new_tokens=8)))
+                 for p in ("The function returns", "Once upon a time")]
+        return [r.token_ids for r in engine.generate(batch)]
+
+    assert greedy(llama) == greedy(torch_engine)
+
+
+def test_missing_pieces_say_what_to_run(tiny_gguf, tmp_path, monkeypatch):
+    with pytest.raises(FileNotFoundError, match="make build"):
+        LlamaCppSlotBackend(str(tmp_path / "absent.gguf"), 1, MAX_LENGTH)
+    with pytest.raises(ValueError, match="trained context"):
+        LlamaCppSlotBackend(str(tiny_gguf), 1, 10**6)
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)
+    with pytest.raises(RuntimeError, match="make llamacpp"):
+        LlamaCppSlotBackend(str(tiny_gguf), 1, MAX_LENGTH)
