@@ -58,7 +58,7 @@ MODES = {
         membw_gb=2.0, paired_rounds=3, paired_concurrency=[1, 8], quiet_wait=30, quiet_budget=300, peers=True, fp32_decode=True, max_minutes=75, request_timeout=900, docs=True),
 }
 
-SYSTEMS = ("inprocess", "torchserve", "torchserve-continuous", "llama.cpp", "llama.cpp-q8_0", "vllm")
+SYSTEMS = ("inprocess", "torchserve", "torchserve-continuous", "torchserve-llamacpp", "llama.cpp", "llama.cpp-q8_0", "vllm")
 SCENARIOS = ("length", "ttft", "concurrency", "paired", "poisson", "poisson-wide")
 
 
@@ -150,6 +150,10 @@ def poisson_lengths(p: dict, max_length: int, seed: int) -> List[tuple]:
         schedule.append((t, inp, rng.choice([o for o in p["outputs"] if inp + o <= max_length] or [1])))
 
 
+#: ``handler.gguf_type`` for a variant's dtype (backend llamacpp).
+GGUF_TYPE_OF = {"auto": "auto", "float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+
+
 def derived_config(base: Path, out: Path, dtype: str, threads: Optional[int], overrides: dict) -> Path:
     """``base`` with ``handler.dtype`` (and ``torch_threads``, ``overrides``) set, written to ``out``
     and validated as the project loads it."""
@@ -158,7 +162,10 @@ def derived_config(base: Path, out: Path, dtype: str, threads: Optional[int], ov
     from llama_engine import load_model_config_file
 
     data = yaml.safe_load(base.read_text())
-    data["handler"]["dtype"] = dtype
+    if data["handler"].get("backend") == "llamacpp":  # the GGUF's type stands for the dtype
+        data["handler"]["gguf_type"] = GGUF_TYPE_OF[dtype]
+    else:
+        data["handler"]["dtype"] = dtype
     if threads:
         data["handler"]["torch_threads"] = threads
     data["handler"].update(overrides)

@@ -11,8 +11,10 @@ from scripts.bench.plan import choices_text
 
 SERVED = "torchserve"
 CONTINUOUS = "torchserve-continuous"
+#: The handler with the llamacpp backend (continuous batching), served when llama-cpp-python is installed.
+LLAMACPP = "torchserve-llamacpp"
 #: The served variants' short names in the ``paired-peer/<label>`` rows.
-VARIANT_LABELS = {SERVED: "micro", CONTINUOUS: "continuous"}
+VARIANT_LABELS = {SERVED: "micro", CONTINUOUS: "continuous", LLAMACPP: "llamacpp"}
 INPROCESS = "inprocess"
 PEER_NAMES = ("llama.cpp", "llama.cpp-q8_0", "vllm")
 #: Peer ratio goals (served / peer output tok/s) by concurrency: llama.cpp in the dtype served.
@@ -188,8 +190,9 @@ def _paired_peer_ratios(runs, sweep_ratios: dict, c: int) -> dict:
 
 
 def _served_rows(runs, concurrency: int) -> List[dict]:
-    """Both served variants' concurrency-sweep rows at ``concurrency`` (those that ran)."""
-    return [r for r in (find(runs, s, "concurrency", concurrency=concurrency) for s in (SERVED, CONTINUOUS)) if r]
+    """The served variants' concurrency-sweep rows at ``concurrency`` (those that ran)."""
+    return [r for r in (find(runs, s, "concurrency", concurrency=concurrency) for s in (SERVED, CONTINUOUS, LLAMACPP))
+            if r]
 
 
 def _best_served(runs, concurrency: int) -> Optional[dict]:
@@ -622,7 +625,11 @@ ahead of micro-batching on the Poisson load at all: `.venv/bin/python -m scripts
    `scripts/build_model.py` into `build/bench/work`, started with `scripts/tsctl.py` on free loopback ports,
    stopped by PID) with micro-batching (`torchserve`, `model-config/bench-llama.yaml`), (3) the same handler
    with continuous batching (`torchserve-continuous`, `model-config/bench-llama-continuous.yaml`: TorchServe's
-   `continuousBatching`, 8 slots, the same prompts and the same Poisson schedule), (4) peers when installed
+   `continuousBatching`, 8 slots, the same prompts and the same Poisson schedule), (4) the same handler with
+   continuous batching on the llamacpp backend (`torchserve-llamacpp`, `model-config/bench-llama-llamacpp.yaml`:
+   the forward pass on llama.cpp through llama-cpp-python, over a GGUF the build converts in the type of the
+   dtype served; when `make llamacpp` has built it; its concurrency sweep and the llama-server pairs only),
+   (5) peers when installed
    (`make bench-peers` builds them under `build/peers/`): llama.cpp's `llama-server` (`POST /completion`,
    `stream: true`, `n_predict`, `ignore_eos: true`; built from the llama.cpp tree in the llama-cpp-python
    0.3.36 sdist, the bench model converted to GGUF by that tree's `convert_hf_to_gguf.py`) and vLLM for CPU

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime as _dt
+import importlib.util
 import json
 import os
 import shlex
@@ -66,6 +67,8 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
                         help="the micro-batching model-config served as torchserve (and run in-process)")
     parser.add_argument("--continuous-config", type=Path, default=ROOT / "model-config" / "bench-llama-continuous.yaml",
                         help="the continuous-batching variant served as torchserve-continuous")
+    parser.add_argument("--llamacpp-config", type=Path, default=ROOT / "model-config" / "bench-llama-llamacpp.yaml",
+                        help="the llamacpp-backend variant served as torchserve-llamacpp (when llama-cpp-python is installed)")
     parser.add_argument("--dtype", choices=["auto", "bfloat16", "float32"],
                         help="variant to serve (default: the mode's; auto is what handler.dtype: auto picks on this CPU)")
     parser.add_argument("--threads", type=int, help="torch threads (default: the config's handler.torch_threads)")
@@ -104,6 +107,7 @@ def main(argv=None) -> int:
     bench.served_micro()  # paired with the in-process engine while both are up
     bench.close_inprocess()
     bench.served_continuous()
+    bench.served_llamacpp()  # kept up (idle) for the llama-server pairs
     bench.variant_pairs()  # both variants: the paired static waves, then each Poisson load's rounds
     bench.peers()  # the variants stay up (idle): llama-server runs paired waves against each
     bench.stop_variants()
@@ -323,6 +327,23 @@ class BenchRun:
                     lambda ts: f"continuousBatching, {load_model_config_file(str(self.cb_config)).slots} slots, pid {ts.pid}",
                     after=round_trips_of)
 
+    def served_llamacpp(self) -> None:
+        """The handler on the llamacpp backend (continuous batching), when llama-cpp-python imports."""
+        from llama_engine import load_model_config_file
+        from scripts.bench.systems import TorchServeSystem
+
+        if importlib.util.find_spec("llama_cpp") is None:
+            self.results["systems"][report.LLAMACPP] = {
+                "status": "not installed", "detail": "llama-cpp-python does not import (make llamacpp builds it)"}
+            log(f"{report.LLAMACPP}: llama-cpp-python not installed (make llamacpp)")
+            return
+        config = derived_config(self.args.llamacpp_config.resolve(), self.work / "bench-llama-llamacpp.yaml",
+                                self.dtype, self.args.threads, {})
+        self.served(report.LLAMACPP,
+                    lambda: TorchServeSystem(self.work / "llamacpp", config, self.checkpoint, model_name="bench-llama-llamacpp"),
+                    lambda ts: f"backend llamacpp ({load_model_config_file(str(config)).handler.gguf_type} GGUF), "
+                               f"continuousBatching, pid {ts.pid}")
+
     def served(self, name: str, make_system, describe, after=None) -> None:
         """Build, start, warm up and sweep one served variant; ``after(system, adapter)`` runs while it is up.
 
@@ -333,7 +354,7 @@ class BenchRun:
         t = time.perf_counter()
         status = results["systems"][name] = {"status": "ok"}
         system = None
-        keep = self.pairing and name in VARIANTS
+        keep = self.pairing and (name in VARIANTS or name == report.LLAMACPP)
         try:
             if name not in self.args.systems:
                 raise _NotSelected()

@@ -53,6 +53,30 @@ def test_llama_cpp_goals_come_from_back_to_back_pairs_where_the_run_has_them():
     assert rs["peer_ratio_llama.cpp_1_stream_sweeps"]["value"] == round(20 / 30, 4)
 
 
+def test_the_llamacpp_backend_counts_as_a_served_variant_against_llama_server():
+    runs = [_run("torchserve", "concurrency", 60.0, concurrency=8), _run("torchserve-llamacpp", "concurrency", 95.0, concurrency=8),
+            _run("llama.cpp", "concurrency", 90.0, concurrency=8)]
+    for label, system, at8 in (("micro", "torchserve", 0.8), ("llamacpp", "torchserve-llamacpp", 1.04)):
+        runs.append(_run(system, f"paired-peer/{label}", 1.0, concurrency=8, served_over_peer=[at8], served_over_peer_median=at8))
+    rs = report.ratios(_results(runs))
+    assert rs["peer_ratio_llama.cpp"]["value"] == 1.04 and "torchserve-llamacpp" in rs["peer_ratio_llama.cpp"]["definition"]
+    assert rs["peer_ratio_llama.cpp_sweeps"]["value"] == round(95 / 90, 4)
+
+
+def test_derived_configs_set_the_gguf_type_for_llamacpp_and_the_dtype_otherwise(tmp_path):
+    import yaml
+
+    from scripts.bench.plan import ROOT, derived_config
+
+    for base, dtype, key, want in (("bench-llama-llamacpp", "float32", "gguf_type", "f32"),
+                                   ("bench-llama-llamacpp", "bfloat16", "gguf_type", "bf16"),
+                                   ("bench-llama", "bfloat16", "dtype", "bfloat16")):
+        out = derived_config(ROOT / "model-config" / f"{base}.yaml", tmp_path / f"{base}-{dtype}.yaml", dtype, 2, {})
+        handler = yaml.safe_load(out.read_text())["handler"]
+        assert handler[key] == want and handler["torch_threads"] == 2
+        assert ("dtype" in handler) == (base == "bench-llama")
+
+
 def test_continuous_is_held_to_the_ideal_to_vllm_and_to_2x_micro_on_the_wide_load():
     runs = [_run("torchserve", "poisson", 60.0), _run("torchserve-continuous", "poisson", 95.0, load="mixed"),
             _run("vllm", "poisson", 100.0),

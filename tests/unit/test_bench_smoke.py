@@ -64,6 +64,8 @@ def test_smoke_json_has_every_section_and_positive_figures(smoke):
     assert results["systems"]["inprocess"]["status"] == "ok"
     assert results["systems"]["torchserve"]["status"] == "ok"
     assert results["systems"]["torchserve-continuous"]["status"] == "ok"
+    assert results["systems"]["torchserve-llamacpp"]["status"] == "ok"  # make test builds llama-cpp-python
+    assert "backend llamacpp (f32 GGUF)" in results["systems"]["torchserve-llamacpp"]["detail"]
     for peer in ("llama.cpp", "vllm"):
         assert results["systems"][peer]["status"] in ("ok", "not installed", "skipped")
     assert (out / f"results-{results['timestamp']}.json").exists()
@@ -76,6 +78,8 @@ def test_smoke_runs_cover_each_scenario_with_full_length_streams(smoke):
     for system in ("inprocess", "torchserve"):
         assert {(system, "length"), (system, "concurrency")} <= seen
     assert ("torchserve", "poisson") in seen
+    assert ("torchserve-llamacpp", "concurrency") in seen  # the llamacpp backend's sweep (no Poisson rounds)
+    assert not any(s == "torchserve-llamacpp" and sc == "poisson" for s, sc in seen)
     # the two TorchServe variants run each load's schedule in alternating rounds (one in --smoke)
     paired = [r for r in runs if r["scenario"] == "poisson" and r["system"].startswith("torchserve")]
     assert sorted((r["load"], r["system"]) for r in paired) == [
@@ -144,7 +148,7 @@ def test_served_rows_carry_the_servers_own_figures_from_its_metrics_api(smoke):
     """The handler's metrics, scraped before and after each served row, count what the client saw."""
     _, results, _, _ = smoke
     served = [r for r in results["runs"] if "server" in r]
-    assert {r["system"] for r in served} == {"torchserve", "torchserve-continuous"}
+    assert {r["system"] for r in served} == {"torchserve", "torchserve-continuous", "torchserve-llamacpp"}
     for run in served:
         server = run["server"]
         assert server["requests"] == run["requests"] and server["errors_by_status"] == {}, run
