@@ -86,7 +86,8 @@ def ratios(results: dict) -> dict:
 
     bw = results["decode_bound"]["bandwidth_gb_per_s"] * 1e9
     nbytes = results["decode_bound"]["weight_bytes_per_token"]
-    for key, system in (("batch1_decode_efficiency", INPROCESS), ("batch1_decode_efficiency_served", SERVED)):
+    for key, system in (("batch1_decode_efficiency", INPROCESS), ("batch1_decode_efficiency_served", SERVED),
+                        ("batch1_decode_efficiency_llamacpp", LLAMACPP)):
         run = find(runs, system, "concurrency", concurrency=1) or next(
             iter(sorted((r for r in runs if r.get("system") == system and r.get("scenario") == "length" and r.get("ok")),
                         key=lambda r: r["input_tokens"])), None)
@@ -98,6 +99,8 @@ def ratios(results: dict) -> dict:
             decode_tokens_per_s=rate, weight_bytes_per_token=nbytes,
             bandwidth_gb_per_s=results["decode_bound"]["bandwidth_gb_per_s"],
             input_tokens=run and run["input_tokens"], output_tokens=run and run["output_tokens"])
+        if system == LLAMACPP and not run:
+            continue
         pair = find(runs, system, "paired", concurrency=1)
         if pair and pair.get("decode_efficiency_median"):
             out[key] = _ratio(
@@ -118,8 +121,10 @@ def ratios(results: dict) -> dict:
             "the float32 variant, in-process: batch-1 decode tok/s x its weight bytes per token / memory bandwidth",
             decode_tokens_per_s=rate, weight_bytes_per_token=fp32["weight_bytes_per_token"])
 
-    for key, system in (("ttft_growth", SERVED), ("ttft_growth_inprocess", INPROCESS)):
+    for key, system in (("ttft_growth", SERVED), ("ttft_growth_inprocess", INPROCESS), ("ttft_growth_llamacpp", LLAMACPP)):
         value, inputs = _ttft_growth(runs, system)
+        if system == LLAMACPP and value is None:
+            continue
         out[key] = _ratio(value, "<= 2.5", lambda v: v <= 2.5,
                           f"{system} TTFT p50 at the longest input / at the shortest (768 / 256 in the full run)",
                           **inputs)

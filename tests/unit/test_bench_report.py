@@ -60,6 +60,10 @@ def test_the_llamacpp_backend_counts_as_a_served_variant_against_llama_server():
         runs.append(_run(system, f"paired-peer/{label}", 1.0, concurrency=8, served_over_peer=[at8], served_over_peer_median=at8))
     rs = report.ratios(_results(runs))
     assert rs["peer_ratio_llama.cpp"]["value"] == 1.04 and "torchserve-llamacpp" in rs["peer_ratio_llama.cpp"]["definition"]
+    assert "batch1_decode_efficiency_llamacpp" not in rs and "ttft_growth_llamacpp" not in rs  # it ran no 1-stream row
+    runs.append(_run("torchserve-llamacpp", "concurrency", 40.0, concurrency=1))
+    eff = report.ratios(_results(runs))["batch1_decode_efficiency_llamacpp"]
+    assert eff["value"] == round(40 * 4e8 / 10e9, 4) and eff["goal"] == ">= 0.50" and eff["met"] is True
     assert rs["peer_ratio_llama.cpp_sweeps"]["value"] == round(95 / 90, 4)
 
 
