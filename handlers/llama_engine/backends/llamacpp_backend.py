@@ -116,7 +116,10 @@ class LlamaCppSlotBackend(SlotBackend):
             self.model = None
 
     def __del__(self):
-        self.close()
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - at interpreter exit the library may already be gone
+            pass
 
     def reserve_slots(self, count: int) -> None:
         """Make room for ``count`` sequences, with a new context if it has fewer; only while every slot is free."""
