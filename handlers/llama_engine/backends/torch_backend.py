@@ -234,39 +234,8 @@ class TorchSlotBackend(SlotBackend):
 
     @torch.inference_mode()
     def step_slots(self, slots: Sequence[int], tokens: Sequence[int], prefills: Sequence[PrefillChunk]) -> StepLogits:
-        """The chunks and the decode rows in one forward pass: the weights are read once.
-
-        A chunk or a decode set that fails its checks gets its ValueError and stays out of
-        the pass; a failure of the pass itself is every part's.
-        """
-        out = StepLogits(prefills=[None] * len(prefills))
-        valid, taken = [], set(slots)
-        for i, chunk in enumerate(prefills):
-            try:
-                if chunk.slot in taken:
-                    raise ValueError(f"slot {chunk.slot} appears twice in one step")
-                self.check_prefill(chunk.slot, len(chunk.token_ids), chunk.start)
-                valid.append(i)
-                taken.add(chunk.slot)
-            except ValueError as exc:
-                out.prefills[i] = exc
-        slots = list(slots)
-        if slots:
-            try:
-                self.check_decode(slots, tokens)
-            except ValueError as exc:
-                out.decode, slots, tokens = exc, [], []
-        if not slots and not valid:
-            return out
-        try:
-            decode, chunk_logits = self._step(slots, tokens, [prefills[i] for i in valid])
-        except Exception as exc:  # noqa: BLE001 - the pass was shared: every part in it failed
-            decode, chunk_logits = exc, [exc] * len(valid)
-        if slots:
-            out.decode = decode
-        for i, logits in zip(valid, chunk_logits):
-            out.prefills[i] = logits
-        return out
+        """The chunks and the decode rows in one forward pass: the weights are read once."""
+        return self.step_in_one_pass(slots, tokens, prefills, self._step)
 
     def _step(self, slots: List[int], tokens: Sequence[int], chunks: Sequence[PrefillChunk]):
         """One forward pass: one token in each of ``slots``, then each chunk; advance the slots.
