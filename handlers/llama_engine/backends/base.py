@@ -138,43 +138,6 @@ class SlotBackend(ABC):
             out.decode = _outcome(self.decode_slots, slots, tokens)
         return out
 
-    def step_in_one_pass(self, slots: Sequence[int], tokens: Sequence[int], prefills: Sequence[PrefillChunk],
-                         run) -> StepLogits:
-        """:meth:`step_slots` for a backend whose ``run(slots, tokens, chunks)`` does every part in one pass.
-
-        ``run`` returns ``(decode logits or None, [each chunk's last logits])``. A chunk or a
-        decode set that fails its checks gets its ValueError and stays out of the pass; a
-        failure of the pass itself is every part's.
-        """
-        out = StepLogits(prefills=[None] * len(prefills))
-        valid, taken = [], set(slots)
-        for i, chunk in enumerate(prefills):
-            try:
-                if chunk.slot in taken:
-                    raise ValueError(f"slot {chunk.slot} appears twice in one step")
-                self.check_prefill(chunk.slot, len(chunk.token_ids), chunk.start)
-                valid.append(i)
-                taken.add(chunk.slot)
-            except ValueError as exc:
-                out.prefills[i] = exc
-        slots = list(slots)
-        if slots:
-            try:
-                self.check_decode(slots, tokens)
-            except ValueError as exc:
-                out.decode, slots, tokens = exc, [], []
-        if not slots and not valid:
-            return out
-        try:
-            decode, chunk_logits = run(slots, tokens, [prefills[i] for i in valid])
-        except Exception as exc:  # noqa: BLE001 - the pass was shared: every part in it failed
-            decode, chunk_logits = exc, [exc] * len(valid)
-        if slots:
-            out.decode = decode
-        for i, logits in zip(valid, chunk_logits):
-            out.prefills[i] = logits
-        return out
-
     @abstractmethod
     def free_slot(self, slot: int) -> None:
         """Forget the sequence in ``slot`` so that another request can use it."""
@@ -211,6 +174,63 @@ class SlotBackend(ABC):
     def check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.max_slots:
             raise ValueError(f"slot {slot} is out of range: the backend has {self.max_slots} slots")
+
+
+class OnePassSlotBackend(SlotBackend):
+    """A slot backend whose ``_step`` runs decode rows and prompt chunks in one forward pass.
+
+    ``prefill_slot``, ``decode_slots`` and ``step_slots`` all go through ``_step``, so a
+    scheduler step reads the weights once. A chunk or a decode set that fails its checks gets
+    its ValueError and stays out of the pass; a failure of the pass itself is every part's.
+    """
+
+    @abstractmethod
+    def _step(self, slots: List[int], tokens: Sequence[int],
+              chunks: Sequence[PrefillChunk]) -> Tuple[Optional[torch.Tensor], List[torch.Tensor]]:
+        """One pass: a token for each of ``slots``, then each chunk; advance the slots.
+
+        Returns the decode rows' logits (None without rows) and each chunk's last logits."""
+
+    @torch.inference_mode()
+    def prefill_slot(self, slot: int, prompt_ids: Sequence[int], start: int = 0) -> torch.Tensor:
+        self.check_prefill(slot, len(prompt_ids), start)
+        return self._step([], [], [PrefillChunk(slot, prompt_ids, start)])[1][0]
+
+    @torch.inference_mode()
+    def decode_slots(self, slots: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
+        self.check_decode(slots, tokens)
+        return self._step(list(slots), tokens, [])[0]
+
+    @torch.inference_mode()
+    def step_slots(self, slots: Sequence[int], tokens: Sequence[int], prefills: Sequence[PrefillChunk]) -> StepLogits:
+        out = StepLogits(prefills=[None] * len(prefills))
+        valid, taken = [], set(slots)
+        for i, chunk in enumerate(prefills):
+            try:
+                if chunk.slot in taken:
+                    raise ValueError(f"slot {chunk.slot} appears twice in one step")
+                self.check_prefill(chunk.slot, len(chunk.token_ids), chunk.start)
+                valid.append(i)
+                taken.add(chunk.slot)
+            except ValueError as exc:
+                out.prefills[i] = exc
+        slots = list(slots)
+        if slots:
+            try:
+                self.check_decode(slots, tokens)
+            except ValueError as exc:
+                out.decode, slots, tokens = exc, [], []
+        if not slots and not valid:
+            return out
+        try:
+            decode, chunk_logits = self._step(slots, tokens, [prefills[i] for i in valid])
+        except Exception as exc:  # noqa: BLE001 - the pass was shared: every part in it failed
+            decode, chunk_logits = exc, [exc] * len(valid)
+        if slots:
+            out.decode = decode
+        for i, logits in zip(valid, chunk_logits):
+            out.prefills[i] = logits
+        return out
 
 
 class SlotBatchBackend(Backend):

@@ -25,7 +25,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from .base import PrefillChunk, SlotBackend, SlotBatchBackend, StepLogits
+from .base import OnePassSlotBackend, PrefillChunk, SlotBatchBackend
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ def import_llama_cpp():
     return llama_cpp
 
 
-class LlamaCppSlotBackend(SlotBackend):
+class LlamaCppSlotBackend(OnePassSlotBackend):
     """``max_slots`` llama.cpp sequences over one model, for continuous batching (and static batches)."""
 
     def __init__(self, gguf_path: str, max_slots: int, max_length: int, threads: Optional[int] = None,
@@ -72,10 +72,8 @@ class LlamaCppSlotBackend(SlotBackend):
             self.close()
             raise ValueError(f"handler.max_length ({max_length}) exceeds the model's trained context ({trained}); "
                              "lower handler.max_length")
-        self.ctx = self._new_context()
-        self.memory = self.lib.llama_get_memory(self.ctx)
-        self.batch = self.lib.llama_batch_init(self.max_batch_tokens, 0, 1)
-        self._lengths: List[int] = [0] * max_slots
+        self.ctx = self.batch = None
+        self._open_context(max_slots)
         logger.info("llama.cpp backend: %s, %d slots x %d positions, %d threads (%s)", os.path.basename(gguf_path),
                     max_slots, max_length, self.threads, self.lib.llama_print_system_info().decode().strip())
 
@@ -85,6 +83,21 @@ class LlamaCppSlotBackend(SlotBackend):
         if not model:
             raise RuntimeError(f"llama.cpp could not load {gguf_path} (not a GGUF of a supported architecture?)")
         return model
+
+    def _open_context(self, slots: int) -> None:
+        """A fresh context (and batch buffer) of ``slots`` empty sequences, replacing any open one."""
+        if self.ctx:
+            self.lib.llama_free(self.ctx)
+            self.ctx = None
+        if self.batch is not None:
+            self.lib.llama_batch_free(self.batch)
+            self.batch = None
+        self.max_slots = slots
+        self.max_batch_tokens = max(self.max_batch_tokens, slots)
+        self.batch = self.lib.llama_batch_init(self.max_batch_tokens, 0, 1)
+        self.ctx = self._new_context()
+        self.memory = self.lib.llama_get_memory(self.ctx)
+        self._lengths: List[int] = [0] * slots
 
     def _new_context(self):
         params = self.lib.llama_context_default_params()
@@ -127,15 +140,7 @@ class LlamaCppSlotBackend(SlotBackend):
             return
         if any(self._lengths):
             raise RuntimeError(f"cannot grow the context to {count} sequences while some of its {self.max_slots} are in use")
-        self.lib.llama_free(self.ctx)
-        self.ctx = None
-        self.max_slots = count
-        self.max_batch_tokens = max(self.max_batch_tokens, count)
-        self.lib.llama_batch_free(self.batch)
-        self.batch = self.lib.llama_batch_init(self.max_batch_tokens, 0, 1)
-        self.ctx = self._new_context()
-        self.memory = self.lib.llama_get_memory(self.ctx)
-        self._lengths = [0] * count
+        self._open_context(count)
 
     def slot_length(self, slot: int) -> int:
         return self._lengths[slot]
@@ -144,20 +149,6 @@ class LlamaCppSlotBackend(SlotBackend):
         self.check_slot(slot)
         self.lib.llama_memory_seq_rm(self.memory, slot, -1, -1)
         self._lengths[slot] = 0
-
-    @torch.inference_mode()
-    def prefill_slot(self, slot: int, prompt_ids: Sequence[int], start: int = 0) -> torch.Tensor:
-        self.check_prefill(slot, len(prompt_ids), start)
-        return self._step([], [], [PrefillChunk(slot, prompt_ids, start)])[1][0]
-
-    @torch.inference_mode()
-    def decode_slots(self, slots: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
-        self.check_decode(slots, tokens)
-        return self._step(list(slots), tokens, [])[0]
-
-    def step_slots(self, slots: Sequence[int], tokens: Sequence[int], prefills: Sequence[PrefillChunk]) -> StepLogits:
-        """The chunks and the decode rows in one batch; a part that fails its checks stays out of it."""
-        return self.step_in_one_pass(slots, tokens, prefills, self._step)
 
     def _step(self, slots: List[int], tokens: Sequence[int],
               chunks: Sequence[PrefillChunk]) -> Tuple[Optional[torch.Tensor], List[torch.Tensor]]:

@@ -7,7 +7,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from ..cpu import auto_dtype
-from .base import Backend, PrefillChunk, SlotBackend, SlotBatchBackend, StepLogits
+from .base import Backend, OnePassSlotBackend, PrefillChunk, SlotBatchBackend
 from .fast_linear import FusedLlamaProjections, pack_linears
 
 logger = logging.getLogger(__name__)
@@ -136,7 +136,7 @@ class CompiledTorchBackend(Backend):
         self._position = 0
 
 
-class TorchSlotBackend(SlotBackend):
+class TorchSlotBackend(OnePassSlotBackend):
     """A slot KV cache over an HF Llama's weights, for continuous batching.
 
     HF's caches keep every row of a batch at one shared position, so admitting a request
@@ -221,21 +221,6 @@ class TorchSlotBackend(SlotBackend):
 
     def free_slot(self, slot: int) -> None:
         self._lengths[slot] = 0
-
-    @torch.inference_mode()
-    def prefill_slot(self, slot: int, prompt_ids: Sequence[int], start: int = 0) -> torch.Tensor:
-        self.check_prefill(slot, len(prompt_ids), start)
-        return self._step([], [], [PrefillChunk(slot, prompt_ids, start)])[1][0]
-
-    @torch.inference_mode()
-    def decode_slots(self, slots: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
-        self.check_decode(slots, tokens)
-        return self._step(list(slots), tokens, [])[0]
-
-    @torch.inference_mode()
-    def step_slots(self, slots: Sequence[int], tokens: Sequence[int], prefills: Sequence[PrefillChunk]) -> StepLogits:
-        """The chunks and the decode rows in one forward pass: the weights are read once."""
-        return self.step_in_one_pass(slots, tokens, prefills, self._step)
 
     def _step(self, slots: List[int], tokens: Sequence[int], chunks: Sequence[PrefillChunk]):
         """One forward pass: one token in each of ``slots``, then each chunk; advance the slots.
