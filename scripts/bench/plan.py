@@ -39,7 +39,7 @@ POISSON_PLAN = {"mixed": "poisson", "wide": "poisson_wide"}
 # (input tokens, output tokens) pairs; every length pair runs at concurrency 1.
 MODES = {
     "smoke": dict(
-        model="tiny", dtype="float32", lengths=[(32, 8), (96, 8)], length_repeats=2, ttft_probes=0, probe_tokens=0,
+        model="tiny", dtype="float32", lengths=[(32, 8), (96, 8)], length_repeats=2, ttft_probes=1, probe_tokens=4,
         concurrency=[4], conc_input=32, conc_output=8, rounds=1,
         poisson=dict(rate=4.0, duration=2.0, inputs=[16, 32, 64], outputs=[4, 8]), poisson_rounds=1,
         poisson_wide=dict(rate=4.0, duration=1.5, inputs=[16, 32], outputs=[2, 4, 24]), bound=False,

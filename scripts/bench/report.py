@@ -53,10 +53,37 @@ def _ttft_growth(runs, system):
     if len(ttft_runs) < 2:
         return None, {}
     short, long_ = ttft_runs[0], ttft_runs[-1]
-    return (long_["ttft_ms"]["p50"] / short["ttft_ms"]["p50"],
+    t_short, t_long = short["ttft_ms"]["p50"], long_["ttft_ms"]["p50"]
+    # TTFT = fixed + per_token x input: the two points give both (the cost of a first token, of a prompt token)
+    per_token = (t_long - t_short) / (long_["input_tokens"] - short["input_tokens"])
+    return (t_long / t_short,
             {"short_input": short["input_tokens"], "long_input": long_["input_tokens"],
-             "ttft_short_ms": short["ttft_ms"]["p50"], "ttft_long_ms": long_["ttft_ms"]["p50"],
-             "scenario": short["scenario"]})
+             "ttft_short_ms": t_short, "ttft_long_ms": t_long, "scenario": short["scenario"],
+             "per_prompt_token_ms": round(per_token, 3), "fixed_ms": round(t_short - per_token * short["input_tokens"], 1)})
+
+
+def prefill_floor_ratios(runs, bound: dict) -> dict:
+    """How near the in-process prefill runs to the linear layers' bound (``gemm.prefill_bound``), and the
+    TTFT growth that bound itself implies: a prompt run at the bound's speed at both lengths, nothing else."""
+    if not bound or len(bound) < 2:
+        return {}
+    short_n, long_n = sorted(bound, key=int)[0], sorted(bound, key=int)[-1]
+    floor = (int(long_n) / bound[long_n]["tokens_per_s"]) / (int(short_n) / bound[short_n]["tokens_per_s"])
+    out = {"ttft_growth_at_prefill_bound": _ratio(
+        floor, "report", None,
+        f"TTFT({long_n}) / TTFT({short_n}) if a prompt cost only its linear layers at this CPU's best matrix-product "
+        f"speed for its length (gemm.prefill_bound) and nothing besides: what any implementation faces here",
+        bound_tokens_per_s={n: b["tokens_per_s"] for n, b in bound.items()})}
+    for n in (short_n, long_n):
+        run = next((r for r in runs if r.get("system") == INPROCESS and r.get("scenario") in ("ttft", "length")
+                    and r.get("ok") and str(r["input_tokens"]) == n), None)
+        if run:
+            rate = int(n) / (run["ttft_ms"]["p50"] / 1e3)
+            out[f"prefill_vs_bound_{n}"] = _ratio(
+                rate / bound[n]["tokens_per_s"], "report", None,
+                f"{INPROCESS} prompt tokens/s at {n} input ({n} / TTFT p50) / the linear layers' bound on {n} rows",
+                prefill_tokens_per_s=round(rate, 1), bound_tokens_per_s=bound[n]["tokens_per_s"])
+    return out
 
 
 def ratios(results: dict) -> dict:
@@ -126,8 +153,11 @@ def ratios(results: dict) -> dict:
         if system == LLAMACPP and value is None:
             continue
         out[key] = _ratio(value, "<= 2.5", lambda v: v <= 2.5,
-                          f"{system} TTFT p50 at the longest input / at the shortest (768 / 256 in the full run)",
+                          f"{system} TTFT p50 at the longest input / at the shortest (768 / 256 in the full run)"
+                          + (f"; as fixed + per token: {inputs['fixed_ms']:.0f} ms + {inputs['per_prompt_token_ms']:.2f} "
+                             "ms/token" if inputs else ""),
                           **inputs)
+    out.update(prefill_floor_ratios(runs, results.get("prefill_bound")))
 
     out.update(continuous_ratios(runs, results.get("extra")))
     best, best1 = _best_served(runs, c), _best_served(runs, 1)
@@ -362,6 +392,17 @@ def _rel(path) -> str:
         return str(path)
 
 
+def prefill_bound_line(results: dict) -> str:
+    """The linear layers' prompt tokens/s per length (``gemm.prefill_bound``), when the run measured it."""
+    bound = results.get("prefill_bound")
+    if not bound:
+        return ""
+    parts = ", ".join(f"{b['tokens_per_s']:.0f} tok/s on {n} rows ({b['gflops']:.0f} GFLOP/s)"
+                      for n, b in sorted(bound.items(), key=lambda kv: int(kv[0])))
+    return (f"**Prefill bound** (the model's linear layers alone on random activations, {results['model']['dtype']}, "
+            f"best of the samples): {parts}.\n")
+
+
 def markdown(results: dict, plots: List[Path]) -> str:
     m, v, model = results["machine"], results["versions"], results["model"]
     bw = results["memory_bandwidth"]
@@ -401,7 +442,7 @@ def markdown(results: dict, plots: List[Path]) -> str:
 
 **Memory bandwidth** (`x.sum()` over {list(bw.values())[0]['bytes'] / 1e9:.2f} GB of float32, best of 5 passes and of the samples at the start and the end): {bw_text}.
 Batch-1 decode bound = {bound['bandwidth_gb_per_s']:.1f} GB/s / {bound['weight_bytes_per_token'] / 1e6:.1f} MB of weights per token = **{bound['tokens_per_s']:.1f} tok/s** (the KV cache adds {model['kv_cache_bytes_per_position'] / 1e3:.1f} kB per position of context).
-{fp32_line}
+{prefill_bound_line(results)}{fp32_line}
 ### Ratios (CPU class `{cpu_label(m)}`, {model['dtype']})
 
 {ratios_table(results['ratios'])}
@@ -643,7 +684,8 @@ ahead of micro-batching on the Poisson load at all: `.venv/bin/python -m scripts
    `llama-server -np 8 -t 2 -c 8192`, vLLM `--max-num-seqs 8 --max-model-len 1024` (vLLM's CPU defaults
    reserve one of the two cores for its scheduler). Prompts go to peers as token ids.
 6. **Sweeps**: input length at concurrency 1 (full run: 256/512/768 input tokens with output to 1024 in all,
-   plus 4 TTFT probes of 8 output tokens per length); concurrency 1, 2, 4, 8, 16 (full run: 256 input + 128
+   plus 4 TTFT probes of 8 output tokens per length, the lengths taken in turn so that each sees the same
+   minutes of the host's drift); concurrency 1, 2, 4, 8, 16 (full run: 256 input + 128
    output tokens, 2 rounds); a Poisson arrival run at a fixed request rate with mixed lengths (full run:
    1 request/s for 60 s, inputs 128–768, outputs 32–256, all drawn uniformly), which offers more than any
    system here can serve, so that its throughput is each system's capacity on that mix rather than the
@@ -675,7 +717,13 @@ ahead of micro-batching on the Poisson load at all: `.venv/bin/python -m scripts
   decode tok/s × weight bytes per token / bandwidth, where each paired 1-stream round (in-process and
   served) sits between two bandwidth samples and is held to their mean, the median over the rounds
   (`_vs_best_bandwidth`: the 1-stream sweep against the run's best sample, reported). TTFT growth:
-  TTFT(768) / TTFT(256). Peer ratio: served / peer output tok/s at 8 streams.
+  TTFT(768) / TTFT(256) from the probes' p50, with its split into a fixed cost and a cost per prompt
+  token (the line through the two points). Prefill bound (`scripts/bench/gemm.py`, sampled beside the
+  bandwidth): the model's own linear products (fused q/k/v, o, fused gate/up, down) on 256 and on 768
+  rows of random activations, best of 5, as prompt tokens/s; attention, norms and the LM head are left
+  out, so no prefill beats it. `ttft_growth_at_prefill_bound` is the TTFT growth of a prompt that cost
+  only that (what any implementation faces on the CPU); `prefill_vs_bound_<n>` is the in-process
+  prompt tokens/s (n / TTFT p50) against it. Peer ratio: served / peer output tok/s at 8 streams.
 * Continuous batching against the schedule's ideal: `scripts.bench.continuous_bound` replays the
   scheduler's policy on the same arrivals with no scheduling, streaming or serving cost. Its step
   costs are the served worker's own forward passes in each round (the `llama_forward_*` metrics:

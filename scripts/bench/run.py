@@ -222,11 +222,25 @@ class BenchRun:
             "bandwidth_gb_per_s": best, "threads": self.threads,
             "weight_bytes_per_token": results["model"]["weight_bytes_per_token"],
             "tokens_per_s": round(best * 1e9 / results["model"]["weight_bytes_per_token"], 2)}
+        self._prefill_bound_sample(when)
         self.phases[f"membw_{when}_s"] = time.perf_counter() - t
         log(f"memory bandwidth ({when}): " + ", ".join(f"{v['gb_per_s']:.1f} GB/s with {k} thread(s)"
                                                       for k, v in sample["threads"].items())
             + f", other processes {100 * sample['foreign_cpu_share']:.0f}% of the CPUs; batch-1 decode bound "
               f"{results['decode_bound']['tokens_per_s']:.1f} tok/s")
+
+    def _prefill_bound_sample(self, when: str) -> None:
+        """The linear layers' prompt tokens/s at the shortest and the longest length (best of the samples)."""
+        from scripts.bench.gemm import prefill_bound
+
+        rows = sorted({min(i for i, _ in self.plan["lengths"]), max(i for i, _ in self.plan["lengths"])})
+        sample = {str(n): prefill_bound(self.checkpoint, self.dtype, self.threads, tokens=n) for n in rows}
+        self.results.setdefault("prefill_bound_samples", []).append({"when": when, "rows": sample})
+        self.results["prefill_bound"] = {
+            n: max((s["rows"][n] for s in self.results["prefill_bound_samples"]), key=lambda x: x["tokens_per_s"])
+            for n in sample}
+        log(f"prefill bound ({when}, the linear layers alone): " + ", ".join(
+            f"{v['tokens_per_s']:.0f} tok/s ({v['gflops']:.0f} GFLOP/s) on {n} rows" for n, v in sample.items()))
 
     # -- 1. the engine in-process ------------------------------------------------------------
 

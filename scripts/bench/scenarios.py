@@ -55,11 +55,8 @@ def sweep(system: str, runner, prompts: Prompts, plan: dict, budget: Budget, run
             return
         measure(f"length {inp}+{out}", lambda: [r for p in items for r in runner([p], out)],
                 scenario="length", input_tokens=inp, output_tokens=out, concurrency=1)
-    for inp, items in (prompts.probes.items() if "ttft" in scenarios else ()):
-        if not items or not budget.ok(f"{system} ttft {inp}"):
-            continue
-        measure(f"ttft probe {inp}", lambda: [r for p in items for r in runner([p], plan["probe_tokens"])],
-                scenario="ttft", input_tokens=inp, output_tokens=plan["probe_tokens"], concurrency=1)
+    if "ttft" in scenarios and any(prompts.probes.values()) and budget.ok(f"{system} ttft probes"):
+        ttft_probes(system, runner, prompts.probes, plan, runs, measure)
     for c in (plan["concurrency"] if "concurrency" in scenarios else ()):
         if not budget.ok(f"{system} concurrency {c}"):
             return
@@ -83,6 +80,34 @@ def sweep(system: str, runner, prompts: Prompts, plan: dict, budget: Budget, run
                          **poisson_labels(p, prompts.schedule))
         if run.get("ok"):
             run.update(poisson_rates(run["ok"], run["wall_s"], prompts.schedule))
+
+
+def ttft_probes(system: str, runner, probes: dict, plan: dict, runs: List[dict], measure) -> None:
+    """The TTFT probes of every length taken in turn (256, 512, 768, 256, ...), then a row per length.
+
+    On a host whose speed drifts between minutes, probes of one length after another would put the
+    drift into TTFT(768) / TTFT(256); taken in turn, each length sees the same minutes.
+    """
+    by_length: dict = {inp: [] for inp in probes}
+
+    def take_turns():
+        for k in range(max(len(items) for items in probes.values())):
+            for inp, items in probes.items():
+                if k < len(items):
+                    by_length[inp] += runner([items[k]], plan["probe_tokens"])
+        return [r for records in by_length.values() for r in records]
+
+    whole, records = measure("ttft probes, lengths in turn", take_turns, scenario="ttft-all", concurrency=1)
+    runs.remove(whole)
+    # the machine's figures over all the probes (other processes' CPU, the quiet wait) go to every row
+    machine = {k: v for k, v in whole.items() if k not in summarize(records, system=system, scenario="ttft-all", concurrency=1)
+               and k != "server"}
+    for inp, records in by_length.items():
+        run = summarize(records, system=system, scenario="ttft", input_tokens=inp,
+                        output_tokens=plan["probe_tokens"], concurrency=1)
+        run.update(machine)
+        runs.append(run)
+        log(f"{system} ttft probe {inp}: {brief(run)}")
 
 
 def poisson_labels(p: dict, schedule, load: str = "mixed") -> dict:

@@ -246,3 +246,30 @@ def test_load_choices_read_as_weights_when_repeated():
 
     assert choices_text([8, 16, 32]) == "8/16/32"
     assert choices_text([8] * 7 + [512]) == "8 (7 in 8), 512 (1 in 8)"
+
+
+def _ttft(system, inp, p50):
+    return dict(_run(system, "ttft", 1.0, concurrency=1, input_tokens=inp), ttft_ms={"p50": p50, "p90": p50, "p99": p50})
+
+
+def test_ttft_growth_splits_into_a_fixed_cost_and_a_cost_per_prompt_token():
+    rs = report.ratios(_results([_ttft("torchserve", 256, 500.0), _ttft("torchserve", 768, 1400.0)]))
+    growth = rs["ttft_growth"]
+    assert growth["value"] == round(1400 / 500, 4) and growth["met"] is False
+    # 900 ms more for 512 more tokens: 1.758 ms a token, and 500 - 256 x 1.758 = 50 ms besides
+    assert growth["inputs"]["per_prompt_token_ms"] == pytest.approx(900 / 512, abs=1e-3)
+    assert growth["inputs"]["fixed_ms"] == pytest.approx(500 - 256 * 900 / 512, abs=0.1)
+    assert "50 ms + 1.76 ms/token" in growth["definition"]
+
+
+def test_the_prefill_bound_gives_the_growth_any_implementation_faces_and_how_near_inprocess_runs():
+    bound = {"256": {"tokens_per_s": 600.0, "gflops": 136.0}, "768": {"tokens_per_s": 720.0, "gflops": 163.0}}
+    runs = [_ttft("inprocess", 256, 512.0), _ttft("inprocess", 768, 1536.0)]
+    rs = report.ratios(dict(_results(runs), prefill_bound=bound))
+    floor = rs["ttft_growth_at_prefill_bound"]
+    assert floor["value"] == round((768 / 720) / (256 / 600), 4) == 2.5 and floor["met"] is None
+    assert rs["prefill_vs_bound_256"]["value"] == round(500 / 600, 4)  # 256 tokens in 0.512 s
+    assert rs["prefill_vs_bound_768"]["value"] == round(500 / 720, 4)
+    assert "ttft_growth_at_prefill_bound" not in report.ratios(_results(runs))  # a run without the samples
+    line = report.prefill_bound_line(dict(_results(runs), prefill_bound=bound))
+    assert "600 tok/s on 256 rows (136 GFLOP/s), 720 tok/s on 768 rows (163 GFLOP/s)" in line

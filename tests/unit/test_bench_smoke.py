@@ -61,6 +61,10 @@ def test_smoke_json_has_every_section_and_positive_figures(smoke):
     assert results["model"]["weight_bytes_per_token"] > 0
     assert all(bw["gb_per_s"] > 0 for bw in results["memory_bandwidth"].values())
     assert results["decode_bound"]["tokens_per_s"] > 0
+    # the linear layers' prompt tokens/s at the shortest and longest length, a sample at the start and the end
+    assert sorted(results["prefill_bound"]) == ["32", "96"] and len(results["prefill_bound_samples"]) == 2
+    assert all(b["tokens_per_s"] > 0 and b["gflops"] > 0 for b in results["prefill_bound"].values())
+    assert results["ratios"]["ttft_growth_at_prefill_bound"]["value"] > 0
     assert results["systems"]["inprocess"]["status"] == "ok"
     assert results["systems"]["torchserve"]["status"] == "ok"
     assert results["systems"]["torchserve-continuous"]["status"] == "ok"
@@ -77,6 +81,10 @@ def test_smoke_runs_cover_each_scenario_with_full_length_streams(smoke):
     seen = {(r["system"], r["scenario"]) for r in runs}
     for system in ("inprocess", "torchserve"):
         assert {(system, "length"), (system, "concurrency")} <= seen
+        probes = sorted(r["input_tokens"] for r in runs if r["system"] == system and r["scenario"] == "ttft")
+        assert probes == [32, 96], probes  # one probe a length, taken in turn, a row each
+    assert results["ratios"]["ttft_growth"]["inputs"]["scenario"] == "ttft"
+    assert results["ratios"]["prefill_vs_bound_96"]["value"] > 0
     assert ("torchserve", "poisson") in seen
     assert ("torchserve-llamacpp", "concurrency") in seen  # the llamacpp backend's sweep (no Poisson rounds)
     assert not any(s == "torchserve-llamacpp" and sc == "poisson" for s, sc in seen)
