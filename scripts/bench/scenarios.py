@@ -3,6 +3,7 @@ of (prompts, max_new_tokens) -> request records, or of a Poisson schedule -> rec
 
 * :func:`sweep`: one system's length sweep, TTFT probes, concurrency sweep and (for servers)
   the mixed Poisson run, a row per group of requests;
+* :func:`ttft_probes`: the TTFT probes of every length taken in turn, a row per length;
 * :func:`paired`: two systems on the same waves, alternated round by round, with their ratio;
 * :func:`poisson_labels` and :func:`poisson_rates`: the labels and offered/served rates of a
   Poisson row;
