@@ -67,7 +67,8 @@ def prefill_floor_ratios(runs, bound: dict) -> dict:
     TTFT growth that bound itself implies: a prompt run at the bound's speed at both lengths, nothing else."""
     if not bound or len(bound) < 2:
         return {}
-    short_n, long_n = sorted(bound, key=int)[0], sorted(bound, key=int)[-1]
+    lengths = sorted(bound, key=int)
+    short_n, long_n = lengths[0], lengths[-1]
     floor = (int(long_n) / bound[long_n]["tokens_per_s"]) / (int(short_n) / bound[short_n]["tokens_per_s"])
     out = {"ttft_growth_at_prefill_bound": _ratio(
         floor, "report", None,
