@@ -76,8 +76,8 @@ def prefill_floor_ratios(runs, bound: dict) -> dict:
         f"speed for its length (gemm.prefill_bound) and nothing besides: what any implementation faces here",
         bound_tokens_per_s={n: b["tokens_per_s"] for n, b in bound.items()})}
     for n in (short_n, long_n):
-        run = next((r for r in runs if r.get("system") == INPROCESS and r.get("scenario") in ("ttft", "length")
-                    and r.get("ok") and str(r["input_tokens"]) == n), None)
+        # the rows TTFT growth is taken from: the probes, else the length sweep
+        run = find(runs, INPROCESS, "ttft", input_tokens=int(n)) or find(runs, INPROCESS, "length", input_tokens=int(n))
         if run:
             rate = int(n) / (run["ttft_ms"]["p50"] / 1e3)
             out[f"prefill_vs_bound_{n}"] = _ratio(
