@@ -263,20 +263,45 @@ def measure(backend, schedule, chunk: int, repeats: int = 7) -> dict:
     merged = merged_rows_ms(backend, slots - 1, chunk, context, repeats)
     r = replay(schedule, slots, steps, tps, chunk, merged)
     flat = replay(schedule, slots, {rows: steps[1] for rows in steps}, tps, chunk, 0.0)
-    sim = simulate(schedule, slots, steps, tps, chunk, merged)
+    r = dict(r, saturated_ideal_tps=r["ideal_tps"], step_ms=steps, prefill_tokens_per_s=tps, merged_rows_ms=merged,
+             context=context, chunk=chunk, slots=slots, flat_bound=flat["bound"])
+    return dict(r, **on_arrivals(r, schedule))
+
+
+def on_arrivals(bound: dict, schedule) -> dict:
+    """The figures of :func:`measure`'s ``bound`` that depend on when the requests arrive, for ``schedule``.
+
+    Both schedulers serve it as it arrives at the measured step costs: the ideal continuous batcher
+    (:func:`simulate`: ``ideal_tps``, ``ideal_s``, ``ideal_p99_ttft_s``) and micro-batching
+    (:func:`simulate_micro`: ``micro_arrivals_tps``, ``micro_p99_ttft_s``); ``p99_ttft_bound`` is their
+    p99 TTFT ratio. The saturated replays ignore arrivals, so a re-paced schedule needs only these.
+    """
+    steps, tps, slots = bound["step_ms"], bound["prefill_tokens_per_s"], bound["slots"]
+    sim = simulate(schedule, slots, steps, tps, bound["chunk"], bound["merged_rows_ms"])
     micro = simulate_micro(schedule, slots, steps, tps)
-    r = dict(r, saturated_ideal_tps=r["ideal_tps"], ideal_tps=sim["ideal_tps"], ideal_s=sim["ideal_s"],
-             ideal_p99_ttft_s=sim["p99_ttft_s"], micro_arrivals_tps=micro["tps"], micro_p99_ttft_s=micro["p99_ttft_s"],
-             p99_ttft_bound=sim["p99_ttft_s"] / micro["p99_ttft_s"])
-    return dict(r, step_ms=steps, prefill_tokens_per_s=tps, merged_rows_ms=merged, context=context, chunk=chunk,
-                slots=slots, flat_bound=flat["bound"])
+    return dict(ideal_tps=sim["ideal_tps"], ideal_s=sim["ideal_s"], ideal_p99_ttft_s=sim["p99_ttft_s"],
+                micro_arrivals_tps=micro["tps"], micro_p99_ttft_s=micro["p99_ttft_s"],
+                p99_ttft_bound=sim["p99_ttft_s"] / micro["p99_ttft_s"])
+
+
+def steady_rate(bound: dict, utilization: float) -> dict:
+    """The arrival rate at ``utilization`` of what micro-batching serves of ``bound``'s requests.
+
+    ``bound`` is :func:`measure`'s on the requests themselves (their arrivals do not matter to it):
+    its saturated micro-batching replay (``micro_tps``, every batch full and back to back) gives the
+    requests/s micro-batching keeps up with at the step costs measured in this process.
+    """
+    capacity = bound["micro_tps"] * bound["requests"] / bound["tokens"]
+    return dict(rate=round(utilization * capacity, 4), utilization=utilization,
+                micro_capacity_per_s=round(capacity, 4), micro_tps=round(bound["micro_tps"], 2))
 
 
 def main(argv=None) -> int:
     plan = MODES["default"]
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--load", choices=["mixed", "wide"], default="mixed",
-                   help="the bench's Poisson load: mixed (default) or wide (outputs spread widely)")
+    p.add_argument("--load", choices=["mixed", "wide", "steady"], default="mixed",
+                   help="the bench's Poisson load: mixed (default), wide (outputs spread widely) or steady "
+                        "(the mixed load's lengths, paced to micro-batching's requests/s here)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=auto_dtype("cpu"),
                    help="default: what handler.dtype: auto picks on this CPU")
     p.add_argument("--model", type=Path, help="checkpoint (default: build/bench-model-<dtype>)")
@@ -295,10 +320,15 @@ def main(argv=None) -> int:
         sys.exit(f"{args.model} is missing: python -m scripts.bench --quick builds it")
 
     torch.set_num_threads(args.threads)
-    load = dict(plan["poisson_wide"] if args.load == "wide" else plan["poisson"])
+    load = dict(plan[{"mixed": "poisson", "wide": "poisson_wide", "steady": "poisson_steady"}[args.load]])
     load.update({k: v for k, v in (("rate", args.rate), ("duration", args.duration)) if v})
     schedule = poisson_lengths(load, args.max_length, args.seed)
     r = measure(load_backend(args.model, args.dtype, args.slots, args.max_length), schedule, args.chunk, args.repeats)
+    if args.load == "steady":  # drawn at 1 request/s: paced as the bench paces it, unless --rate says
+        pace = args.rate or steady_rate(r, load["utilization"])["rate"]
+        schedule = [(t / pace, inp, out) for t, inp, out in schedule]
+        r.update(on_arrivals(r, schedule))
+        load.update(rate=round(pace, 3), duration=round(schedule[-1][0], 1))
     steps, tps, merged, context = r["step_ms"], r["prefill_tokens_per_s"], r["merged_rows_ms"], r["context"]
     print(f"{args.model.name}, {args.dtype}, {args.threads} threads, {args.slots} slots; load: {load['rate']} req/s "
           f"for {load['duration']} s, inputs {load['inputs']}, outputs {load['outputs']} (seed {args.seed}): "

@@ -32,9 +32,17 @@ ROOT = Path(__file__).resolve().parents[2]
 #: long enough that the last long answers' drain is a small part of the run.
 WIDE = dict(rate=3.0, duration=40.0, inputs=[32, 64], outputs=[8] * 7 + [512])
 WIDE_QUICK = dict(rate=3.0, duration=12.0, inputs=[32, 64], outputs=[8] * 7 + [256])
-LOADS = ("mixed", "wide")
+#: The third Poisson load: the mixed load's lengths, ``requests`` of them, arriving at
+#: ``utilization`` of what micro-batching serves on this CPU. The mixed load's fixed 1 request/s is
+#: 2-3x more than the 2-vCPU AVX2 EPYC serves: there every queue grows until the arrivals stop,
+#: and a p99 TTFT is the backlog of the last arrivals, set by throughput and the run's length rather
+#: than by how the scheduler admits requests. Paced to the CPU at hand, both servers keep up (on
+#: the in-process step costs), and TTFT measures the wait each scheduler imposes. ``rate`` is the
+#: pace when the run measures no continuous bound to derive it from (``--smoke``).
+STEADY = dict(requests=30, utilization=0.6, rate=None, inputs=[128, 256, 512, 768], outputs=[32, 64, 128, 256])
+LOADS = ("mixed", "wide", "steady")
 #: Each load's plan key.
-POISSON_PLAN = {"mixed": "poisson", "wide": "poisson_wide"}
+POISSON_PLAN = {"mixed": "poisson", "wide": "poisson_wide", "steady": "poisson_steady"}
 
 # (input tokens, output tokens) pairs; every length pair runs at concurrency 1.
 MODES = {
@@ -42,24 +50,26 @@ MODES = {
         model="tiny", dtype="float32", lengths=[(32, 8), (96, 8)], length_repeats=2, ttft_probes=1, probe_tokens=4,
         concurrency=[4], conc_input=32, conc_output=8, rounds=1,
         poisson=dict(rate=4.0, duration=2.0, inputs=[16, 32, 64], outputs=[4, 8]), poisson_rounds=1,
-        poisson_wide=dict(rate=4.0, duration=1.5, inputs=[16, 32], outputs=[2, 4, 24]), bound=False,
+        poisson_wide=dict(rate=4.0, duration=1.5, inputs=[16, 32], outputs=[2, 4, 24]),
+        poisson_steady=dict(requests=4, utilization=None, rate=2.0, inputs=[16, 32], outputs=[4, 8]), bound=False,
         membw_gb=0.25, paired_rounds=2, paired_concurrency=[1, 4], quiet_wait=0, quiet_budget=0, peers=False, fp32_decode=False, max_minutes=4, request_timeout=120, docs=False),
     "quick": dict(
         model="bench", dtype="auto", lengths=[(256, 32), (768, 32)], length_repeats=3, ttft_probes=0,
         probe_tokens=0, concurrency=[1, 2, 4, 8, 16], conc_input=128, conc_output=32, rounds=1,
         poisson=dict(rate=1.0, duration=20.0, inputs=[64, 128, 256, 512], outputs=[16, 32, 64]), poisson_rounds=1,
-        poisson_wide=WIDE_QUICK, bound=True,
+        poisson_wide=WIDE_QUICK, poisson_steady=dict(STEADY, requests=12, inputs=[64, 128, 256, 512], outputs=[16, 32, 64]),
+        bound=True,
         membw_gb=1.0, paired_rounds=3, paired_concurrency=[1, 8], quiet_wait=10, quiet_budget=60, peers=True, fp32_decode=False, max_minutes=10, request_timeout=300, docs=True),
     "default": dict(
         model="bench", dtype="auto", lengths=[(256, 768), (512, 512), (768, 256)], length_repeats=1,
         ttft_probes=4, probe_tokens=8, concurrency=[1, 2, 4, 8, 16], conc_input=256, conc_output=128, rounds=2,
         poisson=dict(rate=1.0, duration=60.0, inputs=[128, 256, 512, 768], outputs=[32, 64, 128, 256]),
-        poisson_rounds=2, poisson_wide=WIDE, bound=True,
+        poisson_rounds=2, poisson_wide=WIDE, poisson_steady=STEADY, bound=True,
         membw_gb=2.0, paired_rounds=3, paired_concurrency=[1, 8], quiet_wait=30, quiet_budget=300, peers=True, fp32_decode=True, max_minutes=75, request_timeout=900, docs=True),
 }
 
 SYSTEMS = ("inprocess", "torchserve", "torchserve-continuous", "torchserve-llamacpp", "llama.cpp", "llama.cpp-q8_0", "vllm")
-SCENARIOS = ("length", "ttft", "concurrency", "paired", "poisson", "poisson-wide")
+SCENARIOS = ("length", "ttft", "concurrency", "paired", "poisson", "poisson-wide", "poisson-steady")
 
 
 def log(msg: str) -> None:
@@ -128,6 +138,14 @@ class Prompts:
         self.schedules = {load: [(t, factory.make(inp), out) for t, inp, out in
                                  poisson_lengths(plan[POISSON_PLAN[load]], max_length, seed)] for load in LOADS}
         self.schedule = self.schedules["mixed"]
+        self.rates: dict = {}  # load -> the rate :meth:`pace` set
+
+    def pace(self, load: str, rate: float) -> None:
+        """Arrivals of ``load`` (drawn at 1 request/s) at ``rate`` per second: the same requests, spread in time."""
+        if load in self.rates:
+            raise ValueError(f"the {load} load is paced already (at {self.rates[load]}/s)")
+        self.schedules[load] = [(t / rate, ids, out) for t, ids, out in self.schedules[load]]
+        self.rates[load] = rate
 
 
 def choices_text(values: List[int]) -> str:
@@ -139,7 +157,14 @@ def choices_text(values: List[int]) -> str:
 
 
 def poisson_lengths(p: dict, max_length: int, seed: int) -> List[tuple]:
-    """The Poisson schedule's (arrival s, input tokens, output tokens), drawn from ``seed``."""
+    """The Poisson schedule's (arrival s, input tokens, output tokens), drawn from ``seed``.
+
+    A load given by ``requests`` rather than rate and duration (the steady load) is drawn at 1
+    request/s and cut at that many; :meth:`Prompts.pace` sets its rate once the CPU is measured.
+    """
+    if "requests" in p:
+        unit = {k: v for k, v in p.items() if k != "requests"}
+        return poisson_lengths(dict(unit, rate=1.0, duration=4.0 * p["requests"] + 20), max_length, seed)[:p["requests"]]
     rng = random.Random(seed + 1)
     t, schedule = 0.0, []
     while True:

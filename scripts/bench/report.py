@@ -20,6 +20,8 @@ PEER_NAMES = ("llama.cpp", "llama.cpp-q8_0", "vllm")
 #: Peer ratio goals (served / peer output tok/s) by concurrency: llama.cpp in the dtype served.
 LLAMA_CPP_GOALS = {8: 1.0, 1: 0.8}
 PLOTS = ("ttft_vs_input.png", "throughput_vs_concurrency.png", "latency_percentiles.png", "poisson_latency.png")
+#: The Poisson plot's bars of one system tell its loads apart by hatching.
+LOAD_HATCH = {"mixed": "", "wide": "//", "steady": ".."}
 
 
 # -- ratios ------------------------------------------------------------------------------------
@@ -258,13 +260,21 @@ def continuous_ratios(runs, extra: Optional[dict] = None) -> dict:
             "schedule, same slots, mean of alternating rounds)",
             continuous=cont["output_tokens_per_s"], micro=micro["output_tokens_per_s"],
             round_ratios=cont.get("round_ratios"), bound=bounds.get("mixed", {}).get("bound"))
-        limit = bounds.get("mixed", {}).get("p99_ttft_bound")
-        out["continuous_p99_ttft_vs_micro"] = _ratio(
-            cont["ttft_ms"]["p99"] / micro["ttft_ms"]["p99"], "<= 0.5", lambda v: v <= 0.5,
-            "Poisson run (mixed load): continuous-batching TTFT p99 / micro-batching TTFT p99"
-            + (f"; on the same arrivals at the step costs measured in-process, with no serving cost, the "
-               f"scheduler's ideal gets {limit:.2f} (continuous_bound)" if limit else ""),
-            continuous_ms=cont["ttft_ms"]["p99"], micro_ms=micro["ttft_ms"]["p99"], bound=limit)
+        out["continuous_p99_ttft_vs_micro"] = _p99_ttft_ratio(
+            cont, micro, bounds.get("mixed", {}), "report", None,
+            "Poisson run (mixed load): continuous-batching TTFT p99 / micro-batching TTFT p99 (the goal is on "
+            "the steady load: where this fixed rate is more than both servers serve, every queue grows until "
+            "the arrivals stop and p99 TTFT is the backlog of the last arrivals)")
+    micro_s, cont_s = poisson_run(runs, SERVED, "steady"), poisson_run(runs, CONTINUOUS, "steady")
+    if micro_s and cont_s:
+        pace = (extra or {}).get("steady_load", {})
+        paced = (f"{pace['utilization']:.0%} of micro-batching's requests/s on this CPU, "
+                 if pace.get("utilization") else "")
+        out["continuous_p99_ttft_vs_micro_steady"] = _p99_ttft_ratio(
+            cont_s, micro_s, bounds.get("steady", {}), "<= 0.5", lambda v: v <= 0.5,
+            f"Poisson run (steady load: {cont_s['requests'] // max(cont_s.get('rounds') or 1, 1)} requests of "
+            f"the mixed load's lengths at {cont_s['rate_per_s']}/s, {paced}a pace both servers keep up with): "
+            "continuous-batching TTFT p99 / micro-batching TTFT p99")
     if cont and bounds.get("mixed"):
         out.update(_vs_ideal(cont, bounds["mixed"], "mixed", ">= 0.95", lambda v: v >= 0.95))
     vllm = poisson_run(runs, "vllm", "mixed")
@@ -287,6 +297,16 @@ def continuous_ratios(runs, extra: Optional[dict] = None) -> dict:
         if bound:
             out.update(_vs_ideal(cont_w, bound, "wide", "report", None))
     return out
+
+
+def _p99_ttft_ratio(cont: dict, micro: dict, bound: dict, goal: str, met, definition: str) -> dict:
+    """Continuous / micro-batching TTFT p99 on one load, with the scheduler's ideal on it beside."""
+    limit = bound.get("p99_ttft_bound")
+    return _ratio(
+        cont["ttft_ms"]["p99"] / micro["ttft_ms"]["p99"], goal, met,
+        definition + (f"; on the same arrivals at the step costs measured in-process, with no serving cost, the "
+                      f"scheduler's ideal gets {limit:.2f} (continuous_bound)" if limit else ""),
+        continuous_ms=cont["ttft_ms"]["p99"], micro_ms=micro["ttft_ms"]["p99"], bound=limit)
 
 
 def _vs_ideal(cont: dict, bound: dict, load: str, goal: str, met) -> dict:
@@ -426,7 +446,7 @@ def markdown(results: dict, plots: List[Path]) -> str:
             parts = ", ".join(f"{name} {100 * share:.0f}%" for name, share in run["own_cpu_by_process"].items())
             cpu_lines.append(f"* {system} at {c} streams: {parts} (of {results['machine']['logical_cpus']} CPUs)")
     poisson_text = "".join(
-        f"Poisson run, {r['system']}: {r['requests']} requests offered at {r['offered_rate_per_s']}/s, completed at "
+        f"Poisson run ({r.get('load', 'mixed')} load), {r['system']}: {r['requests']} requests offered at {r['offered_rate_per_s']}/s, completed at "
         f"{r['completed_rate_per_s']}/s; the last finished {r['drain_s']} s after the last arrival"
         f"{' (the queue grew: the server could not keep up)' if r['completed_rate_per_s'] < 0.9 * r['offered_rate_per_s'] else ''}.\n\n"
         for r in results["runs"] if r.get("scenario") == "poisson" and r.get("offered_rate_per_s"))
@@ -603,14 +623,15 @@ def plot_all(results: dict, out: Path) -> List[Path]:
         for i, r in enumerate(poisson):
             if r.get(key):
                 ax.bar([j + i * width for j in range(3)], [r[key][p] * scale for p in ("p50", "p90", "p99")], width,
-                       color=colors.get(r["system"]), label=r["system"])
+                       color=colors.get(r["system"]), hatch=LOAD_HATCH.get(r.get("load", "mixed"), ""),
+                       label=f"{r['system']}, {r.get('load', 'mixed')} load")
         ax.set_xticks([j + width * (len(poisson) - 1) / 2 for j in range(3)], ["p50", "p90", "p99"])
         ax.set(ylabel=label)
         ax.grid(alpha=0.3, axis="y")
     if poisson:
         axes[0].legend()
-        p = poisson[0]
-        fig.suptitle(f"Poisson arrivals, {p['rate_per_s']}/s for {p['duration_s']} s, mixed lengths: {title}")
+        loads = ", ".join(dict.fromkeys(f"{r.get('load', 'mixed')} {r['rate_per_s']}/s" for r in poisson))
+        fig.suptitle(f"Poisson arrivals ({loads}): {title}")
     else:
         fig.suptitle("Poisson arrivals: no run")
     paths.append(_save(fig, out / PLOTS[3], plt))
@@ -644,7 +665,7 @@ and matplotlib. Outputs go to `build/bench/`: `results-<timestamp>.json` and `la
 figure, the machine, versions, config and plan), `results.md` (this section's tables), and
 `ttft_vs_input.png`, `throughput_vs_concurrency.png`, `latency_percentiles.png`, `poisson_latency.png`.
 Options: `--dtype float32`, `--threads N`, `--no-peers`, `--llama-gguf PATH`, `--max-minutes M`, `--out DIR`,
-`--docs PATH`/`--no-docs`, `--systems A,B`, `--scenarios A,B` (length, ttft, concurrency, paired, poisson),
+`--docs PATH`/`--no-docs`, `--systems A,B`, `--scenarios A,B` (length, ttft, concurrency, paired, poisson, poisson-wide, poisson-steady),
 `--poisson-rate R`, `--poisson-duration S`, `--poisson-rounds N`. How far continuous batching can get
 ahead of micro-batching on the Poisson load at all: `.venv/bin/python -m scripts.bench.continuous_bound`
 (see docs/continuous-batching.md).
@@ -693,8 +714,14 @@ ahead of micro-batching on the Poisson load at all: `.venv/bin/python -m scripts
    offered rate. The two TorchServe variants run it in alternating rounds (full run: 2 each, micro first
    in round 1, continuous first in round 2), both servers up and the idle one waiting; their Poisson row
    gathers every round's requests, its tok/s is the mean of the rounds' and `round_ratios` holds
-   continuous / micro per round. The in-process engine has no scheduler, so it does not run the Poisson
-   load. Before the Poisson rounds, the two variants also run the same static wave (full run: 8 streams,
+   continuous / micro per round. Two more loads run the same way, on the two variants only: the wide
+   load (short prompts, seven answers in eight of 8 tokens and one of 512, 3 requests/s for 40 s: where
+   continuous batching's refilled rows count most) and the steady load (30 requests of the mixed load's
+   lengths, paced at 60% of the requests/s that micro-batching serves in `continuous_bound`'s replay at
+   the step costs measured in-process before the served rounds; `extra.steady_load` holds the pace):
+   a load both servers keep up with, so that TTFT measures the wait each scheduler imposes rather than
+   a backlog. The in-process engine has no scheduler, so it does not run the Poisson
+   loads. Before the Poisson rounds, the two variants also run the same static wave (full run: 8 streams,
    256 in, 128 out) back to back, alternated over 3 pairs (the "paired-variants" rows;
    `continuous_over_micro` holds continuous / micro per pair), so that their static-load comparison
    carries no drift between sweeps minutes apart.

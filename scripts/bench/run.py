@@ -47,7 +47,16 @@ from scripts.bench.plan import (
     parse_systems,
 )
 from scripts.bench.prompts import PromptFactory
-from scripts.bench.scenarios import brief, continuous_bounds, paired, poisson_labels, poisson_rates, round_trips, sweep
+from scripts.bench.scenarios import (
+    brief,
+    continuous_bounds,
+    lengths_of,
+    paired,
+    poisson_labels,
+    poisson_rates,
+    round_trips,
+    sweep,
+)
 from scripts.bench.stats import summarize
 from scripts.streaming_client import run_schedule, run_wave
 
@@ -162,7 +171,7 @@ class BenchRun:
         self.monitor.budget = plan["quiet_budget"]
         self.engine = None  # the in-process engine, kept until the micro-batching variant is paired with it
         self.kept = {}  # name -> (system, adapter): the variants kept up for variant_pairs
-        self.pairing = (any(s in plan["scenarios"] for s in ("poisson", "poisson-wide", "paired"))
+        self.pairing = (any(s in plan["scenarios"] for s in ("poisson", "poisson-wide", "poisson-steady", "paired"))
                         and all(n in args.systems for n in VARIANTS))
         log(f"mode {self.mode}, dtype {self.dtype}, out {self.out}")
 
@@ -303,9 +312,13 @@ class BenchRun:
             from llama_engine import load_model_config_file
 
             t = time.perf_counter()
-            self.results["extra"]["continuous_bound"] = continuous_bounds(
+            bounds = self.results["extra"]["continuous_bound"] = continuous_bounds(
                 load_model_config_file(str(self.cb_config)), self.checkpoint, self.dtype, self.prompts, self.plan,
                 self.threads)
+            if "pace" in bounds.get("steady", {}):
+                self.results["extra"]["steady_load"] = dict(
+                    bounds["steady"]["pace"], basis="utilization x micro-batching's requests/s in the continuous bound's "
+                                                    "saturated replay (step costs measured in-process)")
             self.phases["continuous_bound_s"] = time.perf_counter() - t
 
     # -- 2. the served handler, each variant ----------------------------------------------------
@@ -419,11 +432,31 @@ class BenchRun:
                        prompts, plan, self.runs, self.monitor, scenario="paired-variants", ratio="continuous_over_micro",
                        concurrency=[c for c in plan["paired_concurrency"] if c > 1])
                 self.phases["paired_variants_s"] = time.perf_counter() - t
-            for load, scenario in (("mixed", "poisson"), ("wide", "poisson-wide")):
-                if scenario in plan["scenarios"] and prompts.schedules[load]:
+            for load, scenario in (("mixed", "poisson"), ("wide", "poisson-wide"), ("steady", "poisson-steady")):
+                if scenario in plan["scenarios"] and prompts.schedules[load] and self._paced(load):
                     self.poisson_rounds(names, load)
         except Exception:  # noqa: BLE001 - reported, the peers still run
             traceback.print_exc()
+
+    def _paced(self, load: str) -> bool:
+        """Whether ``load`` has its arrival rate: its plan's own, one the continuous bound set (the steady
+        load's), or the plan's fallback ``rate`` when no bound was measured to derive it from."""
+        load_plan = self.plan[POISSON_PLAN[load]]
+        if "requests" not in load_plan or load in self.prompts.rates:
+            return True
+        if load_plan.get("rate"):
+            self.prompts.pace(load, load_plan["rate"])
+            self.results["extra"]["steady_load"] = {"rate": load_plan["rate"], "basis": "the plan's fixed rate"}
+            return True
+        log(f"skipping the {load} load: its rate comes from the continuous bound, which this run did not measure")
+        return False
+
+    def _load_plan(self, load: str) -> dict:
+        """``load``'s plan, with the rate and duration its schedule was paced to (the steady load)."""
+        load_plan = self.plan[POISSON_PLAN[load]]
+        if load not in self.prompts.rates:
+            return load_plan
+        return dict(load_plan, rate=self.prompts.rates[load], duration=round(self.prompts.schedules[load][-1][0], 1))
 
     def poisson_rounds(self, names: List[str], load: str) -> None:
         """The variants on one Poisson load: round k runs micro then continuous (k even) or the
@@ -435,7 +468,7 @@ class BenchRun:
         """
         plan, monitor = self.plan, self.monitor
         t = time.perf_counter()
-        schedule, load_plan = self.prompts.schedules[load], plan[POISSON_PLAN[load]]
+        schedule, load_plan = self.prompts.schedules[load], self._load_plan(load)
         per_round = {name: [] for name in names}
         records = {name: [] for name in names}
         snap = monitor.snapshot()
@@ -482,8 +515,7 @@ class BenchRun:
         bound = self.results["extra"].get("continuous_bound", {}).get(load)
         if not bound:
             return {}
-        lengths = [(t, len(ids), n) for t, ids, n in schedule]
-        ideals = [at_served_costs(bound, r["server"].get("forward", {}), lengths) for r in rounds]
+        ideals = [at_served_costs(bound, r["server"].get("forward", {}), lengths_of(schedule)) for r in rounds]
         ratios = [round(r["output_tokens_per_s"] / ideal["ideal_tps"], 4) for r, ideal in zip(rounds, ideals) if ideal]
         return dict(ideal_at_served_costs=[ideal and dict(ideal, step_ms={str(k): v for k, v in ideal["step_ms"].items()})
                                            for ideal in ideals],

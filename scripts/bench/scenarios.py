@@ -22,7 +22,7 @@ import statistics
 from pathlib import Path
 from typing import List
 
-from scripts.bench.plan import LOADS, SCENARIOS, Budget, Prompts, log
+from scripts.bench.plan import LOADS, POISSON_PLAN, SCENARIOS, Budget, Prompts, log
 from scripts.bench.stats import summarize
 
 
@@ -207,18 +207,32 @@ def continuous_bounds(cb_cfg, checkpoint: Path, dtype: str, prompts: Prompts, pl
     prefill budget: the ideal continuous batcher's tok/s (``ideal_tps``) that the served one is held to."""
     import torch
 
-    from scripts.bench.continuous_bound import load_backend, measure
+    from scripts.bench.continuous_bound import load_backend, measure, on_arrivals, steady_rate
 
     torch.set_num_threads(threads)
     backend = load_backend(checkpoint, dtype, cb_cfg.slots, cb_cfg.handler.max_length)
     out = {}
     for load in LOADS:
-        schedule = [(t, len(ids), n) for t, ids, n in prompts.schedules[load]]
-        if schedule:
-            out[load] = measure(backend, schedule, cb_cfg.continuous_batching.max_prefill_tokens_per_step)
-            log(f"continuous bound, {load} load: ideal {out[load]['ideal_tps']:.1f} tok/s, micro-batching replay "
-                f"{out[load]['micro_tps']:.1f} tok/s, at most {out[load]['bound']:.2f}x")
+        schedule = lengths_of(prompts.schedules[load])
+        if not schedule:
+            continue
+        out[load] = measure(backend, schedule, cb_cfg.continuous_batching.max_prefill_tokens_per_step)
+        utilization = plan[POISSON_PLAN[load]].get("utilization")
+        if utilization and load not in prompts.rates:
+            pace = steady_rate(out[load], utilization)
+            prompts.pace(load, pace["rate"])
+            out[load].update(on_arrivals(out[load], lengths_of(prompts.schedules[load])), pace=pace)
+            log(f"{load} load paced at {pace['rate']:.3f} requests/s: {utilization:.0%} of micro-batching's "
+                f"{pace['micro_capacity_per_s']:.3f}/s at the step costs measured here")
+        log(f"continuous bound, {load} load: ideal {out[load]['ideal_tps']:.1f} tok/s, micro-batching replay "
+            f"{out[load]['micro_tps']:.1f} tok/s, at most {out[load]['bound']:.2f}x; p99 TTFT ideal / micro "
+            f"{out[load]['p99_ttft_bound']:.2f}")
     return out
+
+
+def lengths_of(schedule) -> List[tuple]:
+    """A schedule of prompts as (arrival s, input tokens, output tokens)."""
+    return [(t, len(ids), n) for t, ids, n in schedule]
 
 
 ROUND_TRIP_LINE = re.compile(r"continuous batching: (\d+) calls, ([\d.]+) ms in the handler "

@@ -92,6 +92,7 @@ def test_smoke_runs_cover_each_scenario_with_full_length_streams(smoke):
     paired = [r for r in runs if r["scenario"] == "poisson" and r["system"].startswith("torchserve")]
     assert sorted((r["load"], r["system"]) for r in paired) == [
         ("mixed", "torchserve"), ("mixed", "torchserve-continuous"),
+        ("steady", "torchserve"), ("steady", "torchserve-continuous"),
         ("wide", "torchserve"), ("wide", "torchserve-continuous")]
     prompt_tokens = {}
     for run in paired:
@@ -104,6 +105,11 @@ def test_smoke_runs_cover_each_scenario_with_full_length_streams(smoke):
     wide = next(r for r in paired if r["load"] == "wide")
     assert wide["output_choices"] == results["plan"]["poisson_wide"]["outputs"]
     assert results["ratios"]["continuous_throughput_vs_micro_wide"]["goal"] == ">= 2.0"
+    # --smoke measures no continuous bound to pace the steady load by: the plan's fixed rate paces it
+    steady = next(r for r in paired if r["load"] == "steady")
+    assert results["extra"]["steady_load"]["rate"] == steady["rate_per_s"] == results["plan"]["poisson_steady"]["rate"]
+    assert steady["requests"] == results["plan"]["poisson_steady"]["requests"] and 0 < steady["duration_s"]
+    assert results["ratios"]["continuous_p99_ttft_vs_micro_steady"]["goal"] == "<= 0.5"
     # ... and the same static wave back to back, one ratio per pair (2 pairs of 4 streams in --smoke)
     waves = [r for r in runs if r["scenario"] == "paired-variants"]
     assert sorted((r["system"], r["concurrency"]) for r in waves) == [("torchserve", 4), ("torchserve-continuous", 4)]
