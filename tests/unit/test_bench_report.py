@@ -325,3 +325,14 @@ def test_the_prefill_bound_gives_the_growth_any_implementation_faces_and_how_nea
     assert "ttft_growth_at_prefill_bound" not in report.ratios(_results(runs))  # a run without the samples
     line = report.prefill_bound_line(dict(_results(runs), prefill_bound=bound))
     assert "600 tok/s on 256 rows (136 GFLOP/s), 720 tok/s on 768 rows (163 GFLOP/s)" in line
+
+
+def test_a_server_falls_behind_when_its_last_request_ends_later_than_a_typical_one_takes():
+    def row(completed, drain, e2e_p50_ms):
+        return {"offered_rate_per_s": 1.0, "completed_rate_per_s": completed, "drain_s": drain,
+                "e2e_ms": {"p50": e2e_p50_ms}}
+
+    assert report.queue_grew(row(0.42, 83.6, 55_800.0))  # the mixed load on the AVX2 EPYC
+    # a short steady run: the last request's own answer drags the rate under 0.9, yet no backlog
+    assert not report.queue_grew(row(0.86, 14.8, 18_400.0))
+    assert not report.queue_grew(row(0.95, 60.0, 1_000.0))
