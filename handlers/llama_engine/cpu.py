@@ -9,8 +9,14 @@ only where it is native.
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import logging
+import sys
 from pathlib import Path
 from typing import FrozenSet, Optional
+
+logger = logging.getLogger(__name__)
 
 #: /proc/cpuinfo flags that mean bf16 matrix products run natively.
 NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
@@ -63,3 +69,45 @@ def auto_dtype(device: str, flags: Optional[FrozenSet[str]] = None) -> str:
 
 def reported_flags(flags: FrozenSet[str]) -> list:
     return sorted(flag for flag in flags if flag in REPORTED_FLAGS)
+
+
+#: glibc's ``mallopt`` parameters (malloc.h).
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+#: Blocks up to this size come from the heap, not a fresh ``mmap`` each (glibc's own ceiling is 32 MiB).
+MMAP_THRESHOLD = 256 << 20
+#: Free memory at the heap's top that glibc keeps rather than hands back to the kernel.
+TRIM_THRESHOLD = 1 << 30
+_malloc_kept: Optional[bool] = None
+
+
+def keep_freed_memory() -> bool:
+    """Have glibc reuse the blocks torch frees instead of returning them to the kernel.
+
+    A prefill's intermediates are megabytes each (768 tokens x 2 x 3072 float32 in the bench
+    model's MLP: 19 MB), allocated and freed in every layer. With glibc's defaults such a block
+    goes back to the kernel when freed (``mmap``'d, or trimmed from the heap's top), and the next
+    one is faulted in and zeroed page by page. On the AVX2 EPYC a 768-token prefill of the bench
+    model took 10,000-110,000 minor page faults with glibc's defaults (up to ~430 MB zeroed) and
+    none with this; alone, ``silu(gate) * up`` on 768 rows took 9.3-11.7 ms against 2.0 ms. The
+    prefill's own time moved by less than that host's drift between runs (1,330-1,780 ms either
+    way). jemalloc or tcmalloc preloaded do the same; this needs nothing installed. Process-wide
+    and applied once; False where the C library has no ``mallopt`` (not glibc).
+    """
+    global _malloc_kept
+    if _malloc_kept is None:
+        # an older glibc refuses a threshold above its own 32 MiB ceiling: take the ceiling there
+        mmap = next((size for size in (MMAP_THRESHOLD, 32 << 20) if _mallopt(M_MMAP_THRESHOLD, size)), 0)
+        _malloc_kept = bool(mmap) and _mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
+        logger.info("malloc: %s", f"freed blocks up to {mmap >> 20} MiB kept for reuse"
+                    if _malloc_kept else "left as it is (no glibc mallopt)")
+    return _malloc_kept
+
+
+def _mallopt(param: int, value: int) -> bool:
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(param, value))
+    except (OSError, AttributeError):
+        return False

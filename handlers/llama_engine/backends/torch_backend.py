@@ -6,7 +6,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from ..cpu import auto_dtype
+from ..cpu import auto_dtype, keep_freed_memory
 from .base import Backend, OnePassSlotBackend, PrefillChunk, SlotBatchBackend
 from .fast_linear import FusedLlamaProjections, pack_linears
 
@@ -35,6 +35,8 @@ def load_model(model_path: str, dtype: str, device: str, max_length: int):
     dtype = resolve_dtype(dtype, device)
     model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=DTYPES[dtype], use_safetensors=True)
     model = model.to(resolve_device(device)).eval()
+    if model.device.type == "cpu":
+        keep_freed_memory()
     check_max_length(model.config, max_length)
     return model
 
