@@ -666,7 +666,7 @@ This page is rewritten by the benchmark suite on every full or quick run; edit
 
 ```bash
 .venv/bin/python -m scripts.bench --quick   # about 6 minutes on 2 cores (more with peers): shorter sweeps
-.venv/bin/python -m scripts.bench           # about 65 minutes with both peers and the llamacpp variant: the full sweeps (this page's default)
+.venv/bin/python -m scripts.bench           # about 75 minutes with both peers and the llamacpp variant: the full sweeps (this page's default)
 .venv/bin/python -m scripts.bench --smoke --out /tmp/bench   # seconds, the tiny model (tests/unit/test_bench_smoke.py)
 ```
 
