@@ -422,8 +422,10 @@ def prefill_bound_line(results: dict) -> str:
         return ""
     parts = ", ".join(f"{b['tokens_per_s']:.0f} tok/s on {n} rows ({b['gflops']:.0f} GFLOP/s)"
                       for n, b in sorted(bound.items(), key=lambda kv: int(kv[0])))
+    kernels = sorted({k for b in bound.values() for k in b.get("kernels", ())})
+    on = f", each product on the faster of nn.Linear and oneDNN packed: {' and '.join(kernels)}" if kernels else ""
     return (f"**Prefill bound** (the model's linear layers alone on random activations, {results['model']['dtype']}, "
-            f"best of the samples): {parts}.\n")
+            f"best of the samples{on}): {parts}.\n")
 
 
 def queue_grew(run: dict) -> bool:

@@ -30,6 +30,17 @@ def test_prefill_bound_counts_every_layers_flops_and_restores_the_threads(tmp_pa
     assert bound["gflops"] == pytest.approx(bound["tokens_per_s"] * bound["flops_per_token"] / 1e9, rel=0.01)
 
 
+def test_prefill_bound_takes_each_products_faster_kernel(tmp_path):
+    """The backend packs float32 weights with oneDNN where that is faster, so the bound times both kernels
+    and may not be slower than either one alone."""
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_GQA))
+    bound = prefill_bound(tmp_path, "float32", threads=1, tokens=32, repeats=2)
+    by_kernel = bound["by_kernel_tokens_per_s"]
+    assert "nn.Linear" in by_kernel and len(bound["kernels"]) == 4
+    assert set(bound["kernels"]) <= set(by_kernel)
+    assert bound["tokens_per_s"] >= max(by_kernel.values()) * 0.999
+
+
 def test_ttft_probes_take_the_lengths_in_turn_and_make_a_row_per_length():
     calls, runs, clock = [], [], iter(range(1000))
 

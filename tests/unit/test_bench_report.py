@@ -325,6 +325,9 @@ def test_the_prefill_bound_gives_the_growth_any_implementation_faces_and_how_nea
     assert "ttft_growth_at_prefill_bound" not in report.ratios(_results(runs))  # a run without the samples
     line = report.prefill_bound_line(dict(_results(runs), prefill_bound=bound))
     assert "600 tok/s on 256 rows (136 GFLOP/s), 720 tok/s on 768 rows (163 GFLOP/s)" in line
+    bound["768"]["kernels"] = ["oneDNN packed", "nn.Linear"]
+    line = report.prefill_bound_line(dict(_results(runs), prefill_bound=bound))
+    assert "faster of nn.Linear and oneDNN packed: nn.Linear and oneDNN packed)" in line
 
 
 def test_a_server_falls_behind_when_its_last_request_ends_later_than_a_typical_one_takes():
