@@ -111,7 +111,7 @@ AMPS = ("f32", "f16", "bf16")
 GQA_MODES = ("shard-over-heads", "shard-over-batch", "replicated-heads", "all-gather-heads")
 NEURON_KEYS = frozenset({"tp_degree", "amp", "n_positions", "context_length_estimate", "neuron_cc_flags",
                          "gqa", "visible_cores", "compilation_worker_count"})
-TORCH_KEYS = frozenset({"dtype", "device", "compile"})
+TORCH_KEYS = frozenset({"dtype", "device", "compile", "kv_cache_dtype"})
 LLAMACPP_KEYS = frozenset({"gguf", "gguf_type"})
 #: GGUF tensor types the build converts to (llama.cpp's ``convert_hf_to_gguf.py --outtype``);
 #: ``auto``: what ``dtype: auto`` picks on the build machine (bf16 with native bf16, else f32).
@@ -138,6 +138,9 @@ class HandlerConfig:
     dtype: str = "auto"
     device: str = "auto"
     compile: bool = False
+    #: ``auto``: float32 on a CPU when the weights are bf16/fp16 (attention over a half-precision cache
+    #: runs several times slower there), the weights' dtype elsewhere; a dtype sets it.
+    kv_cache_dtype: str = "auto"
     # llamacpp backend: the GGUF (in model_path) the build converts the checkpoint to, and its type
     gguf: str = "model.gguf"
     gguf_type: str = "auto"
@@ -162,7 +165,7 @@ class HandlerConfig:
         "tp_degree": (int, True), "amp": (str, False), "n_positions": ((int, list), True),
         "context_length_estimate": ((int, list), True), "neuron_cc_flags": (str, False),
         "gqa": (str, False), "visible_cores": (str, True), "compilation_worker_count": (int, True),
-        "gguf": (str, False), "gguf_type": (str, False),
+        "gguf": (str, False), "gguf_type": (str, False), "kv_cache_dtype": (str, False),
     }
 
     def __post_init__(self):
@@ -171,6 +174,10 @@ class HandlerConfig:
         _check_choice("handler.dtype", self.dtype, DTYPES)
         _check_choice("handler.device", self.device, DEVICES)
         _check_choice("handler.gguf_type", self.gguf_type, GGUF_TYPES)
+        _check_choice("handler.kv_cache_dtype", self.kv_cache_dtype, DTYPES)
+        if self.compile and self.kv_cache_dtype != "auto":
+            raise ConfigError("handler.kv_cache_dtype: the compiled backend (compile: true) keeps HF's static cache "
+                              "in the weights' dtype; remove kv_cache_dtype or set compile: false")
         for key in ("max_length", "max_new_tokens", "max_input_bytes", "torch_threads", "tp_degree",
                     "compilation_worker_count"):
             _check_positive("handler.", key, getattr(self, key))

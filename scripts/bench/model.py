@@ -159,7 +159,8 @@ def describe(path: Path, dtype: str, random_weights: bool = True) -> dict:
     head_dim = hidden // config["num_attention_heads"]
     # A decode step reads every weight once, except the input embedding (one row per token).
     weight_bytes = (total - embed + hidden) * width
-    kv_bytes_per_position = 2 * config["num_hidden_layers"] * kv_heads * head_dim * width
+    # The bench runs on a CPU, where handler.kv_cache_dtype: auto keeps the cache in float32.
+    kv_bytes_per_position = 2 * config["num_hidden_layers"] * kv_heads * head_dim * 4
     return {
         "path": str(path), "dtype": dtype, "parameters": total, "embedding_parameters": embed,
         "hidden_size": hidden, "intermediate_size": config["intermediate_size"],

@@ -206,6 +206,7 @@ def test_llamacpp_config_defaults():
     ("gguf", "../elsewhere.gguf", r"gguf"),
     ("dtype", "float32", r"handler\.dtype: applies only to backend torch, but backend is llamacpp"),
     ("tp_degree", 2, r"handler\.tp_degree: applies only to backend neuron, but backend is llamacpp"),
+    ("kv_cache_dtype", "float32", r"handler\.kv_cache_dtype: applies only to backend torch, but backend is llamacpp"),
 ])
 def test_bad_llamacpp_config(key, value, expected):
     data = llamacpp_base()
@@ -219,4 +220,22 @@ def test_gguf_keys_on_other_backends_are_rejected(backend):
     data = neuron_base() if backend == "neuron" else base()
     data["handler"]["gguf_type"] = "f32"
     with pytest.raises(ConfigError, match=rf"handler\.gguf_type: applies only to backend llamacpp, but backend is {backend}"):
+        load_model_config(data)
+
+
+def test_kv_cache_dtype_is_auto_by_default_and_takes_a_dtype():
+    assert load_model_config(base()).handler.kv_cache_dtype == "auto"
+    data = base()
+    data["handler"]["kv_cache_dtype"] = "bfloat16"
+    assert load_model_config(data).handler.kv_cache_dtype == "bfloat16"
+
+
+@pytest.mark.parametrize("extra,expected", [
+    ({"kv_cache_dtype": "int8"}, r"handler\.kv_cache_dtype: must be one of auto, float32, bfloat16, float16, got 'int8'"),
+    ({"kv_cache_dtype": "float32", "compile": True}, r"handler\.kv_cache_dtype: the compiled backend .* set compile: false"),
+])
+def test_bad_kv_cache_dtype(extra, expected):
+    data = base()
+    data["handler"].update(extra)
+    with pytest.raises(ConfigError, match=expected):
         load_model_config(data)

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from llama_engine.backends import fast_linear
 from llama_engine.backends.fast_linear import PackedLinear, pack_linears, packing_supported
-from llama_engine.backends.torch_backend import TorchBackend, TorchSlotBackend
+from llama_engine.backends.torch_backend import TorchBackend, TorchSlotBackend, kv_cache_dtype_for
 
 BF16 = pytest.mark.skipif(not packing_supported(torch.bfloat16, torch.device("cpu")),
                           reason="no oneDNN bfloat16 support on this CPU")
@@ -171,6 +171,30 @@ def test_slot_backend_packed_matches_plain_model(tiny_model_dir, dtype):
         got.append(backend.decode_slots([0], [int(got[-1].argmax())])[0])
     for g, w in zip(got, want):
         assert_close(g, w[0], dtype)
+
+
+@BF16
+@pytest.mark.parametrize("kv_cache_dtype, cache_dtype", [("auto", torch.float32), ("bfloat16", torch.bfloat16)])
+def test_bf16_weights_keep_a_float32_cache_on_cpu_unless_told_and_match_the_plain_model(
+        tiny_model_dir, kv_cache_dtype, cache_dtype):
+    backend = TorchBackend(str(tiny_model_dir), dtype="bfloat16", device="cpu", max_length=64,
+                           kv_cache_dtype=kv_cache_dtype)
+    assert backend.slots.k_cache.dtype == backend.slots.v_cache.dtype == cache_dtype
+    ids, mask = prompts()
+    plain = load(tiny_model_dir, torch.bfloat16)
+    for got, want in zip(backend_logits(backend, ids, mask, 6), reference_logits(plain, ids, mask, 6)):
+        assert got.dtype == torch.float32
+        assert_close(got, want, "bfloat16")
+
+
+def test_kv_cache_dtype_auto_is_float32_only_for_half_precision_weights_on_cpu():
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert kv_cache_dtype_for("auto", torch.bfloat16, cpu) == torch.float32
+    assert kv_cache_dtype_for("auto", torch.float16, cpu) == torch.float32
+    assert kv_cache_dtype_for("auto", torch.float32, cpu) == torch.float32
+    assert kv_cache_dtype_for("auto", torch.bfloat16, gpu) == torch.bfloat16
+    assert kv_cache_dtype_for("bfloat16", torch.bfloat16, cpu) == torch.bfloat16
+    assert kv_cache_dtype_for("float32", torch.bfloat16, gpu) == torch.float32
 
 
 def test_torch_backend_retain_matches_a_fresh_batch(tiny_model_dir):

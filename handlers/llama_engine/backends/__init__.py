@@ -79,7 +79,7 @@ def _load(cfg, model_dir: str, batch_size: int, session: Optional[compile_cache.
     from .torch_backend import TorchBackend
 
     return TorchBackend(model_path, dtype=cfg.dtype, device=cfg.device, max_length=cfg.max_length,
-                        batch_size=batch_size)
+                        batch_size=batch_size, kv_cache_dtype=cfg.kv_cache_dtype)
 
 
 def create_slot_backend(cfg, model_dir: str, max_slots: int, build_cache_dir: Optional[str] = None) -> SlotBackend:
@@ -101,7 +101,8 @@ def create_slot_backend(cfg, model_dir: str, max_slots: int, build_cache_dir: Op
         from .torch_backend import TorchSlotBackend
 
         backend = TorchSlotBackend.from_pretrained(model_path, max_slots, max_length=cfg.max_length,
-                                                   dtype=cfg.dtype, device=cfg.device)
+                                                   dtype=cfg.dtype, device=cfg.device,
+                                                   kv_cache_dtype=cfg.kv_cache_dtype)
     backend.compile_session = session
     return backend
 

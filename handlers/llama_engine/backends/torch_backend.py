@@ -41,6 +41,23 @@ def load_model(model_path: str, dtype: str, device: str, max_length: int):
     return model
 
 
+def kv_cache_dtype_for(setting: str, weights: torch.dtype, device: torch.device) -> torch.dtype:
+    """The slot cache's dtype for ``handler.kv_cache_dtype`` (``auto`` or a dtype name).
+
+    ``auto`` keeps float32 keys and values on a CPU whose weights are bf16 or fp16: torch's CPU
+    attention over a half-precision cache runs several times slower than over float32 for the
+    one-query rows of a decode step (the bench model's layer, 12 heads of 64, 2 threads, Zen 5
+    EPYC with AVX512_BF16: 134 against 20 us at 1 row and 260 positions, 1044 against 144 us at
+    8 rows), and no faster for a prompt. The cost is twice the cache's memory: set a dtype to
+    halve it where memory is tight. Elsewhere (a GPU, float32 weights) the weights' dtype.
+    """
+    if setting != "auto":
+        return getattr(torch, setting)
+    if torch.device(device).type == "cpu" and weights in (torch.bfloat16, torch.float16):
+        return torch.float32
+    return weights
+
+
 def check_max_length(config, max_length: int) -> None:
     limit = getattr(config, "max_position_embeddings", max_length)
     if max_length > limit:
@@ -63,8 +80,9 @@ class TorchBackend(SlotBatchBackend):
     """
 
     def __init__(self, model_path: str, dtype: str = "float32", device: str = "auto",
-                 max_length: int = 512, batch_size: int = 1):
-        super().__init__(TorchSlotBackend.from_pretrained(model_path, max(1, batch_size), max_length, dtype, device))
+                 max_length: int = 512, batch_size: int = 1, kv_cache_dtype: str = "auto"):
+        super().__init__(TorchSlotBackend.from_pretrained(model_path, max(1, batch_size), max_length, dtype, device,
+                                                          kv_cache_dtype))
         self.model, self.device = self.slots.model, self.slots.device
         logger.info("torch backend: %s on %s in %s", type(self.model).__name__, self.device, self.model.dtype)
 
@@ -151,11 +169,12 @@ class TorchSlotBackend(OnePassSlotBackend):
     only bookkeeping.
     """
 
-    def __init__(self, model, max_slots: int, max_length: int, owns_model: bool = False, fuse: bool = True):
+    def __init__(self, model, max_slots: int, max_length: int, owns_model: bool = False, fuse: bool = True,
+                 kv_cache_dtype: str = "auto"):
         """``owns_model``: the model serves only this backend, so its separate projections are
         freed once fused and its remaining linears packed; otherwise they stay as they are
         (the fused copies are extra memory) for the model's other users. ``fuse=False`` keeps
-        the separate projections (an A/B baseline)."""
+        the separate projections (an A/B baseline). ``kv_cache_dtype``: see :func:`kv_cache_dtype`."""
         self.model = model.eval()
         cfg = model.config
         check_max_length(cfg, max_length)
@@ -164,6 +183,7 @@ class TorchSlotBackend(OnePassSlotBackend):
         self.max_slots, self.max_length = max_slots, max_length
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
+        self.kv_dtype = kv_cache_dtype_for(kv_cache_dtype, self.dtype, self.device)
         self.n_heads = cfg.num_attention_heads
         self.n_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.n_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
@@ -175,11 +195,11 @@ class TorchSlotBackend(OnePassSlotBackend):
         """Zeroed K/V for ``max_slots`` slots (zeros: masked-out positions must not hold NaN)."""
         self.k_cache = self.v_cache = None  # the old cache goes before the new one is made
         shape = (self.model.config.num_hidden_layers, self.max_slots, self.n_kv_heads, self.max_length, self.head_dim)
-        self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.k_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+        self.v_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         self._lengths: List[int] = [0] * self.max_slots
-        logger.info("torch slot backend: %d slots x %d positions, %.1f MiB of KV cache", self.max_slots,
-                    self.max_length, 2 * self.k_cache.numel() * self.k_cache.element_size() / 2**20)
+        logger.info("torch slot backend: %d slots x %d positions, %.1f MiB of KV cache in %s", self.max_slots,
+                    self.max_length, 2 * self.k_cache.numel() * self.k_cache.element_size() / 2**20, self.kv_dtype)
 
     def reserve_slots(self, count: int) -> None:
         """Make room for ``count`` slots, growing the cache if it has fewer; only while every slot is free."""
@@ -192,9 +212,9 @@ class TorchSlotBackend(OnePassSlotBackend):
 
     @classmethod
     def from_pretrained(cls, model_path: str, max_slots: int, max_length: int = 512, dtype: str = "float32",
-                        device: str = "auto") -> "TorchSlotBackend":
+                        device: str = "auto", kv_cache_dtype: str = "auto") -> "TorchSlotBackend":
         return cls(load_model(model_path, dtype, device, max_length), max_slots, max_length,
-                   owns_model=True)
+                   owns_model=True, kv_cache_dtype=kv_cache_dtype)
 
     def _fuse_projections(self, owns_model: bool) -> List[Optional[FusedLlamaProjections]]:
         """Each layer's q/k/v and gate/up as two products (None for a layer that cannot be fused)."""
@@ -245,7 +265,7 @@ class TorchSlotBackend(OnePassSlotBackend):
             token_positions += range(chunk.start, end)
             positions = torch.arange(chunk.start, end, device=self.device).unsqueeze(0)
             parts.append(_Chunk(_CausalPrompt(chunk.slot, end) if chunk.start == 0
-                                else _RangeAttention(chunk.slot, 1, positions, end, self.dtype)))
+                                else _RangeAttention(chunk.slot, 1, positions, end, self.kv_dtype)))
             sizes.append(n)
             last.append(len(ids) - 1)
         logits = self._forward(ids, token_slots, token_positions, parts, sizes, last)
@@ -273,7 +293,7 @@ class TorchSlotBackend(OnePassSlotBackend):
         first, last = min(slots), max(slots)
         span = max(lengths) + 1
         if (last - first + 1) * span <= self.batched_attention_waste * sum(n + 1 for n in lengths):
-            return _RangeAttention(first, last - first + 1, positions, span, self.dtype, slots)
+            return _RangeAttention(first, last - first + 1, positions, span, self.kv_dtype, slots)
         return _RowAttention(list(zip(slots, (n + 1 for n in lengths))))
 
     def _forward(self, ids: List[int], slots: List[int], positions: List[int], parts, sizes: List[int],
@@ -322,13 +342,15 @@ class TorchSlotBackend(OnePassSlotBackend):
             qk = _rotate(qkv[:, :heads], cos, sin)
             q, k, v = qk[:, :self.n_heads], qk[:, self.n_heads:], qkv[:, heads:]
         k_layer, v_layer = self.k_cache[index], self.v_cache[index]
-        k_layer.view(-1, self.head_dim).index_copy_(0, write, k.reshape(-1, self.head_dim))
-        v_layer.view(-1, self.head_dim).index_copy_(0, write, v.reshape(-1, self.head_dim))
+        kv = self.kv_dtype
+        k_layer.view(-1, self.head_dim).index_copy_(0, write, k.reshape(-1, self.head_dim).to(kv))
+        v_layer.view(-1, self.head_dim).index_copy_(0, write, v.reshape(-1, self.head_dim).to(kv))
         gqa = self.n_heads != self.n_kv_heads
+        q = q.to(kv)
         outs = [part(q_part, k_layer, v_layer, gqa)
                 for part, q_part in zip(parts, q.split(sizes) if len(parts) > 1 else (q,))]
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
-        return attn.o_proj(out.reshape(n, self.n_heads * self.head_dim))
+        return attn.o_proj(out.reshape(n, self.n_heads * self.head_dim).to(self.dtype))
 
 
 class _DecodeRows:
