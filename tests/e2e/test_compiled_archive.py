@@ -67,7 +67,8 @@ def test_compiled_stream_equals_eager_greedy(compiled_server, tiny_model_dir):
     from llama_engine import Engine, GenerationRequest, SamplingParams
     from llama_engine.config import HandlerConfig
 
-    eager = Engine.from_config(HandlerConfig(model_path=tiny_model_dir.name, max_length=512), str(tiny_model_dir.parent))
+    eager = Engine.from_config(HandlerConfig(model_path=tiny_model_dir.name, max_length=512, dtype="float32"),
+                               str(tiny_model_dir.parent))  # the compiled config's dtype, not this CPU's auto
     prompt = "The function returns"
     ref = eager.generate([eager.prepare(GenerationRequest(prompt, SamplingParams(max_new_tokens=12)))])[0]
     r = requests.post(f"{compiled_server.url()}/predictions/{MODEL}", timeout=120, stream=True,
