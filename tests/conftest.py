@@ -65,6 +65,7 @@ def engine(tiny_model_dir):
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    cfg = HandlerConfig(model_path=tiny_model_dir.name, max_length=256, max_new_tokens=16)
+    # float32, as the tiny configs ship: the references it gives must not depend on the CPU's auto dtype
+    cfg = HandlerConfig(model_path=tiny_model_dir.name, max_length=256, max_new_tokens=16, dtype="float32")
     yield Engine.from_config(cfg, str(tiny_model_dir.parent))
     torch.set_num_threads(threads)

@@ -70,7 +70,7 @@ def test_load_from_shipped_cache_compiles_nothing_and_matches_torch(built, doubl
     assert transformers_neuronx.compiler_stats == {"hits": 0, "misses": 0, "loaded": 3}, "model.load(), no cache lookup"
     assert engine.backend.compile_session.report() == {"kind": "neuron", "shipped_entries": 3, "new_entries": 0}
     assert engine.backend.model.ignored_kwargs == {}, "a keyword the real SDK would silently ignore"
-    torch_engine = Engine.from_config(HandlerConfig(model_path=tiny_model_dir.name, max_length=256),
+    torch_engine = Engine.from_config(HandlerConfig(model_path=tiny_model_dir.name, max_length=256, dtype="float32"),
                                       str(tiny_model_dir.parent))
     prepared = [engine.prepare(GenerationRequest(p, SamplingParams(max_new_tokens=10))) for p in PROMPTS[:3]]
     got = engine.generate(prepared)
@@ -171,7 +171,7 @@ def test_many_batches_make_no_reset_and_match_torch(built, double, tiny_model_di
     """No model.reset() between batches (a host write of every KV cache on the device):
     each batch's context encoding replaces what the previous batch left."""
     engine = engine_from(built)
-    torch_engine = Engine.from_config(HandlerConfig(model_path=tiny_model_dir.name, max_length=256),
+    torch_engine = Engine.from_config(HandlerConfig(model_path=tiny_model_dir.name, max_length=256, dtype="float32"),
                                       str(tiny_model_dir.parent))
     batches = [PROMPTS, PROMPTS[2:], [" ".join(["word"] * 40)], PROMPTS[:1], PROMPTS[1:3]]
     for prompts, new in zip(batches, (12, 5, 30, 3, 8)):
