@@ -54,12 +54,13 @@ ROOT = Path(__file__).resolve().parent.parent
 NAME_MAX = 63
 NAME_RE = re.compile(r"[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}")
 VARIANT_NAME = "AllTraffic"
-# OMP_WAIT_POLICY: see scripts/tsctl.py (spinning OpenMP threads starve TorchServe's frontend).
+# OMP_WAIT_POLICY, GOMP_SPINCOUNT: see scripts/tsctl.py (OpenMP threads that spin long starve
+# TorchServe's frontend; ones that never spin pay a wake-up at every barrier).
 # TS_DISABLE_TOKEN_AUTHORIZATION: SageMaker's health check sends /ping with no TorchServe key,
 # which TorchServe 0.12 answers with 400 while token authorization is on; the endpoint is
 # guarded by IAM instead. Set here so the endpoint comes up whether or not the container's
 # toolkit already turns it off (the container reads TS_* variables: enable_envvars_config).
-DEFAULT_ENV = {"TS_INSTALL_PY_DEP_PER_MODEL": "true", "OMP_WAIT_POLICY": "PASSIVE",
+DEFAULT_ENV = {"TS_INSTALL_PY_DEP_PER_MODEL": "true", "OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "20000",
                "TS_DISABLE_TOKEN_AUTHORIZATION": "true"}
 IN_PROGRESS = ("Creating", "Updating", "SystemUpdating", "RollingBack")
 # Instance families with NVMe instance storage: SageMaker rejects VolumeSizeInGB for them.

@@ -45,3 +45,14 @@ def test_start_waits_as_long_as_the_slowest_models_startup_timeout(tmp_path):
     (tmp_path / "packed.tar.gz").write_bytes(b"")
     assert startup_timeout("quick", tmp_path) == 600
     assert startup_timeout("quick,neuron-7b,packed=packed.tar.gz", tmp_path) == 1860
+
+
+def test_workers_get_passive_openmp_threads_that_spin_briefly_unless_the_caller_says_otherwise(tmp_path, monkeypatch):
+    from scripts.tsctl import TorchServe
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    env = TorchServe(tmp_path, tmp_path).env()
+    assert (env["OMP_WAIT_POLICY"], env["GOMP_SPINCOUNT"]) == ("PASSIVE", "20000")
+    monkeypatch.setenv("GOMP_SPINCOUNT", "0")
+    assert TorchServe(tmp_path, tmp_path).env()["GOMP_SPINCOUNT"] == "0"
