@@ -141,7 +141,10 @@ def no_eos_copy(src: Path, out: Path) -> Path:
 
 def describe(path: Path, dtype: str, random_weights: bool = True) -> dict:
     """Parameter counts and the bytes of weights a batch-1 decode step reads."""
+    import torch
     from safetensors import safe_open
+
+    from llama_engine.backends.torch_backend import kv_cache_dtype_for
 
     config = json.loads((path / "config.json").read_text())
     total = embed = 0
@@ -159,8 +162,8 @@ def describe(path: Path, dtype: str, random_weights: bool = True) -> dict:
     head_dim = hidden // config["num_attention_heads"]
     # A decode step reads every weight once, except the input embedding (one row per token).
     weight_bytes = (total - embed + hidden) * width
-    # The bench runs on a CPU, where handler.kv_cache_dtype: auto keeps the cache in float32.
-    kv_bytes_per_position = 2 * config["num_hidden_layers"] * kv_heads * head_dim * 4
+    kv_width = torch.finfo(kv_cache_dtype_for("auto", getattr(torch, dtype), torch.device("cpu"))).bits // 8
+    kv_bytes_per_position = 2 * config["num_hidden_layers"] * kv_heads * head_dim * kv_width
     return {
         "path": str(path), "dtype": dtype, "parameters": total, "embedding_parameters": embed,
         "hidden_size": hidden, "intermediate_size": config["intermediate_size"],

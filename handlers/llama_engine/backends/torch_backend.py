@@ -174,7 +174,7 @@ class TorchSlotBackend(OnePassSlotBackend):
         """``owns_model``: the model serves only this backend, so its separate projections are
         freed once fused and its remaining linears packed; otherwise they stay as they are
         (the fused copies are extra memory) for the model's other users. ``fuse=False`` keeps
-        the separate projections (an A/B baseline). ``kv_cache_dtype``: see :func:`kv_cache_dtype`."""
+        the separate projections (an A/B baseline). ``kv_cache_dtype``: see :func:`kv_cache_dtype_for`."""
         self.model = model.eval()
         cfg = model.config
         check_max_length(cfg, max_length)
