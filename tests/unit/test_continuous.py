@@ -4,9 +4,8 @@ import math
 import pytest
 import torch
 
-from llama_engine import Engine, GenerationRequest, RequestError, SamplingParams
+from llama_engine import GenerationRequest, RequestError, SamplingParams
 from llama_engine.backends.torch_backend import TorchSlotBackend
-from llama_engine.config import HandlerConfig
 from llama_engine.continuous import ContinuousScheduler
 from llama_engine.lifecycle import FINISH_CANCELLED, FINISH_ERROR, PreparedRequest, RequestStatus
 
@@ -20,18 +19,6 @@ PROMPTS = [
     "Once upon a time there was",
 ]
 LONG_PROMPT = " ".join(["Beautiful is better than ugly. Explicit is better than implicit."] * 3)
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir):
-    # One thread: the tiny model gains nothing from more, and spinning OpenMP threads slow
-    # down many-fold when the machine is busy (other test processes).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    cfg = HandlerConfig(model_path=tiny_model_dir.name, max_length=MAX_LENGTH, max_new_tokens=16,
-                        dtype="float32")  # the dtype of the reference backend over hf_model
-    yield Engine.from_config(cfg, str(tiny_model_dir.parent))
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
