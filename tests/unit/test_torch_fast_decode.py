@@ -12,8 +12,9 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from llama_engine.backends import fast_linear
+from llama_engine.backends.base import PrefillChunk
 from llama_engine.backends.fast_linear import PackedLinear, pack_linears, packing_supported
-from llama_engine.backends.torch_backend import TorchBackend, TorchSlotBackend, kv_cache_dtype_for
+from llama_engine.backends.torch_backend import TorchBackend, TorchSlotBackend, _PromptAttention, kv_cache_dtype_for
 
 BF16 = pytest.mark.skipif(not packing_supported(torch.bfloat16, torch.device("cpu")),
                           reason="no oneDNN bfloat16 support on this CPU")
@@ -185,6 +186,41 @@ def test_bf16_weights_keep_a_float32_cache_on_cpu_unless_told_and_match_the_plai
     for got, want in zip(backend_logits(backend, ids, mask, 6), reference_logits(plain, ids, mask, 6)):
         assert got.dtype == torch.float32
         assert_close(got, want, "bfloat16")
+
+
+@pytest.mark.parametrize("tokens", [5, 128, 300])
+@pytest.mark.parametrize("start", [0, 200])
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_prompt_attention_by_blocks_is_causal_attention_over_the_chunk_and_what_precedes_it(tokens, start, kv_heads):
+    gen = torch.Generator().manual_seed(tokens + start)
+    end = start + tokens
+    q = torch.randn(end, 4, 16, generator=gen)
+    k, v = (torch.randn(end, kv_heads, 16, generator=gen) for _ in range(2))
+    k_layer, v_layer = (torch.zeros(2, kv_heads, 512, 16) for _ in range(2))  # [slots, kv_heads, positions, dim]
+    k_layer[1, :, :end], v_layer[1, :, :end] = k.transpose(0, 1), v.transpose(0, 1)
+    gqa = kv_heads != 4
+    got = _PromptAttention(slot=1, start=start)(q[start:], k[start:], v[start:], k_layer, v_layer, gqa)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, enable_gqa=gqa).transpose(0, 1)
+    assert got.shape == (tokens, 4, 16)
+    torch.testing.assert_close(got, want[start:], rtol=1e-5, atol=1e-5)
+
+
+@BF16
+@pytest.mark.parametrize("fuse", [True, False])
+def test_bf16_prompts_attend_by_blocks_whole_or_in_chunks_and_match_the_plain_model(tiny_model_dir, fuse):
+    backend = TorchSlotBackend(load(tiny_model_dir, torch.bfloat16), max_slots=2, max_length=320, fuse=fuse)
+    assert backend._prompt_by_blocks
+    ids = prompts(batch=1, length=300)[0][0].tolist()
+    want = reference_logits(load(tiny_model_dir, torch.bfloat16), torch.tensor([ids]), torch.ones(1, 300), 3)
+    got = [backend.prefill_slot(0, ids)]
+    for _ in range(3):
+        got.append(backend.decode_slots([0], [int(got[-1].argmax())])[0])
+    for g, w in zip(got, want):
+        assert_close(g, w[0], "bfloat16")
+    backend.step_slots([], [], [PrefillChunk(1, ids[:140], 0)])
+    (last,) = backend.step_slots([], [], [PrefillChunk(1, ids[140:], 140)]).prefills
+    assert_close(last, want[0][0], "bfloat16")
 
 
 def test_kv_cache_dtype_auto_is_float32_only_for_half_precision_weights_on_cpu():
