@@ -48,7 +48,6 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
 from scripts import s3_upload
-from scripts.tsctl import JVM_FLAGS
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -57,15 +56,12 @@ NAME_RE = re.compile(r"[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}")
 VARIANT_NAME = "AllTraffic"
 # OMP_WAIT_POLICY, GOMP_SPINCOUNT: see scripts/tsctl.py (OpenMP threads that spin long starve
 # TorchServe's frontend; ones that never spin pay a wake-up at every barrier).
-# JAVA_TOOL_OPTIONS: the frontend's JIT stops at C1, as scripts/tsctl.py's JVM_FLAGS (C2's
-# compiling takes the cores the model's threads use); the container builds its own vmargs, and
-# every JVM reads this variable.
 # TS_DISABLE_TOKEN_AUTHORIZATION: SageMaker's health check sends /ping with no TorchServe key,
 # which TorchServe 0.12 answers with 400 while token authorization is on; the endpoint is
 # guarded by IAM instead. Set here so the endpoint comes up whether or not the container's
 # toolkit already turns it off (the container reads TS_* variables: enable_envvars_config).
 DEFAULT_ENV = {"TS_INSTALL_PY_DEP_PER_MODEL": "true", "OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "20000",
-               "JAVA_TOOL_OPTIONS": JVM_FLAGS, "TS_DISABLE_TOKEN_AUTHORIZATION": "true"}
+               "TS_DISABLE_TOKEN_AUTHORIZATION": "true"}
 IN_PROGRESS = ("Creating", "Updating", "SystemUpdating", "RollingBack")
 # Instance families with NVMe instance storage: SageMaker rejects VolumeSizeInGB for them.
 INSTANCE_STORE_FAMILIES = frozenset({

@@ -66,22 +66,11 @@ OMP_WAIT_POLICY = "PASSIVE"
 # bridge the gaps inside a step, far shorter than the default 3 ms that starved the frontend.
 GOMP_SPINCOUNT = "20000"
 
-# The frontend's JIT: C1 only. C2, the optimizing tier, kept compiling TorchServe's request path
-# through whole benchmark runs (0.3-1.4 ms of CPU per streamed token at one stream) on the cores
-# the model's threads use, and a decode step whose threads wait on each other stalls for every
-# such slice. C1 code does the frontend's per-token work in ~0.8 ms; the model runs in the
-# Python worker, so nothing hot is lost. A/B on a 2-vCPU Zen 5 EPYC (bench model, bf16, 256 in /
-# 128 out, two servers each way, 4 waves per point, mean tok/s without -> with): llamacpp backend
-# 88 -> 99 at 1 stream, 293 -> 294 at 8; torch continuous 71 -> 85 and 272 -> 291; torch
-# micro-batching 66 -> 68 and 258 -> 272.
-JVM_FLAGS = "-XX:TieredStopAtLevel=1"
-
 
 class TorchServe:
     def __init__(self, workdir: Path, model_store: Path, models: Optional[str] = None,
                  ports: Optional[Dict[str, int]] = None, base_config: Path = ROOT / "config.properties",
-                 extra: Optional[Dict[str, str]] = None, env: Optional[Dict[str, str]] = None,
-                 jvm_flags: str = JVM_FLAGS):
+                 extra: Optional[Dict[str, str]] = None, env: Optional[Dict[str, str]] = None):
         self.workdir = Path(workdir).resolve()
         self.model_store = Path(model_store).resolve()
         self.props = read_properties(base_config) if base_config is not None else {}
@@ -98,7 +87,7 @@ class TorchServe:
             self.props.setdefault("grpc_management_port", str(free_port()))
         self.props.update(extra or {})
         self.tmpdir = self.workdir / "tmp"
-        self.props["vmargs"] = f"-Djava.io.tmpdir={self.tmpdir} {jvm_flags}".strip()
+        self.props["vmargs"] = f"-Djava.io.tmpdir={self.tmpdir}"
         self.extra_env = dict(env or {})
         self.process: Optional[subprocess.Popen] = None
 
@@ -145,15 +134,10 @@ class TorchServe:
         path = self.workdir / "logs" / "model_log.log"
         return path.read_text(errors="replace") if path.exists() else ""
 
-    def write_config(self) -> Path:
-        """The server's config.properties, in its work directory."""
+    def start(self, log_name: str = "torchserve.out") -> subprocess.Popen:
         self.tmpdir.mkdir(parents=True, exist_ok=True)
         config = self.workdir / "config.properties"
         config.write_text("".join(f"{k}={v}\n" for k, v in self.props.items()))
-        return config
-
-    def start(self, log_name: str = "torchserve.out") -> subprocess.Popen:
-        config = self.write_config()
         log = open(self.workdir / log_name, "wb")
         cmd = ["torchserve", "--start", "--foreground", "--ncs", "--ts-config", str(config),
                "--model-store", str(self.model_store)]

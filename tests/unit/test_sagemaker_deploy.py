@@ -103,8 +103,7 @@ def expected_model(env=None):
             "Image": IMAGE,
             "ModelDataSource": {"S3DataSource": {"S3Uri": S3_URI, "S3DataType": "S3Prefix", "CompressionType": "None"}},
             "Environment": {"TS_INSTALL_PY_DEP_PER_MODEL": "true", "OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "20000",
-                            "JAVA_TOOL_OPTIONS": "-XX:TieredStopAtLevel=1", "TS_DISABLE_TOKEN_AUTHORIZATION": "true",
-                            **(env or {})},
+                            "TS_DISABLE_TOKEN_AUTHORIZATION": "true", **(env or {})},
         },
     }
 

@@ -56,14 +56,3 @@ def test_workers_get_passive_openmp_threads_that_spin_briefly_unless_the_caller_
     assert (env["OMP_WAIT_POLICY"], env["GOMP_SPINCOUNT"]) == ("PASSIVE", "20000")
     monkeypatch.setenv("GOMP_SPINCOUNT", "0")
     assert TorchServe(tmp_path, tmp_path).env()["GOMP_SPINCOUNT"] == "0"
-
-
-def test_the_frontend_jvm_compiles_with_c1_only_and_keeps_its_private_tmpdir(tmp_path):
-    from scripts.tsctl import JVM_FLAGS, TorchServe, read_properties
-
-    server = TorchServe(tmp_path / "work", tmp_path)
-    vmargs = read_properties(server.write_config())["vmargs"].split()
-    assert "-XX:TieredStopAtLevel=1" in vmargs and JVM_FLAGS in vmargs
-    assert f"-Djava.io.tmpdir={server.tmpdir}" in vmargs
-    assert TorchServe(tmp_path / "w2", tmp_path, base_config=None, jvm_flags="").props["vmargs"] == \
-        f"-Djava.io.tmpdir={(tmp_path / 'w2').resolve() / 'tmp'}"
