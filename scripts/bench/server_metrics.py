@@ -24,15 +24,22 @@ class ServerMetrics:
 
     def since(self, before: Samples, requests: Optional[int] = None, timeout: float = 10.0) -> dict:
         """Figures between ``before`` and now. With ``requests``, wait (up to ``timeout`` s) until the
-        server has counted that many more: the frontend parses the worker's metric lines a moment
-        after the responses went out."""
+        server has counted that many more and an outcome for each: the frontend parses the worker's
+        metric lines a moment after the responses went out, and a request is counted when it
+        arrives, its outcome and tokens when the handler next flushes its counters."""
         deadline = time.monotonic() + timeout
         while True:
             after = self.snapshot()
             got = summary(delta(after, before), self.model)
-            if requests is None or got["requests"] >= requests or time.monotonic() > deadline:
+            if requests is None or _settled(got, requests) or time.monotonic() > deadline:
                 return figures(got, value(after, "llama_batch_capacity", self.model))
             time.sleep(0.1)
+
+
+def _settled(got: dict, requests: int) -> bool:
+    outcomes = (sum(got["success_by_finish_reason"].values()) + sum(got["errors_by_status"].values())
+                + got["cancelled"])
+    return got["requests"] >= requests and outcomes >= requests
 
 
 def figures(got: dict, capacity: float) -> dict:

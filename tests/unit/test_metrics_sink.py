@@ -325,3 +325,21 @@ def test_a_scrape_reads_as_prometheus_would():
     assert quantile(samples, "llama_time_to_first_token_seconds", 0.5, "m") == pytest.approx(0.1 + 0.9 * 3 / 4)
     # past the last finite bucket a quantile can only say 10 s: the bucket caveat of docs/operations.md
     assert quantile(samples, "llama_time_to_first_token_seconds", 0.95, "m") == 10.0
+
+
+def test_the_bench_waits_for_every_counted_request_to_have_an_outcome(monkeypatch):
+    """Requests are counted on arrival, outcomes and tokens at the handler's next flush."""
+    from scripts.bench.server_metrics import ServerMetrics
+
+    def scrape(requests, finished, tokens):
+        return parse(f"""llama_requests_total{{ModelName="m"}} {requests}
+llama_request_success_total{{ModelName="m",finish_reason="length"}} {finished}
+llama_generation_tokens_total{{ModelName="m"}} {tokens}
+""")
+
+    scrapes = iter([scrape(2, 1, 10), scrape(2, 1, 10), scrape(2, 2, 20)])
+    server = ServerMetrics("http://127.0.0.1:1/metrics", "m")
+    monkeypatch.setattr(server, "snapshot", lambda: next(scrapes))
+    monkeypatch.setattr("scripts.bench.server_metrics.time.sleep", lambda s: None)
+    got = server.since(parse(""), requests=2)
+    assert got["generation_tokens"] == 20 and got["finish_reasons"] == {"length": 2}
