@@ -312,3 +312,9 @@ def test_slot_rotary_is_hf_rotary_bit_for_bit(dtype):
     signed = _signed_sin(sin).unsqueeze(1)
     assert torch.equal(_rotate(q, cos.unsqueeze(1), signed), want_q)
     assert torch.equal(_rotate(k, cos.unsqueeze(1), signed), want_k)
+
+
+def test_only_bf16_weights_on_cpu_attend_by_blocks(tiny_model_dir):
+    """float16 products are slow on a CPU without native fp16 (slower by blocks than through SDPA)."""
+    for dtype, by_blocks in ((torch.bfloat16, True), (torch.float16, False), (torch.float32, False)):
+        assert TorchSlotBackend(load(tiny_model_dir, dtype), max_slots=1, max_length=32)._prompt_by_blocks is by_blocks

@@ -190,8 +190,8 @@ class TorchSlotBackend(OnePassSlotBackend):
         self._allocate_cache()
         self._cos, self._signed_sin = self._rope_tables()
         self._fused = self._fuse_projections(owns_model) if fuse else [None] * cfg.num_hidden_layers
-        #: Prompt chunks attend by :class:`_PromptAttention` (bf16/fp16 weights on CPU).
-        self._prompt_by_blocks = self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float16)
+        #: Prompt chunks attend by :class:`_PromptAttention` (bf16 weights on CPU).
+        self._prompt_by_blocks = self.device.type == "cpu" and self.dtype == torch.bfloat16
 
     def _allocate_cache(self) -> None:
         """Zeroed K/V for ``max_slots`` slots (zeros: masked-out positions must not hold NaN)."""
@@ -382,7 +382,7 @@ class _Chunk:
 
 
 class _PromptAttention:
-    """A prompt chunk's queries attending by blocks, in the weights' dtype: for bf16/fp16 weights on CPU.
+    """A prompt chunk's queries attending by blocks, in the weights' dtype: for bf16 weights on CPU.
 
     Such weights get a float32 KV cache on CPU, so SDPA would run its flash kernel in float32;
     its bfloat16 kernel is no faster (768 tokens of the bench model, causal: ~7.8 ms a layer
@@ -392,7 +392,9 @@ class _PromptAttention:
     attention computes: ~3.5 ms a layer at 768 tokens; the whole 768-token prefill 304 -> 250 ms,
     256 tokens 84 -> 78 ms. The blocks keep the scores ``[heads, block, positions]`` small and
     skip the products above the diagonal but in each block's own square. A first chunk's keys
-    and values are its own; a later chunk's come from the cache, converted.
+    and values are its own; a later chunk's come from the cache, converted. Not for float16:
+    torch's CPU float16 products are slow without native support (the same 768 tokens: 5.3 s by
+    blocks against 3.5 s through SDPA, and 0.25 s in bf16), so float16 keeps SDPA.
     """
 
     block = 128
