@@ -333,6 +333,12 @@ class TorchSlotBackend(OnePassSlotBackend):
         return ((slots.view(-1, 1) * self.n_kv_heads + head) * self.max_length + positions.view(-1, 1)).reshape(-1)
 
     def _attention(self, index, attn, x, write, parts, sizes, cos, sin) -> torch.Tensor:
+        """One layer's attention for the pass's ``n`` tokens: project, rotate, write K/V to the cache, attend.
+
+        Each part is called with its own tokens' queries, keys and values ``[tokens, heads,
+        head_dim]`` in the weights' dtype and with the layer's cache, which already holds those keys
+        and values; it returns ``[tokens, heads, head_dim]``.
+        """
         n = x.shape[0]
         fused = self._fused[index]
         if fused is None:
@@ -357,11 +363,7 @@ class TorchSlotBackend(OnePassSlotBackend):
 
 
 class _DecodeRows:
-    """Queries ``[rows, heads, head_dim]``, one per row, attending over the cache as ``plan`` says.
-
-    Every part is called with its tokens' queries, keys and values ``[tokens, heads, head_dim]``
-    in the weights' dtype and with the layer's cache (which already holds those keys and values).
-    """
+    """Queries ``[rows, heads, head_dim]``, one per row, attending over the cache as ``plan`` says."""
 
     def __init__(self, plan):
         self.plan = plan
