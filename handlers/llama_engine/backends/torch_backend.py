@@ -266,7 +266,7 @@ class TorchSlotBackend(OnePassSlotBackend):
             token_slots += [chunk.slot] * n
             token_positions += range(chunk.start, end)
             positions = torch.arange(chunk.start, end, device=self.device).unsqueeze(0)
-            parts.append(_PromptAttention(chunk.slot, chunk.start) if self._prompt_by_blocks else
+            parts.append(_PromptAttention(chunk.slot, chunk.start, self.dtype, self.device) if self._prompt_by_blocks else
                          _Chunk(_CausalPrompt(chunk.slot, end) if chunk.start == 0
                                 else _RangeAttention(chunk.slot, 1, positions, end, self.kv_dtype)))
             sizes.append(n)
@@ -401,8 +401,10 @@ class _PromptAttention:
 
     block = 128
 
-    def __init__(self, slot: int, start: int):
+    def __init__(self, slot: int, start: int, dtype: torch.dtype = torch.bfloat16, device="cpu"):
         self.slot, self.start = slot, start
+        #: -inf above the diagonal of a block's own square, built once for every layer of the pass.
+        self.above = torch.full((self.block, self.block), float("-inf"), dtype=dtype, device=device).triu_(1)
 
     def __call__(self, q, k, v, k_layer, v_layer, gqa: bool) -> torch.Tensor:
         tokens, heads, dim = q.shape
@@ -416,7 +418,7 @@ class _PromptAttention:
         q = torch.mul(q.transpose(0, 1), dim ** -0.5).contiguous()  # [heads, tokens, dim]
         k, v = k.contiguous(), v.contiguous()
         out = torch.empty_like(q)
-        above = torch.full((self.block, self.block), float("-inf"), dtype=q.dtype, device=q.device).triu_(1)
+        above = self.above.to(q.dtype)
         for first in range(0, tokens, self.block):
             last = min(tokens, first + self.block)
             span = self.start + last
