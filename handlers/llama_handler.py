@@ -39,6 +39,7 @@ from ts.handler_utils.utils import send_intermediate_predict_response
 
 from llama_engine import Engine, RequestError, load_model_config, parse_request
 from llama_engine.continuous import ContinuousScheduler, RequestHandle
+from llama_engine.cpu import release_openmp_threads
 from llama_engine.formatting import CONTENT_TYPES, JSON, full_response, stream_chunk, stream_error
 from llama_engine.lifecycle import PreparedRequest, request_error
 from llama_engine.openai_api import Reply, as_openai_error, parse_openai
@@ -232,6 +233,8 @@ class LlamaHandler(ModelService):
         self.engine.warmup(batch_size=self.config.micro_batching.micro_batch_size)
 
     def _ready(self) -> None:
+        """The stages run in MicroBatching's threads: the main thread's OpenMP workers go first."""
+        release_openmp_threads()
         micro = self.config.micro_batching
         self.micro_batching = MicroBatching(self, micro_batch_size=micro.micro_batch_size,
                                             parallelism=micro.parallelism)

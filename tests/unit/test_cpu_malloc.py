@@ -49,3 +49,27 @@ def test_the_torch_backend_keeps_freed_memory_on_cpu(tiny_model_dir, monkeypatch
     monkeypatch.setattr(torch_backend, "keep_freed_memory", lambda: calls.append(True) or True)
     torch_backend.load_model(str(tiny_model_dir), "float32", "cpu", 64)
     assert calls == [True]
+
+
+def test_releasing_openmp_threads_ends_the_calling_threads_workers():
+    """A thread that then runs the model is not throttled by this thread's idle team (cpu.py)."""
+    import os
+    import time
+
+    import torch
+
+    from llama_engine.cpu import release_openmp_threads
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        torch.randn(4_000_000).sum()  # a parallel region: this thread's team gets a worker
+        before = len(os.listdir("/proc/self/task"))
+        assert release_openmp_threads() >= 1
+        deadline = time.monotonic() + 5
+        while len(os.listdir("/proc/self/task")) >= before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(os.listdir("/proc/self/task")) < before
+        assert torch.randn(1000).sum().isfinite()  # the runtime still works after the release
+    finally:
+        torch.set_num_threads(threads)
