@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
 from scripts import s3_upload
+from scripts.tsctl import GOMP_SPINCOUNT, OMP_WAIT_POLICY
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -60,7 +61,7 @@ VARIANT_NAME = "AllTraffic"
 # which TorchServe 0.12 answers with 400 while token authorization is on; the endpoint is
 # guarded by IAM instead. Set here so the endpoint comes up whether or not the container's
 # toolkit already turns it off (the container reads TS_* variables: enable_envvars_config).
-DEFAULT_ENV = {"TS_INSTALL_PY_DEP_PER_MODEL": "true", "OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "20000",
+DEFAULT_ENV = {"TS_INSTALL_PY_DEP_PER_MODEL": "true", "OMP_WAIT_POLICY": OMP_WAIT_POLICY, "GOMP_SPINCOUNT": GOMP_SPINCOUNT,
                "TS_DISABLE_TOKEN_AUTHORIZATION": "true"}
 IN_PROGRESS = ("Creating", "Updating", "SystemUpdating", "RollingBack")
 # Instance families with NVMe instance storage: SageMaker rejects VolumeSizeInGB for them.
