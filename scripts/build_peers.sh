@@ -80,7 +80,27 @@ build_backend() {
   say "llamacpp backend: $("$PY" -c 'import llama_cpp; print("llama_cpp", llama_cpp.__version__)'), converter $LLAMA_TREE/convert_hf_to_gguf.py"
 }
 
+# GCC drops the stores that fill ggml's AMX tile config on the stack (its ldtilecfg builtin is
+# not modelled as reading memory), so on an AMX CPU the first matrix product over quantized
+# weights (the q8_0 row) faults on ldtilecfg: llama.cpp issue 20824, fix proposed upstream in
+# PR 26954. An empty asm that takes the config's address and clobbers memory makes GCC write
+# it first. Succeeds (0) only when it changed the source, so a binary built before is rebuilt.
+AMX_PATCH_MARK="build_peers: tile config written before ldtilecfg"
+patch_amx_tile_config() {
+  local src=$LLAMA_TREE/ggml/src/ggml-cpu/amx/mmq.cpp
+  [[ -f $src ]] || return 1
+  grep -qF "$AMX_PATCH_MARK" "$src" && return 1
+  grep -q '^    _tile_loadconfig(&tc);$' "$src" \
+    || die "$src no longer has the line the AMX tile-config patch expects; check llama.cpp issue 20824"
+  sed -i "s|^    _tile_loadconfig(&tc);\$|    asm volatile(\"\" : : \"r\"(\\&tc) : \"memory\");  // $AMX_PATCH_MARK\n    _tile_loadconfig(\\&tc);|" "$src"
+  grep -qF "$AMX_PATCH_MARK" "$src" || die "patching $src for the AMX tile config failed"
+  say "llama.cpp: patched $src (AMX tile config, llama.cpp issue 20824)"
+}
+
 build_llama() {
+  if patch_amx_tile_config; then
+    rm -f "$LLAMA_BIN"
+  fi
   if [[ -x $LLAMA_BIN ]]; then
     say "llama-server: already built at $LLAMA_BIN (delete it to rebuild)"
     return
@@ -88,6 +108,7 @@ build_llama() {
   need cmake "install cmake (apt-get install cmake)"
   need g++ "install a C++ compiler (apt-get install g++)"
   fetch_tree
+  patch_amx_tile_config || true
   say "llama.cpp: configuring (Release, native, static, no curl/tests/examples)"
   cmake -S "$LLAMA_TREE" -B "$LLAMA_TREE/build" -DCMAKE_BUILD_TYPE=Release \
     -DLLAMA_CURL=OFF -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF \
