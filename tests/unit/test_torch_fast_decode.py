@@ -11,10 +11,16 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from llama_engine.backends import fast_linear
+from llama_engine.backends import fast_linear, torch_backend
 from llama_engine.backends.base import PrefillChunk
 from llama_engine.backends.fast_linear import PackedLinear, pack_linears, packing_supported
-from llama_engine.backends.torch_backend import TorchBackend, TorchSlotBackend, _PromptAttention, kv_cache_dtype_for
+from llama_engine.backends.torch_backend import (
+    TorchBackend,
+    TorchSlotBackend,
+    _PromptAttention,
+    kv_cache_dtype_for,
+    prompts_attend_by_blocks,
+)
 
 BF16 = pytest.mark.skipif(not packing_supported(torch.bfloat16, torch.device("cpu")),
                           reason="no oneDNN bfloat16 support on this CPU")
@@ -34,6 +40,11 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+#: CPU flag sets of the two classes with native bf16 (the backend reads this machine's otherwise).
+AMX = frozenset({"avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16"})
+AVX512_BF16 = frozenset({"avx2", "avx512f", "avx512_bf16"})
 
 
 def load(tiny_model_dir, dtype):
@@ -176,8 +187,9 @@ def test_slot_backend_packed_matches_plain_model(tiny_model_dir, dtype):
 
 @BF16
 @pytest.mark.parametrize("kv_cache_dtype, cache_dtype", [("auto", torch.float32), ("bfloat16", torch.bfloat16)])
-def test_bf16_weights_keep_a_float32_cache_on_cpu_unless_told_and_match_the_plain_model(
-        tiny_model_dir, kv_cache_dtype, cache_dtype):
+def test_bf16_weights_keep_a_float32_cache_on_a_cpu_without_amx_unless_told_and_match_the_plain_model(
+        tiny_model_dir, monkeypatch, kv_cache_dtype, cache_dtype):
+    monkeypatch.setattr(torch_backend, "cpu_flags", lambda: AVX512_BF16)
     backend = TorchBackend(str(tiny_model_dir), dtype="bfloat16", device="cpu", max_length=64,
                            kv_cache_dtype=kv_cache_dtype)
     assert backend.slots.k_cache.dtype == backend.slots.v_cache.dtype == cache_dtype
@@ -208,9 +220,15 @@ def test_prompt_attention_by_blocks_is_causal_attention_over_the_chunk_and_what_
 
 @BF16
 @pytest.mark.parametrize("fuse", [True, False])
-def test_bf16_prompts_attend_by_blocks_whole_or_in_chunks_and_match_the_plain_model(tiny_model_dir, fuse):
+@pytest.mark.parametrize("flags, kv, by_blocks", [(AVX512_BF16, torch.float32, True), (AMX, torch.bfloat16, False)],
+                         ids=["avx512-bf16", "amx"])
+def test_bf16_prompts_whole_or_in_chunks_match_the_plain_model_on_each_cpu_class(tiny_model_dir, monkeypatch, fuse,
+                                                                                 flags, kv, by_blocks):
+    """Without AMX: a float32 cache and prompts by blocks; with AMX: a bf16 cache and SDPA. Same logits."""
+    monkeypatch.setattr(torch_backend, "cpu_flags", lambda: flags)
     backend = TorchSlotBackend(load(tiny_model_dir, torch.bfloat16), max_slots=2, max_length=320, fuse=fuse)
-    assert backend._prompt_by_blocks
+    assert backend.kv_dtype == kv and backend.k_cache.dtype == kv
+    assert backend._prompt_by_blocks is by_blocks
     ids = prompts(batch=1, length=300)[0][0].tolist()
     want = reference_logits(load(tiny_model_dir, torch.bfloat16), torch.tensor([ids]), torch.ones(1, 300), 3)
     got = [backend.prefill_slot(0, ids)]
@@ -223,14 +241,17 @@ def test_bf16_prompts_attend_by_blocks_whole_or_in_chunks_and_match_the_plain_mo
     assert_close(last, want[0][0], "bfloat16")
 
 
-def test_kv_cache_dtype_auto_is_float32_only_for_half_precision_weights_on_cpu():
+def test_kv_cache_dtype_auto_depends_on_the_weights_the_device_and_amx():
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
-    assert kv_cache_dtype_for("auto", torch.bfloat16, cpu) == torch.float32
-    assert kv_cache_dtype_for("auto", torch.float16, cpu) == torch.float32
-    assert kv_cache_dtype_for("auto", torch.float32, cpu) == torch.float32
-    assert kv_cache_dtype_for("auto", torch.bfloat16, gpu) == torch.bfloat16
-    assert kv_cache_dtype_for("bfloat16", torch.bfloat16, cpu) == torch.bfloat16
-    assert kv_cache_dtype_for("float32", torch.bfloat16, gpu) == torch.float32
+    assert kv_cache_dtype_for("auto", torch.bfloat16, cpu, AVX512_BF16) == torch.float32
+    assert kv_cache_dtype_for("auto", torch.bfloat16, cpu, AMX) == torch.bfloat16
+    assert kv_cache_dtype_for("auto", torch.float16, cpu, AVX512_BF16) == torch.float32
+    assert kv_cache_dtype_for("auto", torch.float16, cpu, AMX) == torch.float32
+    assert kv_cache_dtype_for("auto", torch.float32, cpu, AMX) == torch.float32
+    assert kv_cache_dtype_for("auto", torch.bfloat16, gpu, AVX512_BF16) == torch.bfloat16
+    assert kv_cache_dtype_for("bfloat16", torch.bfloat16, cpu, AVX512_BF16) == torch.bfloat16
+    assert kv_cache_dtype_for("float32", torch.bfloat16, gpu, AMX) == torch.float32
+    assert kv_cache_dtype_for("float32", torch.bfloat16, cpu, AMX) == torch.float32
 
 
 def test_torch_backend_retain_matches_a_fresh_batch(tiny_model_dir):
@@ -314,7 +335,13 @@ def test_slot_rotary_is_hf_rotary_bit_for_bit(dtype):
     assert torch.equal(_rotate(k, cos.unsqueeze(1), signed), want_k)
 
 
-def test_only_bf16_weights_on_cpu_attend_by_blocks(tiny_model_dir):
+def test_only_bf16_weights_on_cpu_attend_by_blocks_unless_amx_reads_a_bf16_cache(tiny_model_dir, monkeypatch):
     """float16 products are slow on a CPU without native fp16 (slower by blocks than through SDPA)."""
+    monkeypatch.setattr(torch_backend, "cpu_flags", lambda: AVX512_BF16)
     for dtype, by_blocks in ((torch.bfloat16, True), (torch.float16, False), (torch.float32, False)):
         assert TorchSlotBackend(load(tiny_model_dir, dtype), max_slots=1, max_length=32)._prompt_by_blocks is by_blocks
+    cpu, bf16, fp32 = torch.device("cpu"), torch.bfloat16, torch.float32
+    assert not prompts_attend_by_blocks(bf16, bf16, cpu, AMX)
+    assert prompts_attend_by_blocks(bf16, fp32, cpu, AMX)  # kv_cache_dtype: float32 set on an AMX CPU
+    assert prompts_attend_by_blocks(bf16, bf16, cpu, AVX512_BF16)
+    assert not prompts_attend_by_blocks(bf16, bf16, torch.device("cuda"), AVX512_BF16)

@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import logging
-from typing import List, Optional, Sequence
+from typing import FrozenSet, List, Optional, Sequence
 
 import torch
 
-from ..cpu import auto_dtype, keep_freed_memory
+from ..cpu import auto_dtype, cpu_class, cpu_flags, keep_freed_memory
 from .base import Backend, OnePassSlotBackend, PrefillChunk, SlotBatchBackend
 from .fast_linear import FusedLlamaProjections, pack_linears
 
@@ -41,21 +41,42 @@ def load_model(model_path: str, dtype: str, device: str, max_length: int):
     return model
 
 
-def kv_cache_dtype_for(setting: str, weights: torch.dtype, device: torch.device) -> torch.dtype:
+def kv_cache_dtype_for(setting: str, weights: torch.dtype, device: torch.device,
+                       flags: Optional[FrozenSet[str]] = None) -> torch.dtype:
     """The slot cache's dtype for ``handler.kv_cache_dtype`` (``auto`` or a dtype name).
 
-    ``auto`` keeps float32 keys and values on a CPU whose weights are bf16 or fp16: torch's CPU
-    attention over a half-precision cache runs several times slower than over float32 for the
-    one-query rows of a decode step (the bench model's layer, 12 heads of 64, 2 threads, Zen 5
-    EPYC with AVX512_BF16: 134 against 20 us at 1 row and 260 positions, 1044 against 144 us at
-    8 rows), and no faster for a prompt. The cost is twice the cache's memory: set a dtype to
-    halve it where memory is tight. Elsewhere (a GPU, float32 weights) the weights' dtype.
+    ``auto`` on a CPU: with bf16 weights, bf16 on an AMX CPU and float32 on any other; with
+    fp16 weights, float32. The keys and values are computed in the weights' dtype either way,
+    so a float32 cache holds them exactly; what differs is the attention kernel that reads
+    them. Without AMX, torch's CPU attention over a half-precision cache runs several times
+    slower than over float32 for the one-query rows of a decode step (the bench model's layer,
+    12 heads of 64, 2 threads, Zen 5 EPYC with AVX512_BF16: 134 against 20 us at 1 row and 260
+    positions, 1044 against 144 us at 8 rows), and no faster for a prompt. With AMX its bf16
+    kernels are the faster ones (AMX Xeon, same layer: 33 against 35 us at 1 row, 215 against
+    350 us at 8 rows; decode steps at 8 rows 23.5 against 28.9 ms). A float32 cache costs twice
+    the memory: set a dtype to halve it where memory is tight. Elsewhere (a GPU, float32
+    weights) the weights' dtype. ``flags``: the CPU's (default: this machine's).
     """
     if setting != "auto":
         return getattr(torch, setting)
-    if torch.device(device).type == "cpu" and weights in (torch.bfloat16, torch.float16):
-        return torch.float32
-    return weights
+    if torch.device(device).type != "cpu" or weights == torch.float32:
+        return weights
+    if weights == torch.bfloat16 and cpu_class(cpu_flags() if flags is None else flags) == "amx":
+        return torch.bfloat16
+    return torch.float32
+
+
+def prompts_attend_by_blocks(weights: torch.dtype, kv: torch.dtype, device: torch.device,
+                             flags: Optional[FrozenSet[str]] = None) -> bool:
+    """Whether prompt chunks attend by :class:`_PromptAttention` rather than through SDPA.
+
+    For bf16 weights on a CPU, except an AMX CPU with a bf16 cache: there SDPA's bf16 flash
+    kernel is the faster (bench model, AMX Xeon, 2 threads, median of 4: whole prefill of 768
+    tokens 173 against 193 ms, 256 tokens 55 against 59). float16 keeps SDPA (see the class).
+    """
+    if torch.device(device).type != "cpu" or weights != torch.bfloat16:
+        return False
+    return not (kv == torch.bfloat16 and cpu_class(cpu_flags() if flags is None else flags) == "amx")
 
 
 def check_max_length(config, max_length: int) -> None:
@@ -190,8 +211,8 @@ class TorchSlotBackend(OnePassSlotBackend):
         self._allocate_cache()
         self._cos, self._signed_sin = self._rope_tables()
         self._fused = self._fuse_projections(owns_model) if fuse else [None] * cfg.num_hidden_layers
-        #: Prompt chunks attend by :class:`_PromptAttention` (bf16 weights on CPU).
-        self._prompt_by_blocks = self.device.type == "cpu" and self.dtype == torch.bfloat16
+        #: Prompt chunks attend by :class:`_PromptAttention` (see :func:`prompts_attend_by_blocks`).
+        self._prompt_by_blocks = prompts_attend_by_blocks(self.dtype, self.kv_dtype, self.device)
 
     def _allocate_cache(self) -> None:
         """Zeroed K/V for ``max_slots`` slots (zeros: masked-out positions must not hold NaN)."""
@@ -384,9 +405,10 @@ class _Chunk:
 
 
 class _PromptAttention:
-    """A prompt chunk's queries attending by blocks, in the weights' dtype: for bf16 weights on CPU.
+    """A prompt chunk's queries attending by blocks, in the weights' dtype: for bf16 weights on a CPU
+    without AMX (:func:`prompts_attend_by_blocks`).
 
-    Such weights get a float32 KV cache on CPU, so SDPA would run its flash kernel in float32;
+    Such weights get a float32 KV cache there, so SDPA would run its flash kernel in float32;
     its bfloat16 kernel is no faster (768 tokens of the bench model, causal: ~7.8 ms a layer
     either way on a Zen 5 EPYC, ~116 GFLOP/s). Here each block of ``block`` queries is two
     matrix products in the weights' dtype against the keys up to the block's last position,
