@@ -38,16 +38,20 @@ say() { printf '[build-peers %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 die() { printf '[build-peers] FAILED: %s\n' "$*" >&2; exit 1; }
 need() { command -v "$1" >/dev/null 2>&1 || die "$1 not found; $2"; }
 
+SDIST=$PEERS/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION.tar.gz
+fetch_sdist() {
+  [[ -f $SDIST ]] && return
+  mkdir -p "$PEERS"
+  say "llama.cpp: downloading the llama-cpp-python $LLAMA_CPP_PYTHON_VERSION sdist (source only)"
+  "$PY" -m pip download --quiet --no-deps --no-binary :all: "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION" -d "$PEERS" \
+    || die "pip download llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION"
+  [[ -f $SDIST ]] || die "pip download did not leave $SDIST (found: $(ls "$PEERS"))"
+}
+
 fetch_tree() {
   [[ -f $LLAMA_TREE/CMakeLists.txt ]] && return
-  mkdir -p "$PEERS"
-  local sdist=$PEERS/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION.tar.gz
-  if [[ ! -f $sdist ]]; then
-    say "llama.cpp: downloading the llama-cpp-python $LLAMA_CPP_PYTHON_VERSION sdist (source only)"
-    "$PY" -m pip download --quiet --no-deps --no-binary :all: "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION" -d "$PEERS" \
-      || die "pip download llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION"
-    [[ -f $sdist ]] || die "pip download did not leave $sdist (found: $(ls "$PEERS"))"
-  fi
+  fetch_sdist
+  local sdist=$SDIST
   say "llama.cpp: extracting vendor/llama.cpp from $(basename "$sdist")"
   local tmp=$PEERS/.extract
   rm -rf "$tmp" "$LLAMA_TREE"
@@ -60,34 +64,15 @@ fetch_tree() {
   rm -rf "$tmp"
 }
 
-# The project's llamacpp backend: llama-cpp-python built from the same sdist for this CPU
-# (GGML_NATIVE, the package's default) into $PY's environment, and what the build step's
-# GGUF conversion needs there (the tree's convert_hf_to_gguf.py reads a tokenizer through
-# sentencepiece first). ~6 minutes on 2 cores.
-build_backend() {
-  if "$PY" -c "import llama_cpp, sentencepiece" 2>/dev/null; then
-    say "llamacpp backend: llama_cpp already imports in $PY"
-  else
-    need cmake "install cmake (apt-get install cmake)"
-    need g++ "install a C++ compiler (apt-get install g++)"
-    fetch_tree
-    say "llamacpp backend: building llama-cpp-python $LLAMA_CPP_PYTHON_VERSION into $("$PY" -c 'import sys; print(sys.prefix)') (about 6 minutes on 2 cores); log $PEERS/llama-cpp-python.log"
-    CMAKE_BUILD_PARALLEL_LEVEL=$JOBS "$PY" -m pip install "$PEERS/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION.tar.gz" \
-      "sentencepiece>=0.1.98,<0.3.0" >"$PEERS/llama-cpp-python.log" 2>&1 \
-      || die "building llama-cpp-python, see $PEERS/llama-cpp-python.log: $(tail -5 "$PEERS/llama-cpp-python.log")"
-  fi
-  fetch_tree
-  say "llamacpp backend: $("$PY" -c 'import llama_cpp; print("llama_cpp", llama_cpp.__version__)'), converter $LLAMA_TREE/convert_hf_to_gguf.py"
-}
-
 # GCC drops the stores that fill ggml's AMX tile config on the stack (its ldtilecfg builtin is
 # not modelled as reading memory), so on an AMX CPU the first matrix product over quantized
-# weights (the q8_0 row) faults on ldtilecfg: llama.cpp issue 20824, fix proposed upstream in
-# PR 26954. An empty asm that takes the config's address and clobbers memory makes GCC write
-# it first. Succeeds (0) only when it changed the source, so a binary built before is rebuilt.
+# weights (a q8_0 GGUF) faults on ldtilecfg and kills the process: llama.cpp issue 20824, fix
+# proposed upstream in PR 26954. An empty asm that takes the config's address and clobbers
+# memory makes GCC write it first. patch_amx_tile_config TREE succeeds (0) only when it changed
+# the source, so that what was built from it before is rebuilt.
 AMX_PATCH_MARK="build_peers: tile config written before ldtilecfg"
 patch_amx_tile_config() {
-  local src=$LLAMA_TREE/ggml/src/ggml-cpu/amx/mmq.cpp
+  local src=$1/ggml/src/ggml-cpu/amx/mmq.cpp
   [[ -f $src ]] || return 1
   grep -qF "$AMX_PATCH_MARK" "$src" && return 1
   grep -q '^    _tile_loadconfig(&tc);$' "$src" \
@@ -97,8 +82,42 @@ patch_amx_tile_config() {
   say "llama.cpp: patched $src (AMX tile config, llama.cpp issue 20824)"
 }
 
+# The project's llamacpp backend: llama-cpp-python built from the same sdist for this CPU
+# (GGML_NATIVE, the package's default) into $PY's environment, from a copy of the sdist whose
+# vendored llama.cpp carries the same AMX patch as llama-server (without it a q8_0 GGUF kills
+# the worker on an AMX CPU), and what the build step's GGUF conversion needs there (the
+# tree's convert_hf_to_gguf.py reads a tokenizer through sentencepiece first). ~6 minutes on
+# 2 cores. A stamp in the environment marks a build from the patched source; an earlier
+# build without it is replaced.
+BACKEND_SRC=$PEERS/llama-cpp-python-src
+build_backend() {
+  local stamp
+  stamp=$("$PY" -c 'import sys; print(sys.prefix)')/.llama-cpp-python-amx-patched
+  if [[ -f $stamp ]] && "$PY" -c "import llama_cpp, sentencepiece" 2>/dev/null; then
+    say "llamacpp backend: llama_cpp already imports in $PY"
+  else
+    need cmake "install cmake (apt-get install cmake)"
+    need g++ "install a C++ compiler (apt-get install g++)"
+    fetch_sdist
+    rm -rf "$BACKEND_SRC" "$PEERS/.extract-backend"
+    mkdir -p "$PEERS/.extract-backend"
+    tar -xzf "$SDIST" -C "$PEERS/.extract-backend"
+    mv "$PEERS/.extract-backend/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION" "$BACKEND_SRC"
+    rm -rf "$PEERS/.extract-backend"
+    patch_amx_tile_config "$BACKEND_SRC/vendor/llama.cpp" || die "no AMX source to patch in $BACKEND_SRC"
+    "$PY" -m pip uninstall --quiet -y llama-cpp-python >/dev/null 2>&1 || true
+    say "llamacpp backend: building llama-cpp-python $LLAMA_CPP_PYTHON_VERSION into $("$PY" -c 'import sys; print(sys.prefix)') (about 6 minutes on 2 cores); log $PEERS/llama-cpp-python.log"
+    CMAKE_BUILD_PARALLEL_LEVEL=$JOBS "$PY" -m pip install "$BACKEND_SRC" \
+      "sentencepiece>=0.1.98,<0.3.0" >"$PEERS/llama-cpp-python.log" 2>&1 \
+      || die "building llama-cpp-python, see $PEERS/llama-cpp-python.log: $(tail -5 "$PEERS/llama-cpp-python.log")"
+    touch "$stamp"
+  fi
+  fetch_tree
+  say "llamacpp backend: $("$PY" -c 'import llama_cpp; print("llama_cpp", llama_cpp.__version__)'), converter $LLAMA_TREE/convert_hf_to_gguf.py"
+}
+
 build_llama() {
-  if patch_amx_tile_config; then
+  if patch_amx_tile_config "$LLAMA_TREE"; then
     rm -f "$LLAMA_BIN"
   fi
   if [[ -x $LLAMA_BIN ]]; then
@@ -108,7 +127,7 @@ build_llama() {
   need cmake "install cmake (apt-get install cmake)"
   need g++ "install a C++ compiler (apt-get install g++)"
   fetch_tree
-  patch_amx_tile_config || true
+  patch_amx_tile_config "$LLAMA_TREE" || true
   say "llama.cpp: configuring (Release, native, static, no curl/tests/examples)"
   cmake -S "$LLAMA_TREE" -B "$LLAMA_TREE/build" -DCMAKE_BUILD_TYPE=Release \
     -DLLAMA_CURL=OFF -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF \

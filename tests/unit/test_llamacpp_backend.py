@@ -8,7 +8,10 @@ chunked prefill, decode, mixed steps, freed and reused slots, a step split over 
 """
 from __future__ import annotations
 
+import json
+import os
 import shutil
+import subprocess
 import sys
 
 import pytest
@@ -182,3 +185,35 @@ def test_missing_pieces_say_what_to_run(tiny_gguf, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "llama_cpp", None)
     with pytest.raises(RuntimeError, match="make llamacpp"):
         LlamaCppSlotBackend(str(tiny_gguf), 1, MAX_LENGTH)
+
+
+#: Runs in a child process: on an AMX CPU, a llama.cpp built without the tile-config patch
+#: (scripts/build_peers.sh) dies with SIGSEGV on its first q8_0 product, which would take the
+#: test session with it.
+Q8_PROBE = """
+import json, sys
+from llama_engine.backends.llamacpp_backend import LlamaCppSlotBackend
+backend = LlamaCppSlotBackend(sys.argv[1], 2, 128, threads=1)
+logits = [backend.prefill_slot(0, json.loads(sys.argv[2]))]
+logits += backend.decode_slots([0], [int(logits[0].argmax())])
+print(json.dumps([row.tolist() for row in logits]))
+"""
+
+
+def test_a_q8_0_gguf_generates_close_to_float32(tmp_path, tiny_model_dir, reference):
+    """q8_0 is the type ggml's AMX kernels compute: on an AMX CPU this exercises them."""
+    from llama_engine.config import HandlerConfig
+
+    shutil.copytree(tiny_model_dir, tmp_path / "model")
+    cfg = type("Cfg", (), {"handler": HandlerConfig(backend="llamacpp", gguf_type="q8_0")})()
+    gguf = build_model.convert_to_gguf(cfg, tmp_path)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(str(p) for p in (build_model.ROOT / "handlers", build_model.ROOT)))
+    run = subprocess.run([sys.executable, "-c", Q8_PROBE, str(gguf), json.dumps(PROMPT)], capture_output=True,
+                         text=True, timeout=300, env=env)
+    assert run.returncode == 0, f"exit {run.returncode}: {run.stderr[-2000:]}"
+    got = torch.tensor(json.loads(run.stdout.strip().splitlines()[-1]))
+    reference.free_slot(0)
+    want = [reference.prefill_slot(0, PROMPT)]
+    want.append(reference.decode_slots([0], [int(got[0].argmax())])[0])
+    for g, w in zip(got, want):
+        assert torch.nn.functional.cosine_similarity(g, w, dim=0) > 0.99
