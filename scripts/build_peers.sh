@@ -48,20 +48,23 @@ fetch_sdist() {
   [[ -f $SDIST ]] || die "pip download did not leave $SDIST (found: $(ls "$PEERS"))"
 }
 
+# extract_sdist PART DEST: the sdist's PART ("" for the whole package) moved to DEST, replacing it.
+extract_sdist() {
+  local tmp=$PEERS/.extract from
+  rm -rf "$tmp" "$2"
+  mkdir -p "$tmp"
+  tar -xzf "$SDIST" -C "$tmp"
+  from=$(echo "$tmp"/llama_cpp_python-*)/$1
+  [[ -f $from/CMakeLists.txt ]] || die "no ${1:-package root}/CMakeLists.txt in $SDIST"
+  mv "$from" "$2"
+  rm -rf "$tmp"
+}
+
 fetch_tree() {
   [[ -f $LLAMA_TREE/CMakeLists.txt ]] && return
   fetch_sdist
-  local sdist=$SDIST
-  say "llama.cpp: extracting vendor/llama.cpp from $(basename "$sdist")"
-  local tmp=$PEERS/.extract
-  rm -rf "$tmp" "$LLAMA_TREE"
-  mkdir -p "$tmp"
-  tar -xzf "$sdist" -C "$tmp"
-  local vendored
-  vendored=$(echo "$tmp"/llama_cpp_python-*/vendor/llama.cpp)
-  [[ -f $vendored/CMakeLists.txt ]] || die "no vendor/llama.cpp/CMakeLists.txt in $sdist"
-  mv "$vendored" "$LLAMA_TREE"
-  rm -rf "$tmp"
+  say "llama.cpp: extracting vendor/llama.cpp from $(basename "$SDIST")"
+  extract_sdist vendor/llama.cpp "$LLAMA_TREE"
 }
 
 # GCC drops the stores that fill ggml's AMX tile config on the stack (its ldtilecfg builtin is
@@ -91,22 +94,19 @@ patch_amx_tile_config() {
 # build without it is replaced.
 BACKEND_SRC=$PEERS/llama-cpp-python-src
 build_backend() {
-  local stamp
-  stamp=$("$PY" -c 'import sys; print(sys.prefix)')/.llama-cpp-python-amx-patched
+  local prefix stamp
+  prefix=$("$PY" -c 'import sys; print(sys.prefix)')
+  stamp=$prefix/.llama-cpp-python-amx-patched
   if [[ -f $stamp ]] && "$PY" -c "import llama_cpp, sentencepiece" 2>/dev/null; then
     say "llamacpp backend: llama_cpp already imports in $PY"
   else
     need cmake "install cmake (apt-get install cmake)"
     need g++ "install a C++ compiler (apt-get install g++)"
     fetch_sdist
-    rm -rf "$BACKEND_SRC" "$PEERS/.extract-backend"
-    mkdir -p "$PEERS/.extract-backend"
-    tar -xzf "$SDIST" -C "$PEERS/.extract-backend"
-    mv "$PEERS/.extract-backend/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION" "$BACKEND_SRC"
-    rm -rf "$PEERS/.extract-backend"
+    extract_sdist "" "$BACKEND_SRC"
     patch_amx_tile_config "$BACKEND_SRC/vendor/llama.cpp" || die "no AMX source to patch in $BACKEND_SRC"
     "$PY" -m pip uninstall --quiet -y llama-cpp-python >/dev/null 2>&1 || true
-    say "llamacpp backend: building llama-cpp-python $LLAMA_CPP_PYTHON_VERSION into $("$PY" -c 'import sys; print(sys.prefix)') (about 6 minutes on 2 cores); log $PEERS/llama-cpp-python.log"
+    say "llamacpp backend: building llama-cpp-python $LLAMA_CPP_PYTHON_VERSION into $prefix (about 6 minutes on 2 cores); log $PEERS/llama-cpp-python.log"
     CMAKE_BUILD_PARALLEL_LEVEL=$JOBS "$PY" -m pip install "$BACKEND_SRC" \
       "sentencepiece>=0.1.98,<0.3.0" >"$PEERS/llama-cpp-python.log" 2>&1 \
       || die "building llama-cpp-python, see $PEERS/llama-cpp-python.log: $(tail -5 "$PEERS/llama-cpp-python.log")"

@@ -61,9 +61,7 @@ def kv_cache_dtype_for(setting: str, weights: torch.dtype, device: torch.device,
         return getattr(torch, setting)
     if torch.device(device).type != "cpu" or weights == torch.float32:
         return weights
-    if weights == torch.bfloat16 and cpu_class(cpu_flags() if flags is None else flags) == "amx":
-        return torch.bfloat16
-    return torch.float32
+    return torch.bfloat16 if weights == torch.bfloat16 and _amx(flags) else torch.float32
 
 
 def prompts_attend_by_blocks(weights: torch.dtype, kv: torch.dtype, device: torch.device,
@@ -76,7 +74,12 @@ def prompts_attend_by_blocks(weights: torch.dtype, kv: torch.dtype, device: torc
     """
     if torch.device(device).type != "cpu" or weights != torch.bfloat16:
         return False
-    return not (kv == torch.bfloat16 and cpu_class(cpu_flags() if flags is None else flags) == "amx")
+    return not (kv == torch.bfloat16 and _amx(flags))
+
+
+def _amx(flags: Optional[FrozenSet[str]]) -> bool:
+    """Whether the CPU with ``flags`` (default: this machine's) is of the ``amx`` class."""
+    return cpu_class(cpu_flags() if flags is None else flags) == "amx"
 
 
 def check_max_length(config, max_length: int) -> None:
