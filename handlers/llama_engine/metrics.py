@@ -157,6 +157,13 @@ def compile_cache_counts(stats: dict) -> Tuple[int, int]:
     return int(stats.get("shipped_entries", 0)), int(stats.get("new_entries", 0))
 
 
+#: Counters of requests ending, recorded last in a flush: TorchServe's frontend reads the worker's
+#: metric lines one by one, so a scrape that sees a request's outcome then also sees its tokens and
+#: forward passes (the bench waits for the outcomes, then reads the rest).
+OUTCOME_COUNTERS = frozenset({"llama_requests_total", "llama_request_success_total", "llama_request_errors_total",
+                              "llama_request_cancelled_total"})
+
+
 class TimedSink(MetricsSink, ABC):
     """Events -> observations; a subclass records them in :meth:`record`.
 
@@ -259,7 +266,7 @@ class TimedSink(MetricsSink, ABC):
             counts, self._counts = self._counts, defaultdict(float)
             gauges = self._changed_gauges()
             self._last_flush = self.clock()
-        for (name, labels), value in counts.items():
+        for (name, labels), value in sorted(counts.items(), key=lambda item: item[0][0] in OUTCOME_COUNTERS):
             if value:
                 self.record(name, value, labels)
         for name, value in gauges.items():

@@ -127,6 +127,24 @@ def test_counters_wait_for_a_flush_unless_a_second_has_passed():
     assert sink.of("llama_generation_tokens_total") == [1] and sink.of("llama_steps_total") == [1]
 
 
+def test_a_flush_records_requests_outcomes_after_their_tokens_and_forward_passes():
+    """The frontend reads metric lines one by one: a scrape that sees an outcome must see the rest."""
+    sink, first, second = Recorder(), request(), request(prompt_tokens=5)
+    sink.received()
+    sink.received()
+    sink.admitted(first)
+    sink.token(first, 1)
+    sink.finished(first, "length", 1)  # counted before the second's prefill, in the same flush
+    sink.admitted(second)
+    sink.forward(0, 5, 0.01)
+    sink.token(second, 1)
+    sink.flush()
+    counters = [n for n, _, _ in sink.values if SPECS[n].kind == COUNTER]
+    outcomes = [i for i, n in enumerate(counters) if n in ("llama_requests_total", "llama_request_success_total")]
+    assert outcomes == [len(counters) - 2, len(counters) - 1], counters
+    assert "llama_forward_prefill_tokens_total" in counters and "llama_prompt_tokens_total" in counters
+
+
 def test_compile_cache_hits_and_misses_from_the_cache_report():
     assert compile_cache_counts({"kind": "inductor", "shipped_entries": 9, "new_entries": 2,
                                  "fxgraph_cache_hit": 7, "fxgraph_cache_miss": 1}) == (7, 1)
