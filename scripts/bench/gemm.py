@@ -1,4 +1,4 @@
-"""The prefill bound: how fast this CPU can run a prompt through the model's linear layers.
+"""The prefill and decode bounds: how fast this CPU can run the model's linear layers alone.
 
 Prefill is compute-bound: each prompt token goes through every linear layer once, as rows of a
 matrix product. :func:`prefill_bound` times the model's own products (fused q/k/v, o, fused
@@ -80,3 +80,42 @@ def prefill_bound(model: Path, dtype: str = "float32", threads: int = 2, tokens:
             "flops_per_token": flops_per_token, "rows": tokens, "dtype": dtype, "threads": threads,
             "repeats": repeats, "kernels": fastest,
             "by_kernel_tokens_per_s": {name: round(tokens / (layers * sum(times)), 1) for name, times in best.items()}}
+
+
+def decode_products(model: Path, dtype: str = "float32", threads: int = 2, repeats: int = 5) -> dict:
+    """Batch-1 decode tokens/s of the model's linear products alone, and the GB/s they stream at.
+
+    One row through every layer's products (the backend's fused shapes) and the LM head, each
+    with its own random weights, so that a pass reads them all from memory as a decode step
+    does; a whole pass per kernel (``nn.Linear``, oneDNN packed), best of ``repeats`` after a
+    warm-up, the faster kernel counts. Against the memory bandwidth this is the batch-1 decode
+    efficiency of an implementation that spent nothing besides its products on this CPU;
+    against the decode, the share of a step that norms, attention and sampling take.
+    """
+    import torch
+
+    config = json.loads((Path(model) / "config.json").read_text())
+    torch_dtype = getattr(torch, dtype)
+    shapes = layer_shapes(config) * config["num_hidden_layers"] + [(config["hidden_size"], config["vocab_size"])]
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(out, inp, generator=gen).to(torch_dtype) for inp, out in shapes]
+    inputs = [torch.randn(1, inp, generator=gen).to(torch_dtype) for inp, _ in shapes]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        kernels = _kernels(weights, torch_dtype)
+        best = dict.fromkeys(kernels, float("inf"))
+        with torch.inference_mode():
+            for _ in range(repeats + 1):
+                for name, products in kernels.items():
+                    started = time.perf_counter()
+                    for product, x in zip(products, inputs):
+                        product(x)
+                    best[name] = min(best[name], time.perf_counter() - started)
+    finally:
+        torch.set_num_threads(before)
+    fastest = min(best, key=best.get)
+    nbytes = sum(w.numel() * w.element_size() for w in weights)
+    return {"tokens_per_s": round(1 / best[fastest], 2), "gb_per_s": round(nbytes / best[fastest] / 1e9, 2),
+            "bytes": nbytes, "dtype": dtype, "threads": threads, "repeats": repeats, "kernel": fastest,
+            "by_kernel_tokens_per_s": {name: round(1 / t, 2) for name, t in best.items()}}

@@ -89,6 +89,39 @@ def prefill_floor_ratios(runs, bound: dict) -> dict:
     return out
 
 
+def _batch1_run(runs, system) -> Optional[dict]:
+    """The system's 1-stream sweep row, else its shortest length row (the length sweep runs one stream)."""
+    return find(runs, system, "concurrency", concurrency=1) or next(
+        iter(sorted((r for r in runs if r.get("system") == system and r.get("scenario") == "length" and r.get("ok")),
+                    key=lambda r: r["input_tokens"])), None)
+
+
+def decode_floor_ratios(runs, results: dict) -> dict:
+    """Batch-1 decode against the linear products alone (``gemm.decode_products``): the efficiency such
+    a step would score on this CPU, and the share of it the in-process decode reaches."""
+    products = results.get("decode_products")
+    if not products:
+        return {}
+    bound = results["decode_bound"]
+    out = {"batch1_decode_efficiency_at_products_bound": _ratio(
+        products["tokens_per_s"] * bound["weight_bytes_per_token"] / (bound["bandwidth_gb_per_s"] * 1e9),
+        "report", None,
+        "batch-1 decode efficiency of a step that ran only the model's linear products, on this CPU's faster kernel "
+        "(gemm.decode_products: one row through every layer's own weights), against the run's best bandwidth: "
+        "what any implementation on these kernels faces here",
+        products_tokens_per_s=products["tokens_per_s"], products_gb_per_s=products["gb_per_s"],
+        kernel=products["kernel"])}
+    run = _batch1_run(runs, INPROCESS)
+    rate = run and run.get("decode_tokens_per_s_per_stream")
+    if rate:
+        out["batch1_decode_vs_products"] = _ratio(
+            rate / products["tokens_per_s"], "report", None,
+            f"{INPROCESS} batch-1 decode tok/s (its 1-stream sweep) / the linear products' alone: the rest of a step "
+            "(norms, attention, rotary, sampling) is the difference",
+            decode_tokens_per_s=rate, products_tokens_per_s=products["tokens_per_s"])
+    return out
+
+
 def ratios(results: dict) -> dict:
     runs = results["runs"]
     plan = results["plan"]
@@ -118,9 +151,7 @@ def ratios(results: dict) -> dict:
     nbytes = results["decode_bound"]["weight_bytes_per_token"]
     for key, system in (("batch1_decode_efficiency", INPROCESS), ("batch1_decode_efficiency_served", SERVED),
                         ("batch1_decode_efficiency_llamacpp", LLAMACPP)):
-        run = find(runs, system, "concurrency", concurrency=1) or next(
-            iter(sorted((r for r in runs if r.get("system") == system and r.get("scenario") == "length" and r.get("ok")),
-                        key=lambda r: r["input_tokens"])), None)
+        run = _batch1_run(runs, system)
         rate = run and run.get("decode_tokens_per_s_per_stream")
         against_best = _ratio(
             rate * nbytes / bw if rate else None, ">= 0.50", lambda v: v >= 0.50,
@@ -143,6 +174,7 @@ def ratios(results: dict) -> dict:
             out[f"{key}_vs_best_bandwidth"] = _as_report(against_best)
         else:
             out[key] = against_best
+    out.update(decode_floor_ratios(runs, results))
     fp32 = results.get("extra", {}).get("fp32_batch1")
     if fp32 and fp32.get("ok"):
         rate = fp32["decode_tokens_per_s_per_stream"]
@@ -428,6 +460,17 @@ def prefill_bound_line(results: dict) -> str:
             f"best of the samples{on}): {parts}.\n")
 
 
+def decode_products_line(results: dict) -> str:
+    """The linear products' batch-1 decode tokens/s alone (``gemm.decode_products``), when the run measured it."""
+    products = results.get("decode_products")
+    if not products:
+        return ""
+    kernels = ", ".join(f"{name} {rate:.1f}" for name, rate in products["by_kernel_tokens_per_s"].items())
+    return (f"**Decode products** (one row through every layer's linear products and the LM head, each its own "
+            f"random weights, {products['dtype']}, best of the samples): **{products['tokens_per_s']:.1f} tok/s**, "
+            f"{products['bytes'] / 1e6:.1f} MB streamed at {products['gb_per_s']:.1f} GB/s (tok/s by kernel: {kernels}).\n")
+
+
 def queue_grew(run: dict) -> bool:
     """Whether a Poisson row's server fell behind its arrivals: it completed fewer requests per second
     than were offered, and its last request finished later after the last arrival than a typical
@@ -475,7 +518,7 @@ def markdown(results: dict, plots: List[Path]) -> str:
 
 **Memory bandwidth** (`x.sum()` over {list(bw.values())[0]['bytes'] / 1e9:.2f} GB of float32, best of 5 passes and of the samples at the start and the end): {bw_text}.
 Batch-1 decode bound = {bound['bandwidth_gb_per_s']:.1f} GB/s / {bound['weight_bytes_per_token'] / 1e6:.1f} MB of weights per token = **{bound['tokens_per_s']:.1f} tok/s** (the KV cache adds {model['kv_cache_bytes_per_position'] / 1e3:.1f} kB per position of context).
-{prefill_bound_line(results)}{fp32_line}
+{prefill_bound_line(results)}{decode_products_line(results)}{fp32_line}
 ### Ratios (CPU class `{cpu_label(m)}`, {model['dtype']})
 
 {ratios_table(results['ratios'])}
@@ -763,7 +806,11 @@ ahead of micro-batching on the Poisson load at all: `.venv/bin/python -m scripts
   rows of random activations, best of 5, as prompt tokens/s; attention, norms and the LM head are left
   out, so no prefill beats it. `ttft_growth_at_prefill_bound` is the TTFT growth of a prompt that cost
   only that (what any implementation faces on the CPU); `prefill_vs_bound_<n>` is the in-process
-  prompt tokens/s (n / TTFT p50) against it. Peer ratio: served / peer output tok/s at 8 streams.
+  prompt tokens/s (n / TTFT p50) against it. Decode products (the same file, sampled alike): one row
+  through every layer's products and the LM head, each with its own weights so that they stream from
+  memory, on the faster kernel; `batch1_decode_efficiency_at_products_bound` is the efficiency of a
+  step that did only that, `batch1_decode_vs_products` the in-process decode against it (the rest of a
+  step: norms, attention, rotary, sampling). Peer ratio: served / peer output tok/s at 8 streams.
 * Continuous batching against the schedule's ideal: `scripts.bench.continuous_bound` replays the
   scheduler's policy on the same arrivals with no scheduling, streaming or serving cost. Its step
   costs are the served worker's own forward passes in each round (the `llama_forward_*` metrics:

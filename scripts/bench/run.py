@@ -232,6 +232,7 @@ class BenchRun:
             "weight_bytes_per_token": results["model"]["weight_bytes_per_token"],
             "tokens_per_s": round(best * 1e9 / results["model"]["weight_bytes_per_token"], 2)}
         self._prefill_bound_sample(when)
+        self._decode_products_sample(when)
         self.phases[f"membw_{when}_s"] = time.perf_counter() - t
         log(f"memory bandwidth ({when}): " + ", ".join(f"{v['gb_per_s']:.1f} GB/s with {k} thread(s)"
                                                       for k, v in sample["threads"].items())
@@ -250,6 +251,17 @@ class BenchRun:
             for n in sample}
         log(f"prefill bound ({when}, the linear layers alone): " + ", ".join(
             f"{v['tokens_per_s']:.0f} tok/s ({v['gflops']:.0f} GFLOP/s) on {n} rows" for n, v in sample.items()))
+
+    def _decode_products_sample(self, when: str) -> None:
+        """The linear products' batch-1 decode tokens/s alone (``gemm.decode_products``; best of the samples)."""
+        from scripts.bench.gemm import decode_products
+
+        sample = decode_products(self.checkpoint, self.dtype, self.threads)
+        self.results.setdefault("decode_products_samples", []).append({"when": when, **sample})
+        self.results["decode_products"] = max(self.results["decode_products_samples"],
+                                              key=lambda x: x["tokens_per_s"])
+        log(f"decode products ({when}, the linear layers alone at 1 row): {sample['tokens_per_s']:.1f} tok/s, "
+            f"the weights at {sample['gb_per_s']:.1f} GB/s ({sample['kernel']})")
 
     # -- 1. the engine in-process ------------------------------------------------------------
 

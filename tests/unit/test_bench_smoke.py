@@ -65,6 +65,10 @@ def test_smoke_json_has_every_section_and_positive_figures(smoke):
     assert sorted(results["prefill_bound"]) == ["32", "96"] and len(results["prefill_bound_samples"]) == 2
     assert all(b["tokens_per_s"] > 0 and b["gflops"] > 0 for b in results["prefill_bound"].values())
     assert results["ratios"]["ttft_growth_at_prefill_bound"]["value"] > 0
+    products = results["decode_products"]  # the linear products alone at 1 row, a sample at the start and the end
+    assert products["tokens_per_s"] > 0 and products["gb_per_s"] > 0 and len(results["decode_products_samples"]) == 2
+    assert results["ratios"]["batch1_decode_efficiency_at_products_bound"]["value"] > 0
+    assert results["ratios"]["batch1_decode_vs_products"]["value"] > 0
     assert results["systems"]["inprocess"]["status"] == "ok"
     assert results["systems"]["torchserve"]["status"] == "ok"
     assert results["systems"]["torchserve-continuous"]["status"] == "ok"
