@@ -825,6 +825,13 @@ ahead of micro-batching on the Poisson load at all: `.venv/bin/python -m scripts
 * The speed of a small VM drifts: on the reference machine the same in-process batch-1 decode measured
   30 ms per token in one run and 57 ms in another an hour later, with no other process running. Compare
   systems through the paired rows and the ratios, and re-run before reading a difference under ~20%.
+* Where a batch-1 decode step goes (AMX Xeon, bench model, bf16, 2 threads, 2026-11-25, timed op by
+  op): of 14-15 ms, ~9.7 ms are the linear products (what `decode_products` takes alone), 1.9 ms the
+  ~600 other ops when no weights stream between them, and ~2.5 ms more when they do (each op's data
+  comes back from L3 after a weight stream went through the caches). Torch's `rms_norm` for HF's eight
+  ops, the residual adds folded into the products' oneDNN epilogue, and weights packed for 1 row were
+  no faster (0.97-1.01x of the step, A/B by `scripts.bench.decode_profile`); libgomp's wait policy
+  beyond the served default changed nothing.
 * TorchServe batches statically: a frontend batch of up to 8 requests runs to its end before the next
   batch starts, so at 16 streams the second 8 wait for the first, and under Poisson arrivals a request
   that arrives during a batch waits for it.
