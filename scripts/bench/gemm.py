@@ -15,6 +15,7 @@ because the backend packs float32 there.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -28,6 +29,29 @@ def layer_shapes(config: dict) -> list:
     kv_heads = config.get("num_key_value_heads") or heads
     return [(hidden, (heads + 2 * kv_heads) * head_dim), (heads * head_dim, hidden), (hidden, 2 * inter),
             (inter, hidden)]
+
+
+def _random_products(shapes: list, rows: int, torch_dtype):
+    """Seeded random weights ``[out, in]`` and inputs ``[rows, in]`` for (in, out) ``shapes``."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(out, inp, generator=gen).to(torch_dtype) for inp, out in shapes]
+    inputs = [torch.randn(rows, inp, generator=gen).to(torch_dtype) for inp, _ in shapes]
+    return weights, inputs
+
+
+@contextlib.contextmanager
+def _torch_threads(threads: int):
+    """Run the block on ``threads`` torch threads, then restore the caller's count."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _kernels(weights: list, torch_dtype) -> dict:
@@ -55,12 +79,8 @@ def prefill_bound(model: Path, dtype: str = "float32", threads: int = 2, tokens:
     config = json.loads((Path(model) / "config.json").read_text())
     torch_dtype = getattr(torch, dtype)
     shapes = layer_shapes(config)
-    gen = torch.Generator().manual_seed(0)
-    weights = [torch.randn(out, inp, generator=gen).to(torch_dtype) for inp, out in shapes]
-    inputs = [torch.randn(tokens, inp, generator=gen).to(torch_dtype) for inp, _ in shapes]
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    weights, inputs = _random_products(shapes, tokens, torch_dtype)
+    with _torch_threads(threads):
         kernels = _kernels(weights, torch_dtype)
         best = {name: [float("inf")] * len(shapes) for name in kernels}
         with torch.inference_mode():
@@ -70,8 +90,6 @@ def prefill_bound(model: Path, dtype: str = "float32", threads: int = 2, tokens:
                         started = time.perf_counter()
                         product(x)
                         best[name][k] = min(best[name][k], time.perf_counter() - started)
-    finally:
-        torch.set_num_threads(before)
     fastest = [min(best, key=lambda name: best[name][k]) for k in range(len(shapes))]
     layers = config["num_hidden_layers"]
     flops_per_token = 2 * layers * sum(inp * out for inp, out in shapes)
@@ -97,12 +115,8 @@ def decode_products(model: Path, dtype: str = "float32", threads: int = 2, repea
     config = json.loads((Path(model) / "config.json").read_text())
     torch_dtype = getattr(torch, dtype)
     shapes = layer_shapes(config) * config["num_hidden_layers"] + [(config["hidden_size"], config["vocab_size"])]
-    gen = torch.Generator().manual_seed(0)
-    weights = [torch.randn(out, inp, generator=gen).to(torch_dtype) for inp, out in shapes]
-    inputs = [torch.randn(1, inp, generator=gen).to(torch_dtype) for inp, _ in shapes]
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    weights, inputs = _random_products(shapes, 1, torch_dtype)
+    with _torch_threads(threads):
         kernels = _kernels(weights, torch_dtype)
         best = dict.fromkeys(kernels, float("inf"))
         with torch.inference_mode():
@@ -112,8 +126,6 @@ def decode_products(model: Path, dtype: str = "float32", threads: int = 2, repea
                     for product, x in zip(products, inputs):
                         product(x)
                     best[name] = min(best[name], time.perf_counter() - started)
-    finally:
-        torch.set_num_threads(before)
     fastest = min(best, key=best.get)
     nbytes = sum(w.numel() * w.element_size() for w in weights)
     return {"tokens_per_s": round(1 / best[fastest], 2), "gb_per_s": round(nbytes / best[fastest] / 1e9, 2),
