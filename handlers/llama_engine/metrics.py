@@ -168,8 +168,8 @@ class TimedSink(MetricsSink, ABC):
     """Events -> observations; a subclass records them in :meth:`record`.
 
     ``capacity`` is the rows one step holds (micro_batch_size or the slots); ``continuous``
-    adds the slots-in-use gauge. Thread-safe: micro-batching's stages call it from several
-    threads.
+    adds the slots-in-use gauge. Thread-safe: micro-batching's stages and the continuous
+    handler's step thread call it beside the handler's own thread.
     """
 
     def __init__(self, capacity: int, continuous: bool = False, flush_every: float = 1.0, clock=time.perf_counter):
@@ -178,6 +178,7 @@ class TimedSink(MetricsSink, ABC):
         self.flush_every = flush_every
         self.clock = clock
         self._lock = threading.Lock()
+        self._flush_lock = threading.Lock()
         self._counts: Dict[Tuple[str, tuple], float] = defaultdict(float)
         self._gauges: Dict[str, float] = {}
         self._received = self._admitted = self._ended_waiting = self._ended_running = 0
@@ -262,15 +263,16 @@ class TimedSink(MetricsSink, ABC):
         if not force:
             self._maybe_flush()
             return
-        with self._lock:
-            counts, self._counts = self._counts, defaultdict(float)
-            gauges = self._changed_gauges()
-            self._last_flush = self.clock()
-        for (name, labels), value in sorted(counts.items(), key=lambda item: item[0][0] in OUTCOME_COUNTERS):
-            if value:
-                self.record(name, value, labels)
-        for name, value in gauges.items():
-            self.record(name, value)
+        with self._flush_lock:  # two threads' flushes must not interleave their lines (OUTCOME_COUNTERS)
+            with self._lock:
+                counts, self._counts = self._counts, defaultdict(float)
+                gauges = self._changed_gauges()
+                self._last_flush = self.clock()
+            for (name, labels), value in sorted(counts.items(), key=lambda item: item[0][0] in OUTCOME_COUNTERS):
+                if value:
+                    self.record(name, value, labels)
+            for name, value in gauges.items():
+                self.record(name, value)
 
     # -- bookkeeping ----------------------------------------------------------------------------
 

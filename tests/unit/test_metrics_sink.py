@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -143,6 +144,31 @@ def test_a_flush_records_requests_outcomes_after_their_tokens_and_forward_passes
     outcomes = [i for i, n in enumerate(counters) if n in ("llama_requests_total", "llama_request_success_total")]
     assert outcomes == [len(counters) - 2, len(counters) - 1], counters
     assert "llama_forward_prefill_tokens_total" in counters and "llama_prompt_tokens_total" in counters
+
+
+def test_two_threads_flushing_at_once_keep_a_requests_outcome_after_its_tokens():
+    """The continuous handler's thread and its step thread both flush; their lines must not interleave."""
+
+    class Slow(Recorder):
+        def record(self, name, value, labels=()):
+            if name == "llama_generation_tokens_total":
+                in_record.set()
+                time.sleep(0.05)  # the second flush runs meanwhile, if nothing holds it back
+            super().record(name, value, labels)
+
+    in_record = threading.Event()
+    sink, req = Slow(), request()
+    sink.received()
+    sink.admitted(req)
+    sink.token(req, 1)
+    first = threading.Thread(target=sink.flush)
+    first.start()
+    assert in_record.wait(5)
+    sink.finished(req, "length", 1)
+    sink.flush()
+    first.join(5)
+    names = [n for n, _, _ in sink.values]
+    assert names.index("llama_generation_tokens_total") < names.index("llama_request_success_total"), names
 
 
 def test_compile_cache_hits_and_misses_from_the_cache_report():
