@@ -12,10 +12,13 @@ Two modes, chosen by the model-config:
 * **Continuous batching** (``continuousBatching: true``, :class:`ContinuousHandler`).
   TorchServe's frontend calls the handler again and again with every request in flight (at
   most ``batchSize``, the slot count), new ones with their body and running ones by id only.
-  Each call admits the new requests, runs ``steps_per_call`` steps of the engine's
-  :class:`~llama_engine.continuous.ContinuousScheduler` and returns each request's output of
-  those steps; ``context.stopping_criteria`` tells the frontend which responses are a
-  stream's last. A request missing from a call is one whose client went away (the frontend
+  Each call admits the new requests into the engine's
+  :class:`~llama_engine.continuous.ContinuousScheduler` and returns each request's output
+  since the last call; ``context.stopping_criteria`` tells the frontend which responses are a
+  stream's last. The scheduler steps in a thread of its own (``overlap_round_trips``), so the
+  model keeps working while a call's output makes its round trip through the frontend; the
+  worker's main thread still does every socket write. With ``overlap_round_trips: false``
+  each call runs ``steps_per_call`` steps itself. A request missing from a call is one whose client went away (the frontend
   drops it), so its slot is freed at once.
 
 Both load the same way (:class:`ModelService`): model-config, torch threads, the model and its
@@ -38,7 +41,7 @@ from ts.handler_utils.micro_batching import MicroBatching
 from ts.handler_utils.utils import send_intermediate_predict_response
 
 from llama_engine import Engine, RequestError, load_model_config, parse_request
-from llama_engine.continuous import ContinuousScheduler, RequestHandle
+from llama_engine.continuous import ContinuousScheduler, RequestHandle, SteppingThread
 from llama_engine.cpu import release_openmp_threads
 from llama_engine.formatting import CONTENT_TYPES, JSON, full_response, stream_chunk, stream_error
 from llama_engine.lifecycle import PreparedRequest, request_error
@@ -357,11 +360,16 @@ class LiveRequest:
     prepared: PreparedRequest
     handle: Optional[RequestHandle] = None
     chunks: List[str] = field(default_factory=list)
+    finished: bool = False  # its last event is in ``chunks`` (set with them, under the handler's lock)
     responded: bool = False
 
     @property
     def stream(self) -> bool:
         return self.prepared.request.stream
+
+
+#: The longest a call waits for a step: a call that comes back empty-handed costs one round trip.
+STEP_WAIT_S = 1.0
 
 
 class ContinuousHandler(ModelService):
@@ -371,6 +379,11 @@ class ContinuousHandler(ModelService):
         super().__init__()
         self.live: Dict[str, LiveRequest] = {}
         self.round_trips = RoundTrips()
+        self.stepper: Optional[SteppingThread] = None
+        #: Guards every live request's ``chunks`` and ``finished``: the step thread adds, a call takes.
+        #: Never held while calling the scheduler (whose lock the step thread holds when it takes this).
+        self._output = threading.Lock()
+        self._steps_seen = 0
 
     def _load(self, model_dir: str) -> ContinuousScheduler:
         settings = self.config.continuous_batching
@@ -384,11 +397,16 @@ class ContinuousHandler(ModelService):
 
     def _ready(self) -> None:
         self.scheduler.metrics = self.metrics  # after the warm-up, whose requests are not counted
+        if self.config.continuous_batching.overlap_round_trips:
+            release_openmp_threads()  # the step thread runs the model from now on (see cpu.py)
+            self.stepper = SteppingThread(self.scheduler).start()
+            self.round_trips.overlapped = True
 
     def _describe(self) -> str:
+        steps = ("steps in their own thread, overlapping the frontend's round trips" if self.stepper
+                 else f"{self.steps_per_call} steps per call")
         return (f"continuous batching: {self.config.slots} slots, "
-                f"{self.config.continuous_batching.max_prefill_tokens_per_step} prompt tokens per step, "
-                f"{self.steps_per_call} steps per call")
+                f"{self.config.continuous_batching.max_prefill_tokens_per_step} prompt tokens per step, {steps}")
 
     def handle(self, data: List[Any], context) -> List[str]:
         started = time.perf_counter()
@@ -403,14 +421,18 @@ class ContinuousHandler(ModelService):
         rejected = {i: self._admit(context, i, rid, raw) for i, (rid, raw) in enumerate(zip(ids, data))
                     if rid not in self.live}
         self._count_new(rejected)
-        self._run()
+        if self.stepper is not None:
+            self._await_step()
+        else:
+            self._run()
         bodies, last = [], []
-        for idx, rid in enumerate(ids):
-            error = rejected.get(idx)
-            body, final = (self._error_response(context, idx, error) if error is not None
-                           else self._response(context, idx, rid))
-            bodies.append(body)
-            last.append(final)
+        with self._output:
+            for idx, rid in enumerate(ids):
+                error = rejected.get(idx)
+                body, final = (self._error_response(context, idx, error) if error is not None
+                               else self._response(context, idx, rid))
+                bodies.append(body)
+                last.append(final)
         context.stopping_criteria = [functools.partial(_is_last, flag) for flag in last]
         return bodies
 
@@ -447,12 +469,28 @@ class ContinuousHandler(ModelService):
         return None
 
     def _on_event(self, live: LiveRequest, event) -> None:
-        if not live.stream:
-            return
-        if live.handle.error is not None:
-            live.chunks.append(stream_error(live.prepared.request, live.handle.error))
-        else:
-            live.chunks.append(stream_chunk(live.prepared.request, event))
+        """The scheduler's callback (in the step thread when overlapping): queue the request's chunk."""
+        with self._output:
+            try:
+                if live.stream:
+                    live.chunks.append(stream_error(live.prepared.request, event.error) if event.error is not None
+                                       else stream_chunk(live.prepared.request, event))
+            except Exception:
+                live.chunks.append(stream_error(live.prepared.request, RequestError("internal error", status=500)))
+                live.finished = True
+                raise  # the scheduler cancels the request: no more events come
+            live.finished = live.finished or event.finished
+
+    def _await_step(self) -> None:
+        """Overlapped: unless some output is ready, wait for a step newer than the last call saw."""
+        self.stepper.wake()
+        started = time.perf_counter()
+        with self._output:
+            ready = any(live.chunks or live.finished for live in self.live.values())
+        if self.live and not ready:
+            self.stepper.wait_for_step(self._steps_seen, STEP_WAIT_S)
+        self._steps_seen = self.stepper.steps_done
+        self.round_trips.stepping += time.perf_counter() - started
 
     def _run(self) -> None:
         """Up to ``steps_per_call`` steps; return early when a request ends, so its slot refills."""
@@ -465,8 +503,9 @@ class ContinuousHandler(ModelService):
             self.round_trips.stepping += time.perf_counter() - started
 
     def _response(self, context, idx: int, rid: str):
+        """The request's output since the last call and whether it is its last (under ``_output``)."""
         live = self.live[rid]
-        done = live.handle.done
+        done = live.finished
         first = not live.responded
         body = "".join(live.chunks)
         live.chunks.clear()
@@ -500,11 +539,14 @@ class RoundTrips:
     """Time inside the handler against time between calls (the frontend's round trip).
 
     Logged every ``every`` seconds, so the cost of one frontend round trip per
-    step is visible in the model log instead of guessed.
+    step is visible in the model log instead of guessed. ``overlapped``: the steps run in their
+    own thread, so the time inside a call is waiting for one, and the model is not idle
+    during the round trip.
     """
 
-    def __init__(self, every: float = 10.0):
+    def __init__(self, every: float = 10.0, overlapped: bool = False):
         self.every = every
+        self.overlapped = overlapped
         self._reset(None)
 
     def _reset(self, now: Optional[float]) -> None:
@@ -521,9 +563,10 @@ class RoundTrips:
             self.between += start - self.last_end
         self.last_end = end if busy else None  # an idle gap is waiting for traffic, not a round trip
         if end - self.since >= self.every:
-            logger.info("continuous batching: %d calls, %.2f ms in the handler (%.2f ms of it in scheduler steps) "
+            logger.info("continuous batching: %d calls, %.2f ms in the handler (%.2f ms of it %s) "
                         "and %.2f ms in the frontend round trip per call (%.0f%% of the time)", self.calls,
                         1000 * self.inside / self.calls, 1000 * self.stepping / self.calls,
+                        "waiting for a step" if self.overlapped else "in scheduler steps",
                         1000 * self.between / self.calls, 100 * self.between / max(self.inside + self.between, 1e-9))
             self._reset(end)
 

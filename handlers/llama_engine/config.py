@@ -272,17 +272,28 @@ class ContinuousBatchingConfig:
     #: Prompt tokens prefilled per scheduler step, over all admissions: a longer prompt is
     #: prefilled in chunks, so that it stalls the running streams by one chunk per step.
     max_prefill_tokens_per_step: int = 256
-    #: Scheduler steps per round trip through TorchServe's frontend. The frontend hands new
+    #: Run the scheduler's steps in a thread of their own, so that the model keeps stepping
+    #: while the step before makes its round trip through TorchServe's frontend; each handler
+    #: call returns what the steps since the last call produced. False: each call runs
+    #: ``steps_per_call`` steps itself and the model waits for the frontend between calls.
+    overlap_round_trips: bool = True
+    #: With ``overlap_round_trips: false``, scheduler steps per call. The frontend hands new
     #: requests to the handler only between calls, so more steps per call trade admission
     #: latency for fewer round trips. A call also ends as soon as a request finishes.
     steps_per_call: int = 1
 
-    _TYPES = {"max_prefill_tokens_per_step": (int, False), "steps_per_call": (int, False)}
+    _TYPES = {"max_prefill_tokens_per_step": (int, False), "overlap_round_trips": (bool, False),
+              "steps_per_call": (int, False)}
 
     def __post_init__(self):
         _check_fields(self, "continuous_batching.", self._TYPES)
-        for key in self._TYPES:
+        for key in ("max_prefill_tokens_per_step", "steps_per_call"):
             _check_positive("continuous_batching.", key, getattr(self, key))
+        if self.overlap_round_trips and self.steps_per_call != 1:
+            raise ConfigError(
+                f"continuous_batching.steps_per_call: {self.steps_per_call} applies only with "
+                "overlap_round_trips: false (with it on, the step thread runs as many steps as the "
+                "frontend's round trip allows); set overlap_round_trips: false or remove steps_per_call")
 
 
 @dataclass

@@ -57,6 +57,7 @@ class TokenEvent:
     result: Optional[GenerationResult] = None
     index: int = 0  # 1-based position of the token in the answer
     top_logprobs: Optional[TokenLogprobs] = None
+    error: Optional[Exception] = None  # on the closing event of a request that failed: what it is answered with
 
     @property
     def finished(self) -> bool:

@@ -236,7 +236,8 @@ def lengths_of(schedule) -> List[tuple]:
 
 
 ROUND_TRIP_LINE = re.compile(r"continuous batching: (\d+) calls, ([\d.]+) ms in the handler "
-                             r"\(([\d.]+) ms of it in scheduler steps\) and ([\d.]+) ms in the frontend round trip per call")
+                             r"\(([\d.]+) ms of it (?:in scheduler steps|waiting for a step)\) "
+                             r"and ([\d.]+) ms in the frontend round trip per call")
 
 
 def round_trips(model_log: str) -> List[dict]:

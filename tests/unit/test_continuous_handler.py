@@ -1,5 +1,8 @@
 """The continuous-batching handler, driven call by call as TorchServe's frontend drives it.
 
+These tests step in the handler's own thread (``overlap_round_trips: false``), so that what a
+call returns is exact; test_continuous_overlap.py covers the default, steps in their own thread.
+
 ``ts_frontend.ContinuousFrontend`` encodes every reply with TorchServe's own wire format and
 reads ``ts_stream_next`` the way the Java frontend does, so these tests check what each
 client would receive, not just what the handler returned.
@@ -24,7 +27,7 @@ CONFIG = {
     "batchSize": SLOTS,
     "maxBatchDelay": 1,
     "handler": {"model_path": "model", "max_length": 256, "max_new_tokens": 8, "torch_threads": 1},
-    "continuous_batching": {"max_prefill_tokens_per_step": 64},
+    "continuous_batching": {"max_prefill_tokens_per_step": 64, "overlap_round_trips": False},
 }
 PROMPTS = ["The function returns", "If the object is", "A list of", "The default value is",
            "When the file", "This module provides", "Return the number of", "The following"]
