@@ -112,7 +112,7 @@ GQA_MODES = ("shard-over-heads", "shard-over-batch", "replicated-heads", "all-ga
 NEURON_KEYS = frozenset({"tp_degree", "amp", "n_positions", "context_length_estimate", "neuron_cc_flags",
                          "gqa", "visible_cores", "compilation_worker_count"})
 TORCH_KEYS = frozenset({"dtype", "device", "compile", "kv_cache_dtype"})
-LLAMACPP_KEYS = frozenset({"gguf", "gguf_type"})
+LLAMACPP_KEYS = frozenset({"gguf", "gguf_type", "decode_threads"})
 #: GGUF tensor types the build converts to (llama.cpp's ``convert_hf_to_gguf.py --outtype``);
 #: ``auto``: what ``dtype: auto`` picks on the build machine (bf16 with native bf16, else f32).
 GGUF_TYPES = ("auto", "f32", "bf16", "f16", "q8_0")
@@ -144,6 +144,11 @@ class HandlerConfig:
     # llamacpp backend: the GGUF (in model_path) the build converts the checkpoint to, and its type
     gguf: str = "model.gguf"
     gguf_type: str = "auto"
+    #: Threads for a step of one token (one stream decoding; llama.cpp's ``n_threads``, while
+    #: ``torch_threads`` is its ``n_threads_batch``). ``auto``: 1 where the model's threads take
+    #: every CPU and one thread decodes within 30% of their speed (timed at load), so TorchServe's
+    #: frontend keeps a core; else ``torch_threads``.
+    decode_threads: Any = "auto"
     # neuron backend (transformers-neuronx); the compiled batch size is micro_batch_size
     tp_degree: Optional[int] = None
     amp: str = "bf16"
@@ -166,6 +171,7 @@ class HandlerConfig:
         "context_length_estimate": ((int, list), True), "neuron_cc_flags": (str, False),
         "gqa": (str, False), "visible_cores": (str, True), "compilation_worker_count": (int, True),
         "gguf": (str, False), "gguf_type": (str, False), "kv_cache_dtype": (str, False),
+        "decode_threads": ((int, str), False),
     }
 
     def __post_init__(self):
@@ -178,6 +184,13 @@ class HandlerConfig:
         if self.compile and self.kv_cache_dtype != "auto":
             raise ConfigError("handler.kv_cache_dtype: the compiled backend (compile: true) keeps HF's static cache "
                               "in the weights' dtype; remove kv_cache_dtype or set compile: false")
+        if isinstance(self.decode_threads, str) and self.decode_threads != "auto":
+            raise ConfigError(f"handler.decode_threads: expected 'auto' or a number of threads, got {self.decode_threads!r}")
+        if isinstance(self.decode_threads, int):
+            _check_positive("handler.", "decode_threads", self.decode_threads)
+        if isinstance(self.decode_threads, int) and self.torch_threads and self.decode_threads > self.torch_threads:
+            raise ConfigError(f"handler.decode_threads ({self.decode_threads}) exceeds handler.torch_threads "
+                              f"({self.torch_threads}), the threads of longer steps; lower decode_threads")
         for key in ("max_length", "max_new_tokens", "max_input_bytes", "torch_threads", "tp_degree",
                     "compilation_worker_count"):
             _check_positive("handler.", key, getattr(self, key))

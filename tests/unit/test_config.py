@@ -4,6 +4,7 @@ import pytest
 import yaml
 
 from llama_engine import ConfigError, load_model_config, load_model_config_file
+from llama_engine.config import TORCH_KEYS
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -73,6 +74,7 @@ def test_continuous_mode_takes_its_slot_count_from_batch_size():
     assert cfg.continuous and cfg.slots == 8
     assert cfg.continuous_batching.max_prefill_tokens_per_step == 64
     assert cfg.continuous_batching.steps_per_call == 1
+    assert cfg.continuous_batching.overlap_round_trips is True
     micro = load_model_config(base())
     assert not micro.continuous and micro.slots == micro.micro_batching.micro_batch_size
 
@@ -81,10 +83,40 @@ def test_continuous_mode_takes_its_slot_count_from_batch_size():
     ({"max_slots": 4}, r"continuous_batching\.max_slots: unknown key"),
     ({"max_prefill_tokens_per_step": 0}, r"continuous_batching\.max_prefill_tokens_per_step: must be >= 1"),
     ({"steps_per_call": "2"}, r"continuous_batching\.steps_per_call: expected int"),
+    ({"overlap_round_trips": "yes"}, r"continuous_batching\.overlap_round_trips: expected bool"),
+    ({"steps_per_call": 4}, r"continuous_batching\.steps_per_call: 4 applies only with overlap_round_trips: false.*"
+                            r"set overlap_round_trips: false or remove steps_per_call"),
 ])
 def test_bad_continuous_section_names_the_key(section, expected):
     with pytest.raises(ConfigError, match=expected):
         load_model_config(continuous_base(**section))
+
+
+def test_steps_per_call_holds_with_the_steps_in_the_handlers_thread():
+    cfg = load_model_config(continuous_base(overlap_round_trips=False, steps_per_call=4))
+    assert not cfg.continuous_batching.overlap_round_trips and cfg.continuous_batching.steps_per_call == 4
+
+
+@pytest.mark.parametrize("handler,expected", [
+    ({"backend": "llamacpp", "decode_threads": "many"}, r"handler\.decode_threads: expected 'auto' or a number"),
+    ({"backend": "llamacpp", "decode_threads": 0}, r"handler\.decode_threads: must be >= 1"),
+    ({"backend": "llamacpp", "torch_threads": 2, "decode_threads": 3},
+     r"handler\.decode_threads \(3\) exceeds handler\.torch_threads \(2\).*lower decode_threads"),
+    ({"decode_threads": 1}, r"handler\.decode_threads: applies only to backend llamacpp"),
+])
+def test_bad_decode_threads_names_the_key(handler, expected):
+    data = base()
+    data["handler"] = {k: v for k, v in data["handler"].items() if k not in TORCH_KEYS} | handler
+    with pytest.raises(ConfigError, match=expected):
+        load_model_config(data)
+
+
+def test_decode_threads_defaults_to_auto():
+    data = base()
+    data["handler"] = {k: v for k, v in data["handler"].items() if k not in TORCH_KEYS} | {"backend": "llamacpp"}
+    assert load_model_config(data).handler.decode_threads == "auto"
+    data["handler"]["decode_threads"] = 1
+    assert load_model_config(data).handler.decode_threads == 1
 
 
 def test_continuous_mode_rejects_compile():

@@ -177,6 +177,43 @@ def test_engine_generates_through_llama_cpp_as_through_torch(tiny_gguf, tiny_mod
     assert greedy(llama) == greedy(torch_engine)
 
 
+@pytest.mark.parametrize("cpus,margin,expected", [
+    (2, 1e9, 1),  # the model's threads take every CPU and one thread is "fast enough": 1
+    (2, 0.0, 2),  # one thread is slower than the margin allows: both
+    (8, 1e9, 2),  # CPUs are left for the frontend: no probe, both
+])
+def test_decode_threads_auto_takes_one_thread_only_where_it_frees_a_core(tiny_gguf, monkeypatch, caplog,
+                                                                        cpus, margin, expected):
+    import logging
+
+    from llama_engine.backends import llamacpp_backend
+
+    monkeypatch.setattr(llamacpp_backend.os, "cpu_count", lambda: cpus)
+    monkeypatch.setattr(llamacpp_backend, "ONE_THREAD_MARGIN", margin)
+    with caplog.at_level(logging.INFO, logger=llamacpp_backend.logger.name):
+        made = LlamaCppSlotBackend(str(tiny_gguf), 2, MAX_LENGTH, threads=2, decode_threads="auto")
+    try:
+        assert made.decode_threads == expected
+        assert made.lib.llama_n_threads(made.ctx) == expected and made.lib.llama_n_threads_batch(made.ctx) == 2
+        assert ("decode_threads auto:" in caplog.text) == (cpus == 2)
+        assert made.slot_length(0) == 0, "the probe left its tokens in a slot"
+        made.reserve_slots(3)  # a new context keeps the choice
+        assert made.lib.llama_n_threads(made.ctx) == expected
+    finally:
+        made.close()
+
+
+def test_decode_threads_set_is_kept_and_capped_at_the_threads(tiny_gguf):
+    made = LlamaCppSlotBackend(str(tiny_gguf), 2, MAX_LENGTH, threads=2, decode_threads=1)
+    capped = LlamaCppSlotBackend(str(tiny_gguf), 2, MAX_LENGTH, threads=1, decode_threads=4)
+    try:
+        assert made.lib.llama_n_threads(made.ctx) == 1 and made.lib.llama_n_threads_batch(made.ctx) == 2
+        assert capped.decode_threads == 1
+    finally:
+        made.close()
+        capped.close()
+
+
 def test_missing_pieces_say_what_to_run(tiny_gguf, tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError, match="make build"):
         LlamaCppSlotBackend(str(tmp_path / "absent.gguf"), 1, MAX_LENGTH)

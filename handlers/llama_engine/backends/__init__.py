@@ -70,7 +70,8 @@ def _load(cfg, model_dir: str, batch_size: int, session: Optional[compile_cache.
     if cfg.backend == "llamacpp":
         from .llamacpp_backend import LlamaCppBackend
 
-        return LlamaCppBackend(os.path.join(model_path, cfg.gguf), cfg.max_length, batch_size)
+        return LlamaCppBackend(os.path.join(model_path, cfg.gguf), cfg.max_length, batch_size,
+                               decode_threads=cfg.decode_threads)
     if cfg.compile:
         from .torch_backend import CompiledTorchBackend
 
@@ -96,7 +97,8 @@ def create_slot_backend(cfg, model_dir: str, max_slots: int, build_cache_dir: Op
     elif cfg.backend == "llamacpp":
         from .llamacpp_backend import LlamaCppSlotBackend
 
-        backend = LlamaCppSlotBackend(os.path.join(model_path, cfg.gguf), max_slots, cfg.max_length)
+        backend = LlamaCppSlotBackend(os.path.join(model_path, cfg.gguf), max_slots, cfg.max_length,
+                                      decode_threads=cfg.decode_threads)
     else:
         from .torch_backend import TorchSlotBackend
 
