@@ -150,10 +150,12 @@ class LlamaCppSystem(PeerSystem):
     or quantized (``quant="q8_0"``: the separately labelled ``llama.cpp-q8_0`` row)."""
 
     def __init__(self, work: Path, dtype: str, threads: int, parallel: int, max_length: int,
-                 gguf: Optional[Path] = None, quant: Optional[str] = None):
+                 gguf: Optional[Path] = None, quant: Optional[str] = None, decode_threads: Optional[int] = None):
         self.name = "llama.cpp" if quant is None else f"llama.cpp-{quant}"
         super().__init__(work)
         self.dtype, self.threads, self.parallel, self.max_length = dtype, threads, parallel, max_length
+        #: ``-t``: threads for a batch of one token (one stream decoding); ``-tb`` is ``threads``.
+        self.decode_threads = decode_threads or threads
         suffix = quant or {"bfloat16": "bf16", "float32": "fp32"}.get(dtype, dtype)
         self.gguf = Path(gguf) if gguf else PEERS / f"bench-model-{suffix}.gguf"
         self.binary: Optional[str] = None
@@ -172,7 +174,7 @@ class LlamaCppSystem(PeerSystem):
     def command(self):
         return [self.binary, "-m", str(self.gguf), "--host", "127.0.0.1", "--port", str(self.port),
                 "-c", str(self.max_length * self.parallel), "-np", str(self.parallel),
-                "-t", str(self.threads), "-tb", str(self.threads), "-b", str(self.max_length)]
+                "-t", str(self.decode_threads), "-tb", str(self.threads), "-b", str(self.max_length)]
 
     def adapter(self):
         return LlamaServerAdapter(self.base_url)

@@ -1,0 +1,96 @@
+"""Two served variants, waves alternated A/B, B/A, ...: which serves a stream faster here.
+
+    python -m scripts.bench.ab_served model-config/bench-llama-llamacpp.yaml my-variant.yaml
+    python -m scripts.bench.ab_served llama-server llama-server:t1 --streams 1
+
+A variant is a model-config (built from the bench model into its own TorchServe, as the bench
+serves it) or ``llama-server`` (``llama-server:tN``: N threads for a batch of one token, ``-t``).
+Both stay up; each round sends the same wave of ``--streams`` requests to one, then the other,
+in alternating order, so the machine's drift between minutes falls on both alike. Prints each
+one's output tokens/s per round and the median. Needs ``make bench-models`` (and ``make
+bench-peers`` for llama-server). The bench's own paired rounds (``python -m scripts.bench``)
+compare fixed pairs; this compares any two.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+if str(ROOT / "handlers") not in sys.path:
+    sys.path.insert(0, str(ROOT / "handlers"))
+
+
+def make_system(variant: str, index: int, work: Path, dtype: str, threads: int):
+    from scripts.bench.model import model_dir
+    from scripts.bench.plan import derived_config
+    from scripts.bench.systems import LlamaCppSystem, TorchServeSystem
+
+    if variant.startswith("llama-server"):
+        _, _, decode = variant.partition(":t")
+        system = LlamaCppSystem(work / f"peer{index}", dtype, threads, parallel=8, max_length=1024,
+                                decode_threads=int(decode) if decode else None)
+        ok, detail = system.detect()
+        if not ok:
+            raise SystemExit(f"llama-server: {detail}")
+        return system
+    config = derived_config(Path(variant).resolve(), work / f"variant{index}.yaml", dtype, threads, {})
+    system = TorchServeSystem(work / f"variant{index}", config, model_dir(dtype), model_name=f"variant{index}")
+    system.build()
+    return system
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("a", help="a model-config path, or llama-server[:tN]")
+    parser.add_argument("b", help="the other variant, the same way")
+    parser.add_argument("--streams", default="1,8", help="comma list of concurrent streams per wave (default 1,8)")
+    parser.add_argument("--rounds", type=int, default=4, help="alternated rounds per stream count (default 4)")
+    parser.add_argument("--input", type=int, default=256, help="prompt tokens per request (default 256)")
+    parser.add_argument("--output", type=int, default=128, help="generated tokens per request (default 128)")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
+                        help="the bench model's dtype (default: what handler.dtype auto picks here)")
+    parser.add_argument("--threads", type=int, default=2, help="model threads of every variant (default 2)")
+    args = parser.parse_args(argv)
+
+    from transformers import AutoTokenizer
+
+    from llama_engine.cpu import auto_dtype
+    from scripts.bench.model import model_dir
+    from scripts.bench.prompts import PromptFactory
+    from scripts.bench.stats import summarize
+    from scripts.streaming_client import run_wave
+
+    dtype = auto_dtype("cpu") if args.dtype == "auto" else args.dtype
+    prompts = PromptFactory(AutoTokenizer.from_pretrained(model_dir(dtype)))
+    work = Path(tempfile.mkdtemp(prefix="ab-served-"))
+    names = [f"A {args.a}", f"B {args.b}"]
+    systems = [make_system(v, i, work, dtype, args.threads) for i, v in enumerate((args.a, args.b))]
+    try:
+        adapters = [system.start(600) for system in systems]
+        for adapter in adapters:  # warm both up alike
+            run_wave(adapter, [prompts.make(args.input) for _ in range(8)], 32, 600)
+        for streams in (int(s) for s in args.streams.split(",")):
+            rates = [[], []]
+            for round_ in range(args.rounds):
+                wave = [prompts.make(args.input) for _ in range(streams)]
+                for i in (0, 1) if round_ % 2 == 0 else (1, 0):
+                    rates[i].append(summarize(run_wave(adapters[i], wave, args.output, 600))["output_tokens_per_s"])
+            for name, rate in zip(names, rates):
+                print(f"{streams} stream(s), {name}: median {statistics.median(rate):.1f} output tok/s, "
+                      f"rounds {[round(r, 1) for r in rate]}", flush=True)
+            ratio = statistics.median(b / a for a, b in zip(*rates))
+            print(f"{streams} stream(s): B/A median of the rounds' ratios {ratio:.3f}", flush=True)
+    finally:
+        for system in systems:
+            system.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
