@@ -13,14 +13,25 @@ from llama_engine import cpu as cpu_features
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _cpu_model() -> str:
+def _cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The CPU's model name, with its family and model numbers where the name alone is vague.
+
+    A VM's name can be as bare as "AMD EPYC", which covers a Zen 4 and a Zen 5 whose bf16
+    matrix products differ twofold; the numbers tell them apart (family 25 is Zen 3/4, 26 Zen 5).
+    """
+    fields = {}
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        for line in cpuinfo.read_text().splitlines():
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
+            if not line.strip():
+                break  # the first CPU's block says it all
     except OSError:
         pass
-    return platform.processor() or "unknown"
+    name = fields.get("model name") or platform.processor() or "unknown"
+    if "cpu family" in fields and "model" in fields:
+        name += f" (family {fields['cpu family']}, model {fields['model']})"
+    return name
 
 
 def machine_info() -> dict:

@@ -339,3 +339,14 @@ def test_a_server_falls_behind_when_its_last_request_ends_later_than_a_typical_o
     # a short steady run: the last request's own answer drags the rate under 0.9, yet no backlog
     assert not report.queue_grew(row(0.86, 14.8, 18_400.0))
     assert not report.queue_grew(row(0.95, 60.0, 1_000.0))
+
+
+def test_the_cpu_model_carries_its_family_and_model_numbers(tmp_path):
+    from scripts.bench.machine import _cpu_model
+
+    cpuinfo = tmp_path / "cpuinfo"
+    block = "processor\t: {n}\nvendor_id\t: AuthenticAMD\ncpu family\t: {f}\nmodel\t\t: 17\nmodel name\t: AMD EPYC\n\n"
+    cpuinfo.write_text(block.format(n=0, f=25) + block.format(n=1, f=99))
+    assert _cpu_model(cpuinfo) == "AMD EPYC (family 25, model 17)"
+    cpuinfo.write_text("processor\t: 0\nmodel name\t: ARMv8 Processor rev 1 (v8l)\n\n")
+    assert _cpu_model(cpuinfo) == "ARMv8 Processor rev 1 (v8l)"
