@@ -18,8 +18,8 @@ Two modes, chosen by the model-config:
   stream's last. The scheduler steps in a thread of its own (``overlap_round_trips``), so the
   model keeps working while a call's output makes its round trip through the frontend; the
   worker's main thread still does every socket write. With ``overlap_round_trips: false``
-  each call runs ``steps_per_call`` steps itself. A request missing from a call is one whose client went away (the frontend
-  drops it), so its slot is freed at once.
+  each call runs ``steps_per_call`` steps itself. A request missing from a call is one whose
+  client went away (the frontend drops it), so its slot is freed at once.
 
 Both load the same way (:class:`ModelService`): model-config, torch threads, the model and its
 runner, metrics, warm-up.
