@@ -146,8 +146,8 @@ class HandlerConfig:
     gguf_type: str = "auto"
     #: Threads for a step of one token (one stream decoding; llama.cpp's ``n_threads``, while
     #: ``torch_threads`` is its ``n_threads_batch``). ``auto``: 1 where the model's threads take
-    #: every CPU and one thread decodes within 30% of their speed (timed at load), so TorchServe's
-    #: frontend keeps a core; else ``torch_threads``.
+    #: every CPU and one thread's step is at most 3 ms slower than theirs (timed at load), so
+    #: TorchServe's frontend keeps a core; else ``torch_threads``.
     decode_threads: Any = "auto"
     # neuron backend (transformers-neuronx); the compiled batch size is micro_batch_size
     tp_degree: Optional[int] = None

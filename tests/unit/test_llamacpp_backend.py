@@ -177,19 +177,19 @@ def test_engine_generates_through_llama_cpp_as_through_torch(tiny_gguf, tiny_mod
     assert greedy(llama) == greedy(torch_engine)
 
 
-@pytest.mark.parametrize("cpus,margin,expected", [
+@pytest.mark.parametrize("cpus,allowance,expected", [
     (2, 1e9, 1),  # the model's threads take every CPU and one thread is "fast enough": 1
-    (2, 0.0, 2),  # one thread is slower than the margin allows: both
+    (2, -1e9, 2),  # one thread is slower than the allowance: both
     (8, 1e9, 2),  # CPUs are left for the frontend: no probe, both
 ])
 def test_decode_threads_auto_takes_one_thread_only_where_it_frees_a_core(tiny_gguf, monkeypatch, caplog,
-                                                                        cpus, margin, expected):
+                                                                        cpus, allowance, expected):
     import logging
 
     from llama_engine.backends import llamacpp_backend
 
     monkeypatch.setattr(llamacpp_backend.os, "cpu_count", lambda: cpus)
-    monkeypatch.setattr(llamacpp_backend, "ONE_THREAD_MARGIN", margin)
+    monkeypatch.setattr(llamacpp_backend, "ONE_THREAD_ALLOWANCE_S", allowance)
     with caplog.at_level(logging.INFO, logger=llamacpp_backend.logger.name):
         made = LlamaCppSlotBackend(str(tiny_gguf), 2, MAX_LENGTH, threads=2, decode_threads="auto")
     try:
