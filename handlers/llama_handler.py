@@ -195,7 +195,7 @@ class ModelService(ABC):
         self.metrics = TorchServeMetrics(context.metrics, context.model_name, self.config.slots,
                                          continuous=self.config.continuous)
         warm_up_and_report(self.config.handler.warmup, self._warm_up, self.runner.backend, started, self.metrics)
-        self._ready()
+        self._ready(context)
         self.initialized = True
         logger.info("model ready in %.1f s (torch threads %d, %s)", time.perf_counter() - started, threads,
                     self._describe())
@@ -209,8 +209,8 @@ class ModelService(ABC):
         """Run the runner's warm-up (when ``handler.warmup`` asks for one)."""
 
     @abstractmethod
-    def _ready(self) -> None:
-        """After the warm-up, before the first request."""
+    def _ready(self, context) -> None:
+        """After the warm-up, before the first request (``context``: TorchServe's, of the load)."""
 
     @abstractmethod
     def _describe(self) -> str:
@@ -235,7 +235,7 @@ class LlamaHandler(ModelService):
     def _warm_up(self) -> None:
         self.engine.warmup(batch_size=self.config.micro_batching.micro_batch_size)
 
-    def _ready(self) -> None:
+    def _ready(self, context) -> None:
         """The stages run in MicroBatching's threads: the main thread's OpenMP workers go first."""
         release_openmp_threads()
         micro = self.config.micro_batching
@@ -395,8 +395,9 @@ class ContinuousHandler(ModelService):
     def _warm_up(self) -> None:
         self.scheduler.warmup()
 
-    def _ready(self) -> None:
+    def _ready(self, context) -> None:
         self.scheduler.metrics = self.metrics  # after the warm-up, whose requests are not counted
+        quiet_per_call_lines(context)  # a call is a step here: one token
         if self.config.continuous_batching.overlap_round_trips:
             release_openmp_threads()  # the step thread runs the model from now on (see cpu.py)
             self.stepper = SteppingThread(self.scheduler).start()
@@ -533,6 +534,44 @@ class ContinuousHandler(ModelService):
         error = api_error(context, idx, error)
         set_head(context, idx, error.status, JSON)
         return error.to_json(), None
+
+
+class _MetricsWithoutPredictionTime:
+    """``context.metrics`` without the ``PredictionTime`` TorchServe's worker records per handler call."""
+
+    def __init__(self, metrics):
+        object.__setattr__(self, "_metrics", metrics)
+
+    def add_time(self, name, *args, **kwargs):
+        if name != PREDICTION_TIME:
+            return self._metrics.add_time(name, *args, **kwargs)
+        return None
+
+    def __getattr__(self, name):
+        return getattr(self._metrics, name)
+
+    def __setattr__(self, name, value):
+        setattr(self._metrics, name, value)
+
+
+PREDICTION_TIME = "PredictionTime"
+PER_CALL_LOG_LINE = "Backend received inference at"
+
+
+def _not_per_call_line(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith(PER_CALL_LOG_LINE)
+
+
+def quiet_per_call_lines(context) -> None:
+    """Drop the two lines TorchServe's worker writes to stdout per handler call.
+
+    Under continuous batching a call is a step, so each generated token cost the frontend two
+    lines to read, parse and log: the worker's "Backend received inference at: <time>" (an
+    INFO line of the root logger) and the ``PredictionTime`` gauge (a ``[METRICS]`` line), a step's
+    latency that the llama_* metrics report properly. The handler's own lines and metrics stay.
+    """
+    logging.getLogger().addFilter(_not_per_call_line)
+    context.metrics = _MetricsWithoutPredictionTime(context.metrics)
 
 
 class RoundTrips:

@@ -249,3 +249,30 @@ def test_a_stopped_thread_wakes_its_waiters():
     stepper.stop()
     waiter.join(5)
     assert not waiter.is_alive() and not stepper.alive and time.monotonic() - started < 5
+
+
+def test_the_worker_writes_no_line_per_call_for_the_frontend_to_parse(handler, frontend, caplog):
+    """TorchServe's worker logs "Backend received inference at" and records PredictionTime per call:
+    under continuous batching, per token. The handler drops both and keeps its own lines and metrics."""
+    import logging
+
+    with caplog.at_level(logging.INFO):
+        logging.info("Backend received inference at: %d", 1)
+        logging.info("another root line")
+    assert "Backend received inference" not in caplog.text and "another root line" in caplog.text
+
+    recorded = []
+
+    class Metrics:
+        request_ids = None
+
+        def add_time(self, name, value, *args, **kwargs):
+            recorded.append(name)
+
+    context = type("Context", (), {})()
+    context.metrics = Metrics()
+    llama_handler.quiet_per_call_lines(context)
+    context.metrics.request_ids = {0: "a"}  # what TorchServe's predict sets reaches the real cache
+    context.metrics.add_time("PredictionTime", 3.0)
+    context.metrics.add_time("HandlerTime", 2.0, None, "ms")
+    assert recorded == ["HandlerTime"] and context.metrics.request_ids == {0: "a"}
