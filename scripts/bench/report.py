@@ -832,6 +832,10 @@ ahead of micro-batching on the Poisson load at all: `.venv/bin/python -m scripts
   ops, the residual adds folded into the products' oneDNN epilogue, and weights packed for 1 row were
   no faster (0.97-1.01x of the step, A/B by `scripts.bench.decode_profile`); libgomp's wait policy
   beyond the served default changed nothing.
+* The llamacpp variant's `decode_threads: auto` decides at load, from a timed probe, whether one stream
+  decodes on one thread; on the 2-vCPU Zen 4 EPYC the probe gave 8.6 against 7.7 ms (one thread) and,
+  an hour later, 11.0 against 7.1 (both), and its 1-stream figure moves with that choice. The model
+  log's `decode_threads auto:` line says what a run took.
 * TorchServe batches statically: a frontend batch of up to 8 requests runs to its end before the next
   batch starts, so at 16 streams the second 8 wait for the first, and under Poisson arrivals a request
   that arrives during a batch waits for it.
