@@ -188,7 +188,7 @@ def test_decode_threads_auto_takes_one_thread_only_where_it_frees_a_core(tiny_gg
 
     from llama_engine.backends import llamacpp_backend
 
-    monkeypatch.setattr(llamacpp_backend.os, "cpu_count", lambda: cpus)
+    monkeypatch.setattr(llamacpp_backend, "usable_cpus", lambda: cpus)
     monkeypatch.setattr(llamacpp_backend, "ONE_THREAD_ALLOWANCE_S", allowance)
     with caplog.at_level(logging.INFO, logger=llamacpp_backend.logger.name):
         made = LlamaCppSlotBackend(str(tiny_gguf), 2, MAX_LENGTH, threads=2, decode_threads="auto")

@@ -57,6 +57,14 @@ def import_llama_cpp():
     return llama_cpp
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (a container's cpuset, not the host's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 class LlamaCppSlotBackend(OnePassSlotBackend):
     """``max_slots`` llama.cpp sequences over one model, for continuous batching (and static batches)."""
 
@@ -139,7 +147,7 @@ class LlamaCppSlotBackend(OnePassSlotBackend):
         :data:`ONE_THREAD_ALLOWANCE_S` slower than theirs, timed here on a scratch slot
         (alternated blocks, medians).
         """
-        if self.threads < 2 or self.threads < (os.cpu_count() or 1) or self.max_length < 64:
+        if self.threads < 2 or self.threads < usable_cpus() or self.max_length < 64:
             return self.threads
         times = {self.threads: [], 1: []}
         self._step([], [], [PrefillChunk(0, list(range(1, 33)))])
