@@ -33,15 +33,19 @@ PROMPTS = ["The function returns", "If the object is", "A list of", "The default
            "When the file", "This module provides", "Return the number of", "The following"]
 
 
+def load_continuous_handler(tiny_model_dir, tmp_path_factory, config):
+    """A ContinuousHandler initialized as TorchServe would, over the tiny model."""
+    model_dir = tmp_path_factory.mktemp("modeldir")
+    os.symlink(tiny_model_dir, model_dir / "model")
+    service = llama_handler.ContinuousHandler()
+    service.initialize(Context("tiny", str(model_dir), None, SLOTS, None, "0.12.0", model_yaml_config=config))
+    return service
+
+
 @pytest.fixture(scope="module")
 def handler(tiny_model_dir, tmp_path_factory):
     threads = torch.get_num_threads()
-    model_dir = tmp_path_factory.mktemp("modeldir")
-    os.symlink(tiny_model_dir, model_dir / "model")
-    ctx = Context("tiny", str(model_dir), None, SLOTS, None, "0.12.0", model_yaml_config=CONFIG)
-    service = llama_handler.ContinuousHandler()
-    service.initialize(ctx)
-    yield service
+    yield load_continuous_handler(tiny_model_dir, tmp_path_factory, CONFIG)
     torch.set_num_threads(threads)
 
 

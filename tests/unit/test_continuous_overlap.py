@@ -8,13 +8,12 @@ stream's tokens, its last response, errors per request, the slot freed by a disc
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 
 import pytest
 import torch
-from ts.context import Context
+from test_continuous_handler import CONFIG as STEPPED_CONFIG, PROMPTS, SLOTS, body, load_continuous_handler
 
 import llama_handler
 from llama_engine import GenerationRequest, RequestError, SamplingParams
@@ -22,25 +21,13 @@ from llama_engine.continuous import ContinuousScheduler, SteppingThread
 
 from ts_frontend import ContinuousFrontend
 
-SLOTS = 4
-CONFIG = {
-    "continuousBatching": True,
-    "batchSize": SLOTS,
-    "maxBatchDelay": 1,
-    "handler": {"model_path": "model", "max_length": 256, "max_new_tokens": 8, "torch_threads": 1},
-    "continuous_batching": {"max_prefill_tokens_per_step": 64},
-}
-PROMPTS = ["The function returns", "If the object is", "A list of", "The default value is",
-           "When the file", "This module provides", "Return the number of", "The following"]
+CONFIG = {**STEPPED_CONFIG, "continuous_batching": {"max_prefill_tokens_per_step": 64}}  # overlap: the default
 
 
 @pytest.fixture(scope="module")
 def handler(tiny_model_dir, tmp_path_factory):
     threads = torch.get_num_threads()
-    model_dir = tmp_path_factory.mktemp("modeldir")
-    os.symlink(tiny_model_dir, model_dir / "model")
-    service = llama_handler.ContinuousHandler()
-    service.initialize(Context("tiny", str(model_dir), None, SLOTS, None, "0.12.0", model_yaml_config=CONFIG))
+    service = load_continuous_handler(tiny_model_dir, tmp_path_factory, CONFIG)
     assert service.stepper is not None and service.stepper.alive
     yield service
     service.stepper.stop()
@@ -60,10 +47,6 @@ def wait_until(condition, timeout=10.0):
     while not condition():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.005)
-
-
-def body(prompt, n, **extra):
-    return {"inputs": prompt, "parameters": {"max_new_tokens": n}, **extra}
 
 
 def tokens_of(client):
