@@ -61,18 +61,18 @@ def body(prompt, n, **extra):
 
 
 def tokens_of(client):
+    """The streamed token ids (an error line has none) and every line."""
     lines = [json.loads(line) for line in client.body.splitlines() if line]
-    return [line["token"]["id"] for line in lines], lines
+    return [line["token"]["id"] for line in lines if "token" in line], lines
 
 
-@pytest.fixture(scope="module")
-def solo(handler):
-    """Each prompt's greedy tokens with nothing else in flight (the scheduler alone)."""
+def solo_tokens(scheduler):
+    """Each prompt's greedy tokens with nothing else in flight, stepped by the caller (steps are
+    serialized, so a handler's step thread may run beside it)."""
     cache = {}
 
     def run(prompt, n):
         if (prompt, n) not in cache:
-            scheduler = handler.scheduler
             handle = scheduler.submit(scheduler.prepare(GenerationRequest(prompt, SamplingParams(max_new_tokens=n))))
             while not handle.done:
                 scheduler.step()
@@ -80,6 +80,11 @@ def solo(handler):
         return cache[prompt, n]
 
     return run
+
+
+@pytest.fixture(scope="module")
+def solo(handler):
+    return solo_tokens(handler.scheduler)
 
 
 def test_interleaved_arrivals_stream_exactly_their_solo_tokens(frontend, solo):

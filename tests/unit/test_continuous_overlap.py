@@ -13,7 +13,15 @@ import time
 
 import pytest
 import torch
-from test_continuous_handler import CONFIG as STEPPED_CONFIG, PROMPTS, SLOTS, body, load_continuous_handler
+from test_continuous_handler import (
+    CONFIG as STEPPED_CONFIG,
+    PROMPTS,
+    SLOTS,
+    body,
+    load_continuous_handler,
+    solo_tokens,
+    tokens_of,
+)
 
 import llama_handler
 from llama_engine import GenerationRequest, RequestError, SamplingParams
@@ -49,26 +57,9 @@ def wait_until(condition, timeout=10.0):
         time.sleep(0.005)
 
 
-def tokens_of(client):
-    lines = [json.loads(line) for line in client.body.splitlines() if line]
-    return [line["token"]["id"] for line in lines if "token" in line], lines
-
-
 @pytest.fixture(scope="module")
 def solo(handler):
-    """Each prompt's greedy tokens with nothing else in flight (submitted while the thread steps)."""
-    cache = {}
-
-    def run(prompt, n):
-        if (prompt, n) not in cache:
-            scheduler = handler.scheduler
-            handle = scheduler.submit(scheduler.prepare(GenerationRequest(prompt, SamplingParams(max_new_tokens=n))))
-            handler.stepper.wake()
-            wait_until(lambda: handle.done)
-            cache[prompt, n] = handle.result.token_ids
-        return cache[prompt, n]
-
-    return run
+    return solo_tokens(handler.scheduler)
 
 
 def test_the_model_steps_while_the_frontend_is_away(frontend, handler):
