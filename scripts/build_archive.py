@@ -10,6 +10,9 @@ layout they must have inside the model directory::
     <stage>/llama_metrics.py   ->  <model dir>/llama_metrics.py
     <stage>/model/...          ->  <model dir>/model/...
     <stage>/compile_cache/...  ->  <model dir>/compile_cache/...   (compiled configs only)
+
+For the torch backend the staged engine also holds its native CPU kernels, compiled here for
+every instruction set (``llama_engine/backends/libllama_cpu_kernels-<isa>-<digest>.so``).
 """
 from __future__ import annotations
 
@@ -28,11 +31,15 @@ FORMATS = {"no-archive": "", "tgz": ".tar.gz", "default": ".mar"}
 ARCHIVE_VERSION = "1.0"
 
 
-def stage(model_dir: Path, stage_dir: Path, compile_cache: Optional[Path] = None) -> Path:
+def stage(model_dir: Path, stage_dir: Path, compile_cache: Optional[Path] = None, native_kernels: bool = False) -> Path:
+    """Lay out what the archive holds; ``native_kernels``: compile the torch backend's CPU kernels for
+    every instruction set into the staged engine, so that the serving host needs no compiler."""
     if stage_dir.exists():
         shutil.rmtree(stage_dir)
-    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.so")
     shutil.copytree(ENGINE, stage_dir / "llama_engine", ignore=ignore)
+    if native_kernels:
+        ship_native_kernels(stage_dir / "llama_engine" / "backends")
     shutil.copy2(METRICS_ADAPTER, stage_dir / METRICS_ADAPTER.name)
     shutil.copytree(model_dir, stage_dir / "model", ignore=ignore)
     if list((stage_dir / "model").glob("*.bin")) or list((stage_dir / "model").glob("*.pt")):
@@ -40,6 +47,20 @@ def stage(model_dir: Path, stage_dir: Path, compile_cache: Optional[Path] = None
     if compile_cache is not None:
         shutil.copytree(compile_cache, stage_dir / "compile_cache", ignore=shutil.ignore_patterns("*.lock"))
     return stage_dir
+
+
+def ship_native_kernels(directory: Path) -> list:
+    """Every instruction set's build of the native CPU kernels in ``directory`` (none, with the reason
+    printed, where this host cannot compile them: the serving host then builds them or keeps torch's)."""
+    from llama_engine.backends import cpu_kernels
+
+    try:
+        built = cpu_kernels.build_all(directory)
+    except cpu_kernels.KernelBuildError as exc:
+        print(f"    native CPU kernels not shipped: {exc}", flush=True)
+        return []
+    print(f"    native CPU kernels shipped: {', '.join(path.name for path in built)}", flush=True)
+    return built
 
 
 def archive(name: str, config: Path, stage_dir: Path, export: Path, fmt: str, version: str) -> Path:

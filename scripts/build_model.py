@@ -160,7 +160,7 @@ def main(argv=None) -> int:
         warm_up(cfg, model_root, model_root / "unused-compile-cache")
     step(total, total, f"package with torch-model-archiver ({args.archive_format})")
     stage_dir = build_archive.stage(model_root / cfg.handler.model_path, model_root.with_name(name + ".stage"),
-                                    compile_cache=cache)
+                                    compile_cache=cache, native_kernels=cfg.handler.backend == "torch")
     target = build_archive.archive(name, args.config, stage_dir, args.export_path, args.archive_format,
                                    build_archive.ARCHIVE_VERSION)
     print(f"wrote {target} in {time.perf_counter() - started:.0f} s")

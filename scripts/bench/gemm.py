@@ -54,13 +54,17 @@ def _torch_threads(threads: int):
         torch.set_num_threads(before)
 
 
-def _kernels(weights: list, torch_dtype) -> dict:
-    """The products each kernel the torch backend may run computes, by kernel name."""
+def _kernels(weights: list, torch_dtype, native: bool = False) -> dict:
+    """The products each kernel the torch backend may run computes, by kernel name (``native``: with the
+    native kernel that :class:`NativeLinear` runs for a decode step's rows, where it serves this dtype)."""
     import torch
 
-    from llama_engine.backends.fast_linear import PackedLinear, packing_supported
+    from llama_engine.backends.fast_linear import PackedLinear, native_kernels_for, packing_supported
 
     kernels = {"nn.Linear": [lambda x, w=w: torch.nn.functional.linear(x, w) for w in weights]}
+    library = native_kernels_for(torch_dtype, torch.device("cpu")) if native else None
+    if library is not None:
+        kernels["native"] = [lambda x, w=w: library.linear(x, w) for w in weights]
     if packing_supported(torch_dtype, torch.device("cpu")):
         packed = []
         for w in weights:
@@ -105,7 +109,8 @@ def decode_products(model: Path, dtype: str = "float32", threads: int = 2, repea
 
     One row through every layer's products (the backend's fused shapes) and the LM head, each
     with its own random weights, so that a pass reads them all from memory as a decode step
-    does; a whole pass per kernel (``nn.Linear``, oneDNN packed), best of ``repeats`` after a
+    does; a whole pass per kernel (``nn.Linear``, oneDNN packed, the native kernel where the backend
+    runs it), best of ``repeats`` after a
     warm-up, the faster kernel counts. Against the memory bandwidth this is the batch-1 decode
     efficiency of an implementation that spent nothing besides its products on this CPU;
     against the decode, the share of a step that norms, attention and sampling take.
@@ -117,7 +122,7 @@ def decode_products(model: Path, dtype: str = "float32", threads: int = 2, repea
     shapes = layer_shapes(config) * config["num_hidden_layers"] + [(config["hidden_size"], config["vocab_size"])]
     weights, inputs = _random_products(shapes, 1, torch_dtype)
     with _torch_threads(threads):
-        kernels = _kernels(weights, torch_dtype)
+        kernels = _kernels(weights, torch_dtype, native=True)
         best = dict.fromkeys(kernels, float("inf"))
         with torch.inference_mode():
             for _ in range(repeats + 1):

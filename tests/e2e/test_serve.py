@@ -165,3 +165,22 @@ def test_non_streaming_json(client, references):
     r = client.post({"inputs": prompt, "stream": False, "parameters": {"max_new_tokens": 6}}, stream=False)
     assert r.status_code == 200 and r.headers["content-type"].startswith("application/json")
     assert r.json()[0]["generated_text"] == references[prompt][-1]["generated_text"]
+
+
+def test_the_worker_runs_the_native_kernels_the_artifact_ships(server, model_store):
+    """The build compiled the torch backend's CPU kernels into the archive; the worker loads those,
+    so a serving host needs no compiler (and compiles nothing)."""
+    from llama_engine.backends import cpu_kernels
+    from llama_engine.cpu import cpu_flags
+
+    shipped = sorted(p.name for p in (model_store / "tiny-llama" / "llama_engine" / "backends").glob("*.so"))
+    assert shipped == sorted(cpu_kernels.library_name(isa) for isa in cpu_kernels.ISAS)
+    isa = cpu_kernels.isa_for(cpu_flags())
+    if isa is None:
+        pytest.skip("this CPU runs none of the native kernels' instruction sets")
+    log = (server.workdir / "logs" / "model_log.log").read_text()
+    loaded = re.search(r"native CPU kernels: (\S+) \((\S+)\)", log)
+    assert loaded, "the worker did not log which native kernels it loaded"
+    assert loaded.group(1) == isa
+    assert loaded.group(2).endswith(f"llama_engine/backends/{cpu_kernels.library_name(isa)}")
+    assert str(cpu_kernels.cache_dir()) not in loaded.group(2)

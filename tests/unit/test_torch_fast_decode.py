@@ -1,8 +1,9 @@
 """The CPU decode speedups of the torch backends keep the model's numbers.
 
-* :func:`pack_linears` (oneDNN packed linears in bfloat16, and in float32 where measured faster):
-  logits of prefill and decode match the plain HF model (within bfloat16 rounding; to float32
-  summation order), for TorchBackend and TorchSlotBackend.
+* :func:`pack_linears` (the native kernel's linears in bfloat16 where :mod:`cpu_kernels` load,
+  oneDNN packed linears in bfloat16 otherwise, and in float32 where measured faster): logits of
+  prefill and decode match the plain HF model (within bfloat16 rounding; to float32 summation
+  order), for TorchBackend and TorchSlotBackend, with the native kernels and without them.
 * :class:`TorchBackend` (static batches on the slot cache, row ``i`` in slot ``i``): left padding
   dropped, ``retain`` keeps the rows' logits, the cache grows for a larger batch, and a failed
   prefill leaves every slot free.
@@ -11,9 +12,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from llama_engine.backends import fast_linear, torch_backend
+from llama_engine.backends import cpu_kernels, fast_linear, torch_backend
 from llama_engine.backends.base import PrefillChunk
-from llama_engine.backends.fast_linear import PackedLinear, pack_linears, packing_supported
+from llama_engine.backends.fast_linear import NativeLinear, PackedLinear, pack_linears, packing_supported
 from llama_engine.backends.torch_backend import (
     TorchBackend,
     TorchSlotBackend,
@@ -26,6 +27,18 @@ BF16 = pytest.mark.skipif(not packing_supported(torch.bfloat16, torch.device("cp
                           reason="no oneDNN bfloat16 support on this CPU")
 FP32 = pytest.mark.skipif(not packing_supported(torch.float32, torch.device("cpu")), reason="torch built without oneDNN")
 DTYPES = [pytest.param("bfloat16", marks=BF16), pytest.param("float32", marks=FP32)]
+#: This CPU's native kernels (None where it cannot run them or they cannot be built).
+NATIVE = cpu_kernels.load()
+needs_native = pytest.mark.skipif(NATIVE is None, reason="the native CPU kernels do not run on this CPU")
+#: The backend with the native kernels and with torch's own (``LLAMA_CPU_KERNELS=0``).
+KERNELS = [pytest.param("native", marks=needs_native), "torch"]
+
+
+@pytest.fixture(params=KERNELS)
+def kernels(request, monkeypatch):
+    """Run the test with the native CPU kernels and with torch's (the switch the backend reads)."""
+    monkeypatch.setenv(cpu_kernels.ENV, "auto" if request.param == "native" else "0")
+    return request.param
 
 
 @pytest.fixture(autouse=True)
@@ -106,6 +119,46 @@ def test_packed_linear_matches_nn_linear():
             torch.testing.assert_close(got.float(), want, atol=0.05, rtol=0.02)
 
 
+@needs_native
+@BF16
+def test_native_linear_matches_nn_linear_on_either_side_of_its_row_limit(monkeypatch):
+    """The native kernel up to ``max_rows`` rows, oneDNN over the same plain weight beyond; bias, 3-D and
+    strided inputs alike."""
+    torch.manual_seed(0)
+    calls = []
+    monkeypatch.setattr(NATIVE, "linear", lambda x, w, _f=NATIVE.linear: calls.append(x.shape[0]) or _f(x, w))
+    for bias in (False, True):
+        linear = torch.nn.Linear(96, 80, bias=bias).to(torch.bfloat16)
+        native = NativeLinear(linear, NATIVE, max_rows=6)
+        for shape in ((1, 96), (3, 2, 96), (6, 96), (7, 96), (2, 7, 96), (300, 96)):
+            x = torch.randn(shape, dtype=torch.bfloat16)
+            calls.clear()
+            with torch.inference_mode():
+                want = torch.nn.functional.linear(x.float(), linear.weight.float(),
+                                                  None if linear.bias is None else linear.bias.float())
+                got = native(x)
+            rows = x.numel() // 96
+            assert calls == ([rows] if rows <= 6 else [])
+            assert got.shape == want.shape and got.dtype == torch.bfloat16
+            torch.testing.assert_close(got.float(), want, atol=0.05, rtol=0.02)
+    strided = torch.randn(4, 200, dtype=torch.bfloat16)[:, 10:106]
+    torch.testing.assert_close(native(strided).float(), torch.nn.functional.linear(
+        strided.float(), linear.weight.float(), linear.bias.float()), atol=0.05, rtol=0.02)
+
+
+def test_native_linears_serve_bf16_weights_only_on_the_bf16_build(monkeypatch):
+    """float32 weights, and bf16 through the avx2 build, stay on oneDNN's packed products (faster there)."""
+    cpu = torch.device("cpu")
+    assert fast_linear.native_kernels_for(torch.float32, cpu) is None
+    assert fast_linear.native_kernels_for(torch.bfloat16, torch.device("meta")) is None
+    monkeypatch.setattr(cpu_kernels, "load", lambda: type("K", (), {"isa": "avx2"})())
+    assert fast_linear.native_kernels_for(torch.bfloat16, cpu) is None
+    bf16_build = type("K", (), {"isa": "avx512bf16"})()
+    monkeypatch.setattr(cpu_kernels, "load", lambda: bf16_build)
+    expected = bf16_build if packing_supported(torch.bfloat16, cpu) else None
+    assert fast_linear.native_kernels_for(torch.bfloat16, cpu) is expected
+
+
 @FP32
 def test_float32_packed_linear_matches_nn_linear():
     torch.manual_seed(0)
@@ -119,11 +172,15 @@ def test_float32_packed_linear_matches_nn_linear():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_pack_linears_swaps_every_linear_and_keeps_logits(tiny_model_dir, dtype):
+def test_pack_linears_swaps_every_linear_and_keeps_logits(tiny_model_dir, dtype, kernels):
     plain, packed = load(tiny_model_dir, getattr(torch, dtype)), load(tiny_model_dir, getattr(torch, dtype))
     linears = sum(type(m) is torch.nn.Linear for m in plain.modules())
     assert pack_linears(packed) == linears
     assert not any(type(m) is torch.nn.Linear for m in packed.modules())
+    native = dtype == "bfloat16" and kernels == "native" and NATIVE.isa == "avx512bf16"
+    assert all(isinstance(m, NativeLinear if native else PackedLinear) for m in packed.modules()
+               if isinstance(m, (NativeLinear, PackedLinear))) and any(isinstance(m, NativeLinear) is native
+                                                                       for m in packed.modules())
     ids, mask = prompts()
     for got, want in zip(reference_logits(packed, ids, mask, 6), reference_logits(plain, ids, mask, 6)):
         assert_close(got, want, dtype)
@@ -161,7 +218,7 @@ def test_pack_linears_honours_the_switch(tiny_model_dir, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_torch_backend_packed_matches_plain_model(tiny_model_dir, dtype):
+def test_torch_backend_packed_matches_plain_model(tiny_model_dir, dtype, kernels):
     backend = TorchBackend(str(tiny_model_dir), dtype=dtype, device="cpu", max_length=64)
     assert not any(type(m) is torch.nn.Linear for m in backend.model.modules())
     ids, mask = prompts()
@@ -171,7 +228,7 @@ def test_torch_backend_packed_matches_plain_model(tiny_model_dir, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_slot_backend_packed_matches_plain_model(tiny_model_dir, dtype):
+def test_slot_backend_packed_matches_plain_model(tiny_model_dir, dtype, kernels):
     backend = TorchSlotBackend.from_pretrained(str(tiny_model_dir), max_slots=2, max_length=64, dtype=dtype,
                                                device="cpu")
     assert not any(type(m) is torch.nn.Linear for m in backend.model.modules())
@@ -186,13 +243,16 @@ def test_slot_backend_packed_matches_plain_model(tiny_model_dir, dtype):
 
 
 @BF16
-@pytest.mark.parametrize("kv_cache_dtype, cache_dtype", [("auto", torch.float32), ("bfloat16", torch.bfloat16)])
-def test_bf16_weights_keep_a_float32_cache_on_a_cpu_without_amx_unless_told_and_match_the_plain_model(
-        tiny_model_dir, monkeypatch, kv_cache_dtype, cache_dtype):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16", "float32"])
+def test_bf16_weights_keep_a_float32_cache_on_a_cpu_without_amx_or_native_attention_unless_told_and_match_the_plain_model(
+        tiny_model_dir, monkeypatch, kv_cache_dtype, kernels):
     monkeypatch.setattr(torch_backend, "cpu_flags", lambda: AVX512_BF16)
     backend = TorchBackend(str(tiny_model_dir), dtype="bfloat16", device="cpu", max_length=64,
                            kv_cache_dtype=kv_cache_dtype)
+    auto = torch.bfloat16 if kernels == "native" else torch.float32
+    cache_dtype = auto if kv_cache_dtype == "auto" else getattr(torch, kv_cache_dtype)
     assert backend.slots.k_cache.dtype == backend.slots.v_cache.dtype == cache_dtype
+    assert (backend.slots._kernels is not None) == (kernels == "native")
     ids, mask = prompts()
     plain = load(tiny_model_dir, torch.bfloat16)
     for got, want in zip(backend_logits(backend, ids, mask, 6), reference_logits(plain, ids, mask, 6)):
@@ -223,10 +283,12 @@ def test_prompt_attention_by_blocks_is_causal_attention_over_the_chunk_and_what_
 @pytest.mark.parametrize("flags, kv, by_blocks", [(AVX512_BF16, torch.float32, True), (AMX, torch.bfloat16, False)],
                          ids=["avx512-bf16", "amx"])
 def test_bf16_prompts_whole_or_in_chunks_match_the_plain_model_on_each_cpu_class(tiny_model_dir, monkeypatch, fuse,
-                                                                                 flags, kv, by_blocks):
-    """Without AMX: a float32 cache and prompts by blocks; with AMX: a bf16 cache and SDPA. Same logits."""
+                                                                                 flags, kv, by_blocks, kernels):
+    """Without AMX: prompts by blocks, over a float32 cache (a bf16 one where decode rows attend through the
+    native kernel); with AMX: a bf16 cache and SDPA. Same logits."""
     monkeypatch.setattr(torch_backend, "cpu_flags", lambda: flags)
     backend = TorchSlotBackend(load(tiny_model_dir, torch.bfloat16), max_slots=2, max_length=320, fuse=fuse)
+    kv = torch.bfloat16 if kernels == "native" else kv
     assert backend.kv_dtype == kv and backend.k_cache.dtype == kv
     assert backend._prompt_by_blocks is by_blocks
     ids = prompts(batch=1, length=300)[0][0].tolist()
@@ -241,9 +303,13 @@ def test_bf16_prompts_whole_or_in_chunks_match_the_plain_model_on_each_cpu_class
     assert_close(last, want[0][0], "bfloat16")
 
 
-def test_kv_cache_dtype_auto_depends_on_the_weights_the_device_and_amx():
+def test_kv_cache_dtype_auto_depends_on_the_weights_the_device_amx_and_native_attention():
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
     assert kv_cache_dtype_for("auto", torch.bfloat16, cpu, AVX512_BF16) == torch.float32
+    assert kv_cache_dtype_for("auto", torch.bfloat16, cpu, AVX512_BF16, native_attention=True) == torch.bfloat16
+    assert kv_cache_dtype_for("auto", torch.float16, cpu, AVX512_BF16, native_attention=True) == torch.float32
+    assert kv_cache_dtype_for("auto", torch.float32, cpu, AVX512_BF16, native_attention=True) == torch.float32
+    assert kv_cache_dtype_for("float32", torch.bfloat16, cpu, AVX512_BF16, native_attention=True) == torch.float32
     assert kv_cache_dtype_for("auto", torch.bfloat16, cpu, AMX) == torch.bfloat16
     assert kv_cache_dtype_for("auto", torch.float16, cpu, AVX512_BF16) == torch.float32
     assert kv_cache_dtype_for("auto", torch.float16, cpu, AMX) == torch.float32
@@ -335,7 +401,7 @@ def test_slot_rotary_is_hf_rotary_bit_for_bit(dtype):
     assert torch.equal(_rotate(k, cos.unsqueeze(1), signed), want_k)
 
 
-def test_only_bf16_weights_on_cpu_attend_by_blocks_unless_amx_reads_a_bf16_cache(tiny_model_dir, monkeypatch):
+def test_only_bf16_weights_on_cpu_attend_by_blocks_unless_amx_reads_a_bf16_cache(tiny_model_dir, monkeypatch, kernels):
     """float16 products are slow on a CPU without native fp16 (slower by blocks than through SDPA)."""
     monkeypatch.setattr(torch_backend, "cpu_flags", lambda: AVX512_BF16)
     for dtype, by_blocks in ((torch.bfloat16, True), (torch.float16, False), (torch.float32, False)):

@@ -25,6 +25,15 @@ oneDNN weights are packed for 8 rows (:data:`ONEDNN_BATCH_HINT`), in either dtyp
 the bench model's 85 bf16 weights once at 2 threads took 26.5 ms packed for 8 rows against 34.9
 ms packed for 1, with 1 row as with 8 (medians of 6 passes), and prefill (256 and 768 rows)
 measured the same either way; float32 on the AVX2 EPYC likewise (:data:`FP32_BATCH_HINT`).
+
+bfloat16 weights go one step further where the native kernels load (:mod:`.cpu_kernels`):
+:class:`NativeLinear` keeps the weight in its plain layout, streams it through the native
+kernel for the few rows of a decode step, and hands more rows to oneDNN's inner product over
+the same plain weight. One pass over the bench model's weights for one row (Zen 5 EPYC, 2
+threads, best of 6, four runs): 3.7-5.0 ms native against 4.7-6.7 ms oneDNN packed; 8 rows
+5.7-6.4 against 6.2-6.8. The plain weight costs oneDNN 3-5% on prompts of 256-768 rows (913-935
+against 959-961 GFLOP/s) and 10-25% on 16-64 rows (:data:`NATIVE_MAX_ROWS`): that is what a
+single copy of the weights costs there.
 """
 from __future__ import annotations
 
@@ -41,12 +50,44 @@ logger = logging.getLogger(__name__)
 #: Environment switch: "0" disables packing, "1" packs float32 without measuring, default: bf16/fp16
 #: always, float32 where it measures faster.
 ENV = "LLAMA_PACKED_LINEAR"
+#: The most rows :class:`NativeLinear` runs on the native kernel; oneDNN (over the same plain weight)
+#: takes more. One pass over the bench model's bf16 weights (Zen 5 EPYC, 2 threads, best of 6), native
+#: against oneDNN plain: 8 rows 6.4 against 9.9 ms, 16 rows 8.9 against 12.1, 32 rows 14.3 against
+#: 16.0, 48 rows 19.2 against 19.6 (oneDNN packed, for comparison: 6.8, 8.1, 12.1, 15.8).
+NATIVE_MAX_ROWS = 48
 #: Row count oneDNN lays the packed weights out for (any row count still computes correctly).
 ONEDNN_BATCH_HINT = 8
 #: The same for float32. Laid out for 8 rows, oneDNN matched its 1-row layout at 1 row and ran 2 to 8
 #: rows 1.3-1.5x faster (a pass over the bench model's fused weights, AVX2 EPYC, 2 threads, best of 15:
 #: 19.1 vs 21.9 ms at 1 row, 19.8 vs 30.8 at 2, 29.0 vs 37.9 at 8; 256 rows 385 vs 429).
 FP32_BATCH_HINT = ONEDNN_BATCH_HINT
+
+
+class NativeLinear(nn.Module):
+    """``y = x @ W.T + b`` over the plain weight: the native kernel (:mod:`.cpu_kernels`) for up to
+    ``max_rows`` rows, oneDNN's inner product over the same weight for more (inference only)."""
+
+    def __init__(self, linear: nn.Linear, kernels, max_rows: Optional[int] = None):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.kernels, self.max_rows = kernels, NATIVE_MAX_ROWS if max_rows is None else max_rows
+        self.register_buffer("weight", linear.weight.detach().contiguous(), persistent=False)
+        bias = None if linear.bias is None else linear.bias.detach().clone()
+        self.register_buffer("bias", bias, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        if rows > self.max_rows:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        flat = x.reshape(rows, self.in_features)
+        if flat.stride(-1) != 1:
+            flat = flat.contiguous()
+        y = self.kernels.linear(flat, self.weight).view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y.add_(self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, " \
+               f"dtype={self.weight.dtype}, native up to {self.max_rows} rows ({self.kernels.isa})"
 
 
 class PackedLinear(nn.Module):
@@ -97,8 +138,26 @@ def packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
     return dtype == torch.float32
 
 
+def native_kernels_for(dtype: torch.dtype, device: torch.device):
+    """The native kernels where :class:`NativeLinear` serves ``dtype`` weights on ``device``, else None:
+    bfloat16 on a CPU whose kernels multiply bf16 pairs natively (the ``avx512bf16`` build).
+
+    Elsewhere oneDNN's packed products were as fast or faster (bench model, Zen 5 EPYC, one pass over
+    the weights): float32, 1 row 11.0 ms native against 11.8 packed, 8 rows 14.6 against 13.3, and
+    prompts ~5% faster packed; bf16 through the ``avx2`` build (which converts to float32), 1 row 6.3
+    against 6.1, 8 rows 13.2 against 7.4.
+    """
+    if torch.device(device).type != "cpu" or dtype != torch.bfloat16 or not packing_supported(dtype, device):
+        return None
+    from . import cpu_kernels
+
+    kernels = cpu_kernels.load()
+    return kernels if kernels is not None and kernels.isa == "avx512bf16" else None
+
+
 def pack_linears(model: nn.Module, batch_hint: Optional[int] = None) -> int:
-    """Swap every CPU ``nn.Linear`` of ``model`` for a :class:`PackedLinear` where that pays.
+    """Swap every CPU ``nn.Linear`` of ``model`` for a :class:`NativeLinear` or a :class:`PackedLinear`
+    where that pays.
 
     Returns how many layers were swapped (0 when the dtype, device or switch rules it out).
     A weight shared by another module (tied embeddings) is packed as a copy; the other module
@@ -114,20 +173,31 @@ def pack_linears(model: nn.Module, batch_hint: Optional[int] = None) -> int:
     weight = targets[0][2].weight
     if not packing_supported(weight.dtype, weight.device):
         return 0
+    kernels = native_kernels_for(weight.dtype, weight.device)
+    if kernels is not None:
+        return _swap(targets, weight.dtype, lambda linear: NativeLinear(linear, kernels), f"native, {kernels.isa}")
     fp32 = weight.dtype == torch.float32
     if fp32 and setting not in ("1", "true", "on", "yes") and not fp32_packing_pays([t[2] for t in targets]):
         return 0
+    return _swap(targets, weight.dtype,
+                 lambda linear: PackedLinear(linear, batch_hint or (FP32_BATCH_HINT if fp32 else ONEDNN_BATCH_HINT)),
+                 "onednn", check=fp32)
+
+
+def _swap(targets, dtype: torch.dtype, make, kind: str, check: bool = False) -> int:
+    """Replace each ``(parent, name, linear)`` of ``dtype`` on the CPU by ``make(linear)``; with ``check``,
+    stop at the first replacement that does not compute the linear's product (:func:`_agrees`)."""
     swapped = 0
     for parent, name, child in targets:
-        if child.weight.dtype != weight.dtype or child.weight.device.type != "cpu":
+        if child.weight.dtype != dtype or child.weight.device.type != "cpu":
             continue
-        packed = PackedLinear(child, batch_hint or (FP32_BATCH_HINT if fp32 else ONEDNN_BATCH_HINT))
-        if fp32 and not _agrees(child, packed):
-            logger.warning("oneDNN packed linear disagrees with nn.Linear; keeping nn.Linear")
+        replacement = make(child)
+        if check and not _agrees(child, replacement):
+            logger.warning("%s linear disagrees with nn.Linear; keeping nn.Linear", kind)
             return swapped
-        setattr(parent, name, packed)
+        setattr(parent, name, replacement)
         swapped += 1
-    logger.info("packed %d linear layers (%s, onednn)", swapped, weight.dtype)
+    logger.info("packed %d linear layers (%s, %s)", swapped, dtype, kind)
     return swapped
 
 

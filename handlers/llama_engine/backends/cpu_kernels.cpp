@@ -1,0 +1,563 @@
+// Decode-step kernels for the torch backend on x86 CPUs: see cpu_kernels.py for why and how
+// this file is built (once per instruction set, -DLLK_AVX512BF16 or -DLLK_AVX2) and called.
+//
+// A decode step reads every weight once for a handful of rows, and every cached key and value
+// of every row once: both are streams from memory with little arithmetic per byte, and what
+// decides their speed is how close the stream gets to the memory bandwidth. These kernels
+// read the weights and the cache in their plain layouts, one sequential stream per thread with
+// software prefetch ahead of it, and accumulate in float32.
+//
+// dtype codes: 0 float32, 1 bfloat16. Every pointer is to contiguous row-major data.
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <vector>
+
+#define LLK_API extern "C" __attribute__((visibility("default")))
+
+namespace {
+
+typedef uint16_t bf16;
+
+inline float bf16_to_f32(bf16 h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+// Round to nearest even, as torch's float32 -> bfloat16 conversion does (NaN stays NaN).
+inline bf16 f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (bf16)(u >> 16);
+}
+
+inline float to_f32(float x) { return x; }
+inline float to_f32(bf16 x) { return bf16_to_f32(x); }
+inline void store_scalar(float *p, float v) { *p = v; }
+inline void store_scalar(bf16 *p, float v) { *p = f32_to_bf16(v); }
+
+#if defined(LLK_AVX512BF16)
+static const char ISA[] = "avx512bf16";
+struct Vec {
+    typedef __m512 F;
+    static const int N = 16;
+    static F zero() { return _mm512_setzero_ps(); }
+    static F set1(float x) { return _mm512_set1_ps(x); }
+    static F load(const float *p) { return _mm512_loadu_ps(p); }
+    static F load(const bf16 *p) {
+        __m256i h = _mm256_loadu_si256((const __m256i *)p);
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+    static F add(F a, F b) { return _mm512_add_ps(a, b); }
+    static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
+    static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+    static F max(F a, F b) { return _mm512_max_ps(a, b); }
+    static float hsum(F a) { return _mm512_reduce_add_ps(a); }
+    static float hmax(F a) { return _mm512_reduce_max_ps(a); }
+    static void store(float *p, F v) { _mm512_storeu_ps(p, v); }
+    static void store(bf16 *p, F v) { _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh(v)); }
+    // 2^n for integer-valued n in float32's exponent range
+    static F pow2(F n) {
+        __m512i e = _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(e, 23));
+    }
+    static F floor(F x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
+    // 2N bf16 as float32: the even-numbered elements and the odd-numbered ones, one load
+    static void load_split(const bf16 *p, F &even, F &odd) {
+        __m512i raw = _mm512_loadu_si512(p);
+        even = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+        odd = _mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32((int)0xffff0000u)));
+    }
+    // a[0..N) -> one vector whose lane j is the sum of a[j]'s lanes
+    static F sum_lanes(const F *a) {
+        F s[8], t[4];
+        for (int i = 0; i < 8; i++)
+            s[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+        for (int i = 0; i < 4; i++) {
+            __m512d x = _mm512_castps_pd(s[2 * i]), y = _mm512_castps_pd(s[2 * i + 1]);
+            t[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+        }
+        F u0 = _mm512_add_ps(_mm512_shuffle_f32x4(t[0], t[1], 0x88), _mm512_shuffle_f32x4(t[0], t[1], 0xdd));
+        F u1 = _mm512_add_ps(_mm512_shuffle_f32x4(t[2], t[3], 0x88), _mm512_shuffle_f32x4(t[2], t[3], 0xdd));
+        return _mm512_add_ps(_mm512_shuffle_f32x4(u0, u1, 0x88), _mm512_shuffle_f32x4(u0, u1, 0xdd));
+    }
+};
+#elif defined(LLK_AVX2)
+static const char ISA[] = "avx2";
+struct Vec {
+    typedef __m256 F;
+    static const int N = 8;
+    static F zero() { return _mm256_setzero_ps(); }
+    static F set1(float x) { return _mm256_set1_ps(x); }
+    static F load(const float *p) { return _mm256_loadu_ps(p); }
+    static F load(const bf16 *p) {
+        __m128i h = _mm_loadu_si128((const __m128i *)p);
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+    static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+    static F add(F a, F b) { return _mm256_add_ps(a, b); }
+    static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
+    static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+    static F max(F a, F b) { return _mm256_max_ps(a, b); }
+    static float hsum(F a) {
+        __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+        s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        s = _mm_add_ss(s, _mm_movehdup_ps(s));
+        return _mm_cvtss_f32(s);
+    }
+    static float hmax(F a) {
+        __m128 s = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+        s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+        s = _mm_max_ss(s, _mm_movehdup_ps(s));
+        return _mm_cvtss_f32(s);
+    }
+    static void store(float *p, F v) { _mm256_storeu_ps(p, v); }
+    static void store(bf16 *p, F v) {
+        float tmp[N];
+        _mm256_storeu_ps(tmp, v);
+        for (int i = 0; i < N; i++) p[i] = f32_to_bf16(tmp[i]);
+    }
+    static F pow2(F n) {
+        __m256i e = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(e, 23));
+    }
+    static F floor(F x) { return _mm256_floor_ps(x); }
+    static void load_split(const bf16 *p, F &even, F &odd) {
+        __m256i raw = _mm256_loadu_si256((const __m256i *)p);
+        even = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+        odd = _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32((int)0xffff0000u)));
+    }
+    static F sum_lanes(const F *a) {
+        F s[4];
+        for (int i = 0; i < 4; i++) s[i] = _mm256_hadd_ps(a[2 * i], a[2 * i + 1]);
+        F t0 = _mm256_hadd_ps(s[0], s[1]), t1 = _mm256_hadd_ps(s[2], s[3]);
+        return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+    }
+};
+#else
+#error "build with -DLLK_AVX512BF16 or -DLLK_AVX2"
+#endif
+
+// exp(x) for x <= 0 (softmax's shifted scores): 2^(x log2 e) split into an integer power of two
+// and a degree-6 polynomial of the fraction; relative error about 2e-7, underflows to 0 below -87.
+inline Vec::F vexp(Vec::F x) {
+    x = Vec::max(x, Vec::set1(-87.0f));
+    Vec::F t = Vec::mul(x, Vec::set1(1.44269504088896341f));
+    Vec::F n = Vec::floor(t);
+    Vec::F f = Vec::mul(Vec::sub(t, n), Vec::set1(0.69314718055994531f));  // f in [0, ln 2)
+    Vec::F p = Vec::set1(1.0f / 720);
+    p = Vec::fma(p, f, Vec::set1(1.0f / 120));
+    p = Vec::fma(p, f, Vec::set1(1.0f / 24));
+    p = Vec::fma(p, f, Vec::set1(1.0f / 6));
+    p = Vec::fma(p, f, Vec::set1(0.5f));
+    p = Vec::fma(p, f, Vec::set1(1.0f));
+    p = Vec::fma(p, f, Vec::set1(1.0f));
+    return Vec::mul(p, Vec::pow2(n));
+}
+
+inline void prefetch(const void *p) { _mm_prefetch((const char *)p, _MM_HINT_T0); }
+
+// ---------------------------------------------------------------------------------------------
+// linear: y[M, N] = x[M, K] @ w[N, K]^T for the few rows of a decode step.
+//
+// Each thread takes a contiguous range of w's rows and walks it in blocks of R rows, each
+// block against MB rows of x at a time (the block stays in L1 for the next MB rows). The
+// prefetch runs ahead of the block in memory order; further ahead when more rows of x make
+// each byte of w take longer.
+
+// out[i] = the sum of acc[i]'s lanes, for the R * MB accumulators of a tile; N of them at once
+// when the tile has exactly N.
+template <int R, int MB>
+inline void reduce_tile(const Vec::F *acc, float *out) {
+    if constexpr (R * MB == Vec::N) {
+        Vec::store(out, Vec::sum_lanes(acc));
+    } else {
+        for (int i = 0; i < R * MB; i++) out[i] = Vec::hsum(acc[i]);
+    }
+}
+
+template <class T, int R, int MB>
+inline void linear_block(const T *x, long ldx, const T *w, long K, long pf, float *acc_out) {
+    Vec::F acc[MB][R];
+    for (int m = 0; m < MB; m++)
+        for (int r = 0; r < R; r++) acc[m][r] = Vec::zero();
+    long k = 0;
+    for (; k + Vec::N <= K; k += Vec::N) {
+        Vec::F wv[R];
+        for (int r = 0; r < R; r++) {
+            prefetch(w + R * k + r * Vec::N + pf);
+            wv[r] = Vec::load(w + r * K + k);
+        }
+        for (int m = 0; m < MB; m++) {
+            Vec::F xv = Vec::load(x + m * ldx + k);
+            for (int r = 0; r < R; r++) acc[m][r] = Vec::fma(wv[r], xv, acc[m][r]);
+        }
+    }
+    reduce_tile<R, MB>(&acc[0][0], acc_out);
+    for (long j = k; j < K; j++)
+        for (int m = 0; m < MB; m++)
+            for (int r = 0; r < R; r++) acc_out[m * R + r] += to_f32(x[m * ldx + j]) * to_f32(w[r * K + j]);
+}
+
+#if defined(LLK_AVX512BF16)
+// bf16 x bf16 with the CPU's dot-product instruction: two products per float32 lane and step.
+template <int R, int MB>
+inline void linear_block_dp(const bf16 *x, long ldx, const bf16 *w, long K, long pf, float *acc_out) {
+    __m512 acc[MB][R];
+    for (int m = 0; m < MB; m++)
+        for (int r = 0; r < R; r++) acc[m][r] = _mm512_setzero_ps();
+    long k = 0;
+    for (; k + 32 <= K; k += 32) {
+        __m512bh wv[R];
+        for (int r = 0; r < R; r++) {
+            prefetch(w + R * k + r * 32 + pf);
+            wv[r] = (__m512bh)_mm512_loadu_si512(w + r * K + k);
+        }
+        for (int m = 0; m < MB; m++) {
+            __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * ldx + k);
+            for (int r = 0; r < R; r++) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], wv[r], xv);
+        }
+    }
+    if (k < K) {
+        __mmask32 mask = (__mmask32)((1ull << (K - k)) - 1);
+        __m512bh wv[R];
+        for (int r = 0; r < R; r++) wv[r] = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + r * K + k);
+        for (int m = 0; m < MB; m++) {
+            __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * ldx + k);
+            for (int r = 0; r < R; r++) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], wv[r], xv);
+        }
+    }
+    reduce_tile<R, MB>(&acc[0][0], acc_out);
+}
+#endif
+
+template <class T, int R, int MB>
+inline void linear_tile(const T *x, long ldx, const T *w, long K, long pf, float *acc) {
+#if defined(LLK_AVX512BF16)
+    if constexpr (sizeof(T) == 2) {
+        linear_block_dp<R, MB>(x, ldx, w, K, pf, acc);
+        return;
+    }
+#endif
+    linear_block<T, R, MB>(x, ldx, w, K, pf, acc);
+}
+
+template <class T, int R, int MB>
+void linear_rows(const T *x, long ldx, const T *w, T *y, long ldy, long M, long K, long n0, long n1, long pf) {
+    float acc[MB * R];
+    long n = n0;
+    for (; n + R <= n1; n += R) {
+        for (long m = 0; m < M; m += MB) {
+            long mb = M - m < MB ? M - m : MB;
+            if (mb == MB) {
+                linear_tile<T, R, MB>(x + m * ldx, ldx, w + n * K, K, pf, acc);
+            } else {  // the last rows of x, one at a time
+                for (long i = 0; i < mb; i++) linear_tile<T, R, 1>(x + (m + i) * ldx, ldx, w + n * K, K, pf, acc + i * R);
+            }
+            for (long i = 0; i < mb; i++)
+                for (int r = 0; r < R; r++) store_scalar(y + (m + i) * ldy + n + r, acc[i * R + r]);
+        }
+    }
+    for (; n < n1; n++)
+        for (long m = 0; m < M; m++) {
+            linear_tile<T, 1, 1>(x + m * ldx, ldx, w + n * K, K, pf, acc);
+            store_scalar(y + m * ldy + n, acc[0]);
+        }
+}
+
+template <class T>
+void linear(const T *x, long ldx, const T *w, T *y, long ldy, long M, long K, long N, int threads) {
+    // Prefetch distance in elements: ~2 KB ahead for one row of x, ~8 KB once each byte of w
+    // meets several rows (measured on the bench model's weights, 2 threads, Zen 5).
+    const long pf = (M == 1 ? 1024 : 4096) / (long)sizeof(T);
+    const int R = M == 1 ? 1 : 4;
+    long blocks = N / R;
+    if (threads < 1) threads = 1;
+    if ((long)threads > blocks) threads = blocks > 0 ? (int)blocks : 1;
+    auto run = [&](long n0, long n1) {
+        if (M == 1) linear_rows<T, 1, 1>(x, ldx, w, y, ldy, M, K, n0, n1, pf);
+        else linear_rows<T, 4, Vec::N / 4>(x, ldx, w, y, ldy, M, K, n0, n1, pf);
+    };
+    if (threads == 1) {
+        run(0, N);
+        return;
+    }
+#pragma omp parallel num_threads(threads)
+    {
+        int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        long n0 = blocks * t / nt * R, n1 = t == nt - 1 ? N : blocks * (t + 1) / nt * R;
+        run(n0, n1);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// decode attention: one query per row and head over the row's cached keys and values.
+//
+// q, out: [rows, H, D]; k, v: one layer's cache [slots, Hkv, Lmax, D]; row b attends to
+// positions [0, lens[b]) of slot slots[b]. A work item is (row, kv head): the G = H / Hkv query
+// heads that share those keys read each of them once from memory. Scores go to a per-thread
+// buffer, N positions at a time (one vector of N scores from N dot products), then a softmax,
+// then the weighted sum of the values in blocks of positions, each block read from memory
+// once for all G heads. bf16 keys and values are split into their even- and odd-numbered
+// elements as they are loaded (one load and one instruction each for 2N of them); bf16
+// queries against bf16 keys use AVX512_BF16's dot product where the CPU has it.
+
+// A query head ready for dot products with keys of type TC: partial(k) is a vector whose lanes
+// sum to q . k, finish() turns N such sums into scaled scores.
+template <class TQ, class TC, int D>
+struct QueryDot {  // float keys
+    float q[D];
+    void prepare(const TQ *src, float scale) {
+        for (int d = 0; d < D; d++) q[d] = to_f32(src[d]) * scale;
+    }
+    Vec::F partial(const float *k) const {
+        Vec::F acc = Vec::mul(Vec::load(k), Vec::load(q));
+        for (int i = Vec::N; i < D; i += Vec::N) acc = Vec::fma(Vec::load(k + i), Vec::load(q + i), acc);
+        return acc;
+    }
+    Vec::F finish(Vec::F s) const { return s; }
+};
+
+template <class TQ, int D>
+struct QueryDot<TQ, bf16, D> {  // bf16 keys, float arithmetic: the query split as the keys are
+    float even[D / 2], odd[D / 2];
+    void prepare(const TQ *src, float scale) {
+        for (int m = 0; m < D / 2; m++) {
+            even[m] = to_f32(src[2 * m]) * scale;
+            odd[m] = to_f32(src[2 * m + 1]) * scale;
+        }
+    }
+    Vec::F partial(const bf16 *k) const {
+        Vec::F acc = Vec::zero(), e, o;
+        for (int c = 0; c < D / (2 * Vec::N); c++) {
+            Vec::load_split(k + 2 * Vec::N * c, e, o);
+            acc = Vec::fma(e, Vec::load(even + Vec::N * c), Vec::fma(o, Vec::load(odd + Vec::N * c), acc));
+        }
+        return acc;
+    }
+    Vec::F finish(Vec::F s) const { return s; }
+};
+
+#if defined(LLK_AVX512BF16)
+template <int D>
+struct QueryDot<bf16, bf16, D> {  // two bf16 products a lane per instruction, scaled after
+    __m512i q[D / 32];
+    float scale;
+    void prepare(const bf16 *src, float s) {
+        for (int c = 0; c < D / 32; c++) q[c] = _mm512_loadu_si512(src + 32 * c);
+        scale = s;
+    }
+    Vec::F partial(const bf16 *k) const {
+        __m512 acc = _mm512_setzero_ps();
+        for (int c = 0; c < D / 32; c++)
+            acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(k + 32 * c), (__m512bh)q[c]);
+        return acc;
+    }
+    Vec::F finish(Vec::F s) const { return Vec::mul(s, Vec::set1(scale)); }
+};
+#endif
+
+// scores[g][t] = scale * q_g . k_t for the G heads and L positions, N positions at a time.
+template <class TQ, class TC, int D>
+void attention_scores(const TQ *q, const TC *k, long L, int G, float scale, float *scores) {
+    const int N = Vec::N;
+    const long block_bytes = (long)N * D * sizeof(TC);
+    QueryDot<TQ, TC, D> heads[8];
+    for (int g0 = 0; g0 < G; g0 += 8) {
+        int gn = G - g0 < 8 ? G - g0 : 8;
+        for (int g = 0; g < gn; g++) heads[g].prepare(q + (long)(g0 + g) * D, scale);
+        for (long t0 = 0; t0 < L; t0 += N) {
+            long n = L - t0 < N ? L - t0 : N;
+            const TC *kb = k + t0 * D;
+            for (long b = 0; b < block_bytes; b += 64) prefetch((const char *)kb + 4 * block_bytes + b);
+            for (int g = 0; g < gn; g++) {
+                Vec::F acc[N];
+                for (int j = 0; j < N; j++) acc[j] = j < n ? heads[g].partial(kb + j * D) : Vec::zero();
+                Vec::F s = heads[g].finish(Vec::sum_lanes(acc));
+                float *dst = scores + (long)(g0 + g) * L + t0;
+                if (n == N) {
+                    Vec::store(dst, s);
+                } else {
+                    float tmp[N];
+                    Vec::store(tmp, s);
+                    for (long j = 0; j < n; j++) dst[j] = tmp[j];
+                }
+            }
+        }
+    }
+}
+
+// In place: each of the G rows of L scores becomes exp(score - max); returns 1 / sum per row.
+inline void softmax_rows(float *scores, long L, int G, float *inv_sum) {
+    for (int g = 0; g < G; g++) {
+        float *s = scores + (long)g * L;
+        long t = 0;
+        Vec::F mv = Vec::set1(-INFINITY);
+        for (; t + Vec::N <= L; t += Vec::N) mv = Vec::max(mv, Vec::load(s + t));
+        float mx = Vec::hmax(mv);
+        for (; t < L; t++) mx = s[t] > mx ? s[t] : mx;
+        Vec::F m = Vec::set1(mx), sv = Vec::zero();
+        for (t = 0; t + Vec::N <= L; t += Vec::N) {
+            Vec::F e = vexp(Vec::sub(Vec::load(s + t), m));
+            Vec::store(s + t, e);
+            sv = Vec::add(sv, e);
+        }
+        if (t < L) {  // the last positions, padded with -inf (exp gives 0)
+            float tail[Vec::N];
+            for (long i = 0; i < Vec::N; i++) tail[i] = t + i < L ? s[t + i] : -INFINITY;
+            Vec::F e = vexp(Vec::sub(Vec::load(tail), m));
+            Vec::store(tail, e);
+            for (long i = 0; t + i < L; i++) s[t + i] = tail[i];
+            sv = Vec::add(sv, e);
+        }
+        inv_sum[g] = 1.0f / Vec::hsum(sv);
+    }
+}
+
+// acc[i] += p * v[i] over one value row; bf16 rows accumulate in the split order (each 2N
+// elements: N even-numbered, then N odd-numbered), put back in order by unsplit().
+template <int D>
+inline void add_value(const float *v, Vec::F p, Vec::F *acc) {
+    for (int i = 0; i < D / Vec::N; i++) acc[i] = Vec::fma(p, Vec::load(v + i * Vec::N), acc[i]);
+}
+template <int D>
+inline void add_value(const bf16 *v, Vec::F p, Vec::F *acc) {
+    Vec::F e, o;
+    for (int c = 0; c < D / (2 * Vec::N); c++) {
+        Vec::load_split(v + 2 * Vec::N * c, e, o);
+        acc[2 * c] = Vec::fma(p, e, acc[2 * c]);
+        acc[2 * c + 1] = Vec::fma(p, o, acc[2 * c + 1]);
+    }
+}
+template <int D, class TC>
+inline void unsplit_values(float *acc) {
+    if constexpr (sizeof(TC) == 2) {
+        float tmp[D];
+        for (int c = 0; c < D / (2 * Vec::N); c++)
+            for (int l = 0; l < Vec::N; l++) {
+                tmp[2 * Vec::N * c + 2 * l] = acc[2 * Vec::N * c + l];
+                tmp[2 * Vec::N * c + 2 * l + 1] = acc[2 * Vec::N * c + Vec::N + l];
+            }
+        memcpy(acc, tmp, sizeof(tmp));
+    }
+}
+
+template <class TQ, class TC, int D>
+void attend_item(const TQ *q, const TC *k, const TC *v, long L, int G, float scale, TQ *out,
+                 std::vector<float> &scores) {
+    const int NV = D / Vec::N;
+    if (L <= 0) {  // nothing to attend to: zeros rather than 0/0
+        for (long i = 0; i < (long)G * D; i++) store_scalar(out + i, 0.0f);
+        return;
+    }
+    scores.resize((size_t)G * L);
+    attention_scores<TQ, TC, D>(q, k, L, G, scale, scores.data());
+    float inv_sum[64];
+    softmax_rows(scores.data(), L, G, inv_sum);
+    const long TB = 32;  // positions per block of values (D=128 bf16: 8 KB, stays in L1)
+    float acc_out[64][D];
+    for (int g = 0; g < G; g++)
+        for (int d = 0; d < D; d++) acc_out[g][d] = 0.0f;
+    for (long t0 = 0; t0 < L; t0 += TB) {
+        long t1 = t0 + TB < L ? t0 + TB : L;
+        for (int g = 0; g < G; g++) {
+            const float *p = &scores[(size_t)g * L];
+            Vec::F acc[NV];
+            for (int i = 0; i < NV; i++) acc[i] = Vec::load(acc_out[g] + i * Vec::N);
+            for (long t = t0; t < t1; t++) {
+                const TC *vt = v + t * D;
+                if (g == 0)
+                    for (long b = 0; b < (long)(D * sizeof(TC)); b += 64) prefetch((const char *)(vt + TB * D) + b);
+                add_value<D>(vt, Vec::set1(p[t]), acc);
+            }
+            for (int i = 0; i < NV; i++) Vec::store(acc_out[g] + i * Vec::N, acc[i]);
+        }
+    }
+    for (int g = 0; g < G; g++) {
+        unsplit_values<D, TC>(acc_out[g]);
+        Vec::F inv = Vec::set1(inv_sum[g]);
+        for (int i = 0; i < NV; i++)
+            Vec::store(out + (long)g * D + i * Vec::N, Vec::mul(Vec::load(acc_out[g] + i * Vec::N), inv));
+    }
+}
+
+template <class TQ, class TC, int D>
+void decode_attention(const TQ *q, long ldq, const TC *k, const TC *v, const int64_t *slots, const int64_t *lens,
+                      long rows, long H, long Hkv, long Lmax, float scale, TQ *out, int threads) {
+    const long G = H / Hkv, items = rows * Hkv;
+    if (threads < 1) threads = 1;
+    if ((long)threads > items) threads = (int)items;
+#pragma omp parallel num_threads(threads)
+    {
+        std::vector<float> scores;
+#pragma omp for schedule(dynamic, 1)
+        for (long item = 0; item < items; item++) {
+            long b = item / Hkv, h = item % Hkv;
+            long base = (slots[b] * Hkv + h) * Lmax * D;
+            attend_item<TQ, TC, D>(q + b * ldq + h * G * D, k + base, v + base, lens[b], (int)G, scale,
+                                   out + (b * H + h * G) * D, scores);
+        }
+    }
+}
+
+template <class TQ, class TC>
+int decode_attention_d(const void *q, long ldq, const void *k, const void *v, const int64_t *slots,
+                       const int64_t *lens, long rows, long H, long Hkv, long Lmax, long D, float scale, void *out,
+                       int threads) {
+    const TQ *qq = (const TQ *)q;
+    const TC *kk = (const TC *)k, *vv = (const TC *)v;
+    TQ *oo = (TQ *)out;
+#define LLK_ATTEND(DIM) \
+    case DIM: decode_attention<TQ, TC, DIM>(qq, ldq, kk, vv, slots, lens, rows, H, Hkv, Lmax, scale, oo, threads); return 0;
+    switch (D) {
+        LLK_ATTEND(32)
+        LLK_ATTEND(64)
+        LLK_ATTEND(128)
+        LLK_ATTEND(256)
+    }
+#undef LLK_ATTEND
+    return -1;
+}
+
+}  // namespace
+
+LLK_API const char *llk_isa(void) { return ISA; }
+
+// 0 on success, -1 for an unsupported dtype.
+LLK_API int llk_linear(const void *x, long ldx, const void *w, void *y, long ldy, long M, long K, long N, int dtype,
+                       int threads) {
+    if (dtype == 0) {
+        linear<float>((const float *)x, ldx, (const float *)w, (float *)y, ldy, M, K, N, threads);
+        return 0;
+    }
+    if (dtype == 1) {
+        linear<bf16>((const bf16 *)x, ldx, (const bf16 *)w, (bf16 *)y, ldy, M, K, N, threads);
+        return 0;
+    }
+    return -1;
+}
+
+// 0 on success, -1 for an unsupported dtype or head size, -2 for a head count that is not a
+// multiple of the kv heads' or a group of more than 64 query heads per kv head. q's rows are
+// ldq elements apart; out is contiguous.
+LLK_API int llk_decode_attention(const void *q, long ldq, int q_dtype, const void *k, const void *v, int kv_dtype,
+                                 const int64_t *slots, const int64_t *lens, long rows, long H, long Hkv, long Lmax,
+                                 long D, float scale, void *out, int threads) {
+    if (Hkv < 1 || H % Hkv != 0 || H / Hkv > 64) return -2;
+#define LLK_TYPES(TQ, TC) \
+    return decode_attention_d<TQ, TC>(q, ldq, k, v, slots, lens, rows, H, Hkv, Lmax, D, scale, out, threads)
+    if (q_dtype == 1 && kv_dtype == 1) LLK_TYPES(bf16, bf16);
+    if (q_dtype == 1 && kv_dtype == 0) LLK_TYPES(bf16, float);
+    if (q_dtype == 0 && kv_dtype == 0) LLK_TYPES(float, float);
+    if (q_dtype == 0 && kv_dtype == 1) LLK_TYPES(float, bf16);
+#undef LLK_TYPES
+    return -1;
+}

@@ -1,0 +1,222 @@
+"""The native CPU decode kernels (llama_engine/backends/cpu_kernels.{cpp,py}).
+
+* Each instruction set this CPU runs computes what float64 arithmetic does, to the rounding of
+  its dtype: ``linear`` for row, column and inner-dimension tails and strided rows;
+  ``decode_attention`` for every dtype pair, head size and GQA group, rows of different lengths
+  in slots out of order, a one-position row, and strided queries.
+* Building and loading: the file name follows the source, a build is atomic, a shipped library
+  is preferred to the cache, no compiler means torch's kernels (with the reason logged), the
+  switch turns the kernels off or picks an instruction set, and the kernels share torch's
+  OpenMP runtime.
+"""
+import logging
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from llama_engine.backends import cpu_kernels
+from llama_engine.cpu import _loaded_libgomps, cpu_flags
+
+FLAGS = cpu_flags()
+ISAS = [pytest.param(isa, marks=pytest.mark.skipif(not cpu_kernels.ISA_NEEDS[isa] <= FLAGS,
+                                                   reason=f"this CPU cannot run {isa}"))
+        for isa in cpu_kernels.ISAS]
+#: Relative error of one rounding to each dtype.
+ROUNDING = {torch.bfloat16: 2 ** -8, torch.float32: 2 ** -24}
+#: float32 accumulation: a few units in the last place of the sum of the products' magnitudes.
+ACCUMULATION = 4 * 2 ** -24
+
+
+@pytest.fixture(scope="module")
+def kernel_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("kernels")
+
+
+@pytest.fixture
+def isolated(monkeypatch, kernel_cache):
+    """Loads that neither reuse this process's kernels nor write outside the test's cache."""
+    monkeypatch.setattr(cpu_kernels, "_loaded", {})
+    monkeypatch.setenv(cpu_kernels.CACHE_ENV, str(kernel_cache))
+    return kernel_cache
+
+
+@pytest.fixture
+def kernels(request, isolated, monkeypatch):
+    monkeypatch.setenv(cpu_kernels.ENV, request.param)
+    loaded = cpu_kernels.load()
+    assert loaded is not None and loaded.isa == request.param
+    return loaded
+
+
+def assert_product(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    """``got`` is ``x @ w.T`` to one rounding to its dtype and float32 accumulation over the inner dimension."""
+    want = x.double() @ w.double().T
+    bound = ROUNDING[got.dtype] * want.abs() + ACCUMULATION * (x.double().abs() @ w.double().abs().T)
+    excess = (got.double() - want).abs() - bound
+    assert excess.max().item() <= 1e-12, f"{(excess > 1e-12).sum().item()} products off by up to {excess.max():.3g}"
+
+
+@pytest.mark.parametrize("kernels", ISAS, indirect=True)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows, inner, outer", [(1, 768, 2304), (3, 768, 770), (5, 100, 9), (8, 3072, 96),
+                                                (16, 33, 64), (1, 17, 3), (7, 256, 257), (12, 64, 1)])
+def test_linear_is_the_float64_product_to_the_dtype_rounding(kernels, dtype, rows, inner, outer):
+    gen = torch.Generator().manual_seed(rows * inner + outer)
+    x = torch.randn(rows, inner, generator=gen).to(dtype)
+    w = torch.randn(outer, inner, generator=gen).to(dtype)
+    got = kernels.linear(x, w)
+    assert got.shape == (rows, outer) and got.dtype == dtype
+    assert_product(got, x, w)
+
+
+@pytest.mark.parametrize("kernels", ISAS, indirect=True)
+def test_linear_reads_strided_rows_and_writes_into_a_given_tensor(kernels):
+    gen = torch.Generator().manual_seed(1)
+    wide = torch.randn(4, 200, generator=gen).to(torch.bfloat16)
+    x = wide[:, 40:168]  # rows 200 elements apart
+    w = torch.randn(50, 128, generator=gen).to(torch.bfloat16)
+    out = torch.full((4, 60), 7.0, dtype=torch.bfloat16)[:, :50]
+    assert kernels.linear(x, w, out=out).data_ptr() == out.data_ptr()
+    assert_product(out, x, w)
+
+
+def reference_attention(q, k_layer, v_layer, slots, lengths):
+    heads, kv_heads, dim = q.shape[1], k_layer.shape[1], q.shape[2]
+    rows = []
+    for b, (slot, length) in enumerate(zip(slots.tolist(), lengths.tolist())):
+        k = k_layer[slot, :, :length].double().repeat_interleave(heads // kv_heads, 0)
+        v = v_layer[slot, :, :length].double().repeat_interleave(heads // kv_heads, 0)
+        p = torch.softmax(q[b].double().unsqueeze(1) @ k.transpose(1, 2) * dim ** -0.5, -1)
+        rows.append((p @ v).squeeze(1))
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("kernels", ISAS, indirect=True)
+@pytest.mark.parametrize("q_dtype, kv_dtype", [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
+                                               (torch.float32, torch.float32), (torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize("heads, kv_heads, dim", [(12, 12, 64), (8, 4, 32), (32, 8, 128), (4, 1, 256), (16, 2, 128)])
+def test_decode_attention_is_softmax_attention_over_each_rows_own_positions(kernels, q_dtype, kv_dtype, heads,
+                                                                           kv_heads, dim):
+    gen = torch.Generator().manual_seed(heads * dim + kv_heads)
+    k_layer, v_layer = (torch.randn(5, kv_heads, 100, dim, generator=gen).to(kv_dtype) for _ in range(2))
+    slots, lengths = torch.tensor([3, 0, 4]), torch.tensor([1, 100, 37])
+    # the rows of the fused q/k/v product: q is the first ``heads`` of each row, rows further apart
+    q = torch.randn(3, heads + 2 * kv_heads, dim, generator=gen).to(q_dtype)[:, :heads]
+    got = kernels.decode_attention(q, k_layer, v_layer, slots, lengths, dim ** -0.5)
+    assert got.shape == (3, heads, dim) and got.dtype == q_dtype
+    want = reference_attention(q, k_layer, v_layer, slots, lengths)
+    # outputs are averages of values of ~1: the error is the output dtype's rounding of them
+    tolerance = 4 * ROUNDING[q_dtype] + 1e-5
+    assert (got.double() - want).abs().max().item() <= tolerance
+    assert torch.allclose(got[0].double(), v_layer[3, :, 0].double().repeat_interleave(heads // kv_heads, 0),
+                          atol=tolerance)  # one position: its own value
+
+
+@pytest.mark.parametrize("kernels", ISAS, indirect=True)
+def test_decode_attention_softmax_is_stable_for_large_scores(kernels):
+    """Scores in the hundreds: exp of the scores minus their max, never of the scores themselves."""
+    k_layer, v_layer = torch.zeros(1, 1, 40, 32), torch.randn(1, 1, 40, 32)
+    k_layer[0, 0, 7] = 30.0  # q . k = 30 * 32 * 30 / sqrt(32) ~ 5000 at position 7
+    q = torch.full((1, 1, 32), 30.0)
+    got = kernels.decode_attention(q, k_layer, v_layer, torch.tensor([0]), torch.tensor([40]), 32 ** -0.5)
+    torch.testing.assert_close(got[0, 0], v_layer[0, 0, 7])
+
+
+@pytest.mark.parametrize("kernels", ISAS, indirect=True)
+def test_decode_attention_says_what_it_does_not_support(kernels):
+    q, cache = torch.randn(1, 4, 48), torch.randn(1, 4, 8, 48)
+    one = torch.tensor([0])
+    with pytest.raises(ValueError, match="head_dim 48"):
+        kernels.decode_attention(q, cache, cache, one, one + 1, 0.1)
+    assert not kernels.supports_attention(torch.float32, torch.float32, 4, 4, 48)
+    assert not kernels.supports_attention(torch.float16, torch.float32, 4, 4, 64)
+    assert not kernels.supports_attention(torch.float32, torch.float32, 6, 4, 64)
+    assert kernels.supports_attention(torch.bfloat16, torch.float32, 32, 8, 128)
+
+
+def test_the_library_name_follows_the_source_and_the_flags(tmp_path, monkeypatch):
+    names = {isa: cpu_kernels.library_name(isa) for isa in cpu_kernels.ISAS}
+    assert len(set(names.values())) == len(names)
+    edited = tmp_path / "cpu_kernels.cpp"
+    edited.write_text(cpu_kernels.SOURCE.read_text() + "\n// edited\n")
+    monkeypatch.setattr(cpu_kernels, "SOURCE", edited)
+    assert all(cpu_kernels.library_name(isa) != name for isa, name in names.items())
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_a_build_is_atomic_and_a_shipped_library_is_loaded_before_the_cache(isa, isolated, tmp_path, monkeypatch):
+    shipped = tmp_path / "artifact"
+    path = cpu_kernels.build(isa, shipped)
+    assert path.name == cpu_kernels.library_name(isa) and [p.name for p in shipped.iterdir()] == [path.name]
+    monkeypatch.setattr(cpu_kernels, "shipped_dir", lambda: shipped)
+    monkeypatch.setenv(cpu_kernels.ENV, isa)
+    monkeypatch.setenv("CXX", "/nonexistent/g++")  # nothing may be compiled now
+    loaded = cpu_kernels.load()
+    assert loaded is not None and loaded.path == path and loaded.isa == isa
+
+
+def test_without_a_compiler_the_backend_keeps_torchs_kernels_and_logs_why(isolated, monkeypatch, caplog):
+    monkeypatch.setattr(cpu_kernels, "shipped_dir", lambda: isolated / "nothing-shipped")
+    monkeypatch.setenv(cpu_kernels.CACHE_ENV, str(isolated / "empty-cache"))
+    monkeypatch.setenv("CXX", "/nonexistent/g++")
+    monkeypatch.setenv(cpu_kernels.ENV, "avx2")
+    with caplog.at_level(logging.WARNING, logger=cpu_kernels.__name__):
+        assert cpu_kernels.load(frozenset(cpu_kernels.ISA_NEEDS["avx2"])) is None
+    assert "native CPU kernels unavailable" in caplog.text and "/nonexistent/g++" in caplog.text
+
+
+def test_no_compiler_on_the_path_is_a_clear_build_error(tmp_path, monkeypatch):
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    with pytest.raises(cpu_kernels.KernelBuildError, match="no C.. compiler: install g.."):
+        cpu_kernels.build("avx2", tmp_path)
+
+
+def test_a_compiler_error_is_reported_with_its_output(tmp_path, monkeypatch):
+    broken = tmp_path / "cpu_kernels.cpp"
+    broken.write_text("this is not C++\n")
+    monkeypatch.setattr(cpu_kernels, "SOURCE", broken)
+    with pytest.raises(cpu_kernels.KernelBuildError, match="failed"):
+        cpu_kernels.build("avx2", tmp_path / "out")
+    assert not any((tmp_path / "out").iterdir())  # no partial library left behind
+
+
+def test_the_switch_turns_the_kernels_off_or_names_what_this_cpu_runs(isolated, monkeypatch):
+    monkeypatch.setenv(cpu_kernels.ENV, "0")
+    assert cpu_kernels.load() is None
+    monkeypatch.setenv(cpu_kernels.ENV, "avx512bf16")
+    with pytest.raises(ValueError, match="cannot run 'avx512bf16'; use auto, 0, or one of avx2"):
+        cpu_kernels.load(frozenset(cpu_kernels.ISA_NEEDS["avx2"]))
+    monkeypatch.setenv(cpu_kernels.ENV, "auto")
+    assert cpu_kernels.load(frozenset({"sse4_2"})) is None  # no AVX2: torch's kernels
+
+
+def test_isa_for_picks_the_best_instruction_set_the_cpu_runs():
+    assert cpu_kernels.isa_for(cpu_kernels.ISA_NEEDS["avx512bf16"] | {"amx_bf16"}) == "avx512bf16"
+    assert cpu_kernels.isa_for(frozenset({"avx2", "fma", "f16c", "avx512f"})) == "avx2"
+    assert cpu_kernels.isa_for(frozenset({"avx", "sse4_2"})) is None
+
+
+@pytest.mark.skipif(not _loaded_libgomps(), reason="torch here runs no libgomp")
+@pytest.mark.parametrize("isa", ISAS)
+def test_the_kernels_run_on_torchs_openmp_runtime(isa, isolated):
+    """In a fresh process: loading the kernels maps no OpenMP runtime besides the one torch loaded,
+    so their threads are torch's team, not a second one on the same cores."""
+    script = (
+        "import os, torch\n"
+        "from llama_engine.backends import cpu_kernels\n"
+        "from llama_engine.cpu import _loaded_libgomps\n"
+        "before = _loaded_libgomps()\n"
+        f"os.environ[cpu_kernels.ENV] = {isa!r}\n"
+        "kernels = cpu_kernels.load()\n"
+        "kernels.linear(torch.ones(2, 64), torch.ones(256, 64))  # runs a parallel region\n"
+        "print(before, _loaded_libgomps())\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, cpu_kernels.CACHE_ENV: str(isolated)})
+    assert done.returncode == 0, done.stderr
+    before, after = done.stdout.strip().split("] [")
+    assert before + "]" == "[" + after and "torch" in after, done.stdout
