@@ -60,6 +60,7 @@ struct Vec {
     static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
     static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
     static F max(F a, F b) { return _mm512_max_ps(a, b); }
+    static F min(F a, F b) { return _mm512_min_ps(a, b); }
     static float hsum(F a) { return _mm512_reduce_add_ps(a); }
     static float hmax(F a) { return _mm512_reduce_max_ps(a); }
     static void store(float *p, F v) { _mm512_storeu_ps(p, v); }
@@ -69,7 +70,7 @@ struct Vec {
         __m512i e = _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127));
         return _mm512_castsi512_ps(_mm512_slli_epi32(e, 23));
     }
-    static F floor(F x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
+    static F round(F x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
     // 2N bf16 as float32: the even-numbered elements and the odd-numbered ones, one load
     static void load_split(const bf16 *p, F &even, F &odd) {
         __m512i raw = _mm512_loadu_si512(p);
@@ -107,6 +108,7 @@ struct Vec {
     static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
     static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
     static F max(F a, F b) { return _mm256_max_ps(a, b); }
+    static F min(F a, F b) { return _mm256_min_ps(a, b); }
     static float hsum(F a) {
         __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
         s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -129,7 +131,7 @@ struct Vec {
         __m256i e = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
         return _mm256_castsi256_ps(_mm256_slli_epi32(e, 23));
     }
-    static F floor(F x) { return _mm256_floor_ps(x); }
+    static F round(F x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
     static void load_split(const bf16 *p, F &even, F &odd) {
         __m256i raw = _mm256_loadu_si256((const __m256i *)p);
         even = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
@@ -146,14 +148,16 @@ struct Vec {
 #error "build with -DLLK_AVX512BF16 or -DLLK_AVX2"
 #endif
 
-// exp(x) for x <= 0 (softmax's shifted scores): 2^(x log2 e) split into an integer power of two
-// and a degree-6 polynomial of the fraction; relative error about 2e-7, underflows to 0 below -87.
+// exp(x) for x in [-87, 88] (clamped there): 2^n * e^f with n the nearest integer to x log2 e,
+// so that |f| <= ln(2) / 2, and e^f by its Taylor polynomial of degree 7 (relative error ~1e-9
+// before float32 rounding).
 inline Vec::F vexp(Vec::F x) {
-    x = Vec::max(x, Vec::set1(-87.0f));
+    x = Vec::min(Vec::max(x, Vec::set1(-87.0f)), Vec::set1(88.0f));
     Vec::F t = Vec::mul(x, Vec::set1(1.44269504088896341f));
-    Vec::F n = Vec::floor(t);
-    Vec::F f = Vec::mul(Vec::sub(t, n), Vec::set1(0.69314718055994531f));  // f in [0, ln 2)
-    Vec::F p = Vec::set1(1.0f / 720);
+    Vec::F n = Vec::round(t);
+    Vec::F f = Vec::mul(Vec::sub(t, n), Vec::set1(0.69314718055994531f));
+    Vec::F p = Vec::set1(1.0f / 5040);
+    p = Vec::fma(p, f, Vec::set1(1.0f / 720));
     p = Vec::fma(p, f, Vec::set1(1.0f / 120));
     p = Vec::fma(p, f, Vec::set1(1.0f / 24));
     p = Vec::fma(p, f, Vec::set1(1.0f / 6));
