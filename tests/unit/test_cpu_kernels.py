@@ -221,3 +221,75 @@ def test_the_kernels_run_on_torchs_openmp_runtime(isa, isolated):
     assert done.returncode == 0, done.stderr
     before, after = done.stdout.strip().split("] [")
     assert before + "]" == "[" + after and "torch" in after, done.stdout
+
+
+def ulps_apart(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """How many representable values of the dtype lie between ``got`` and ``want`` (same signs here)."""
+    bits = {torch.bfloat16: torch.int16, torch.float32: torch.int32}[got.dtype]
+    return (got.view(bits).long() - want.view(bits).long()).abs()
+
+
+@pytest.mark.parametrize("kernels", ISAS, indirect=True)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("with_delta", [True, False])
+def test_add_rmsnorm_is_the_residual_add_then_hfs_rmsnorm(kernels, dtype, with_delta):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    gen = torch.Generator().manual_seed(3)
+    norm = LlamaRMSNorm(200, eps=1e-6).to(dtype)
+    norm.weight.data = torch.randn(200, generator=gen).to(dtype)
+    hidden = (torch.randn(5, 200, generator=gen) * 4).to(dtype)
+    delta = torch.randn(5, 200, generator=gen).to(dtype) if with_delta else None
+    want_hidden = hidden + delta if with_delta else hidden.clone()
+    with torch.inference_mode():
+        want = norm(want_hidden)
+        got = kernels.add_rmsnorm(hidden, delta, norm.weight, 1e-6)
+    assert torch.equal(hidden, want_hidden)  # the residual add, in place, rounded as torch's
+    # the same ops and roundings; only the order of the float32 sum of squares differs, which moves the
+    # scale by an ulp or two: a bf16 result now and then by one, a float32 one by a few
+    ulps = ulps_apart(got, want)
+    if dtype == torch.bfloat16:
+        assert ulps.max().item() <= 1 and (ulps > 0).float().mean().item() < 0.02
+    else:
+        assert ulps.max().item() <= 8
+
+
+@pytest.mark.parametrize("kernels", ISAS, indirect=True)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_silu_mul_is_silu_of_the_gate_times_the_up_projection(kernels, dtype):
+    gen = torch.Generator().manual_seed(4)
+    gate_up = (torch.randn(3, 2 * 136, generator=gen) * 6).to(dtype)  # 136: vector and scalar tails
+    with torch.inference_mode():
+        gate, up = gate_up.split(136, dim=-1)
+        want = torch.nn.functional.silu(gate) * up
+        got = kernels.silu_mul(gate_up)
+    # exp is the kernel's own (within 2 ulps of float32): an ulp of the rounded result now and then
+    assert got.shape == want.shape and ulps_apart(got, want).max().item() <= (1 if dtype == torch.bfloat16 else 4)
+
+
+@pytest.mark.parametrize("kernels", ISAS, indirect=True)
+@pytest.mark.parametrize("dtype, kv_dtype", [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
+                                             (torch.float32, torch.float32)])
+@pytest.mark.parametrize("heads, kv_heads, dim", [(4, 2, 64), (3, 3, 32), (2, 1, 128)])
+def test_rope_store_rotates_like_the_backend_and_writes_each_tokens_kv_at_its_slot_and_position(
+        kernels, dtype, kv_dtype, heads, kv_heads, dim):
+    from llama_engine.backends.torch_backend import _rotate, _signed_sin
+
+    gen = torch.Generator().manual_seed(dim + heads)
+    angles = torch.randn(50, dim // 2, generator=gen) * 20
+    cos, sin = torch.cat([angles.cos()] * 2, -1).to(dtype), torch.cat([angles.sin()] * 2, -1).to(dtype)
+    signed = _signed_sin(sin)
+    width = (heads + 2 * kv_heads) * dim
+    qkv = torch.randn(4, width + 8, generator=gen).to(dtype)[:, :width]  # rows further apart than a row
+    positions, slots = torch.tensor([7, 0, 49, 8]), torch.tensor([2, 0, 1, 2])
+    k_layer, v_layer = (torch.zeros(3, kv_heads, 50, dim, dtype=kv_dtype) for _ in range(2))
+    per_head = qkv.reshape(4, heads + 2 * kv_heads, dim).clone()
+    want = _rotate(per_head[:, :heads + kv_heads], cos[positions].unsqueeze(1), signed[positions].unsqueeze(1))
+    kernels.rope_store(qkv, heads, kv_heads, cos, signed, positions, slots, k_layer, v_layer)
+    got = qkv.reshape(4, heads + 2 * kv_heads, dim)
+    assert torch.equal(got[:, :heads + kv_heads], want)
+    assert torch.equal(got[:, heads + kv_heads:], per_head[:, heads + kv_heads:])  # v untouched
+    for t in range(4):
+        assert torch.equal(k_layer[slots[t], :, positions[t]], want[t, heads:].to(kv_dtype))
+        assert torch.equal(v_layer[slots[t], :, positions[t]], per_head[t, heads + kv_heads:].to(kv_dtype))
+    assert int((k_layer != 0).any(-1).sum()) == 4 * kv_heads  # nothing else written

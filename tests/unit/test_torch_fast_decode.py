@@ -411,3 +411,46 @@ def test_only_bf16_weights_on_cpu_attend_by_blocks_unless_amx_reads_a_bf16_cache
     assert prompts_attend_by_blocks(bf16, fp32, cpu, AMX)  # kv_cache_dtype: float32 set on an AMX CPU
     assert prompts_attend_by_blocks(bf16, bf16, cpu, AVX512_BF16)
     assert not prompts_attend_by_blocks(bf16, bf16, torch.device("cuda"), AVX512_BF16)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_small_ops_compute_what_the_torch_ops_do(tiny_model_dir, dtype, monkeypatch):
+    """The native path's fused residual-add + RMSNorm, rotary + cache write and SiLU-times-up against the torch
+    ops they replace, on the same weights: chunked prompts, decode rows of different lengths, a mixed pass."""
+    monkeypatch.setenv(cpu_kernels.ENV, "auto")
+    model = load(tiny_model_dir, getattr(torch, dtype))
+    fused, plain = (TorchSlotBackend(model, max_slots=3, max_length=128) for _ in range(2))
+    assert fused._fused_ops and plain._fused_ops
+    plain._fused_ops = False
+    prompts_ = [prompts(batch=1, length=n, seed=n)[0][0].tolist() for n in (40, 7, 61)]
+    logits = []
+    for backend in (fused, plain):
+        got = [backend.prefill_slot(0, prompts_[0]), backend.prefill_slot(1, prompts_[1])]
+        tokens = [int(g.argmax()) for g in got]
+        step = backend.step_slots([0, 1], tokens, [PrefillChunk(2, prompts_[2][:30], 0)])  # mixed pass
+        got += list(step.decode) + step.prefills
+        tokens = [int(g.argmax()) for g in step.decode]
+        step = backend.step_slots([0, 1], tokens, [PrefillChunk(2, prompts_[2][30:], 30)])
+        got += list(step.decode) + step.prefills
+        got += list(backend.decode_slots([0, 1, 2], [5, 6, 7]))
+        logits.append(torch.stack(got))
+    assert_close(logits[0], logits[1], dtype)
+    tolerance = {"atol": 0.05, "rtol": 0.02} if dtype == "bfloat16" else {"atol": 1e-5, "rtol": 1e-4}
+    for cache in ("k_cache", "v_cache"):  # the same keys and values at the same slots and positions
+        torch.testing.assert_close(getattr(fused, cache).float(), getattr(plain, cache).float(), **tolerance)
+
+
+def test_fused_small_ops_only_for_models_they_compute(tiny_model_dir, monkeypatch):
+    """Another norm or activation, or unfused projections, keep the torch ops."""
+    if NATIVE is None:
+        backend = TorchSlotBackend(load(tiny_model_dir, torch.float32), max_slots=1, max_length=32)
+        assert not backend._fused_ops
+        return
+    model = load(tiny_model_dir, torch.float32)
+    assert TorchSlotBackend(model, max_slots=1, max_length=32)._fused_ops
+    assert not TorchSlotBackend(model, max_slots=1, max_length=32, fuse=False)._fused_ops
+    model.model.layers[1].mlp.act_fn = torch.nn.GELU()
+    assert not TorchSlotBackend(model, max_slots=1, max_length=32)._fused_ops
+    monkeypatch.setenv(cpu_kernels.ENV, "0")
+    assert not TorchSlotBackend(load(tiny_model_dir, torch.float32), max_slots=1, max_length=32)._fused_ops

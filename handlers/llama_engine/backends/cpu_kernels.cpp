@@ -59,12 +59,18 @@ struct Vec {
     static F add(F a, F b) { return _mm512_add_ps(a, b); }
     static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
     static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+    static F div(F a, F b) { return _mm512_div_ps(a, b); }
     static F max(F a, F b) { return _mm512_max_ps(a, b); }
     static F min(F a, F b) { return _mm512_min_ps(a, b); }
     static float hsum(F a) { return _mm512_reduce_add_ps(a); }
     static float hmax(F a) { return _mm512_reduce_max_ps(a); }
     static void store(float *p, F v) { _mm512_storeu_ps(p, v); }
     static void store(bf16 *p, F v) { _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh(v)); }
+    // v rounded to bf16 (to nearest even), kept as float32
+    static F round_bf16(F v) {
+        __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
     // 2^n for integer-valued n in float32's exponent range
     static F pow2(F n) {
         __m512i e = _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127));
@@ -107,6 +113,7 @@ struct Vec {
     static F add(F a, F b) { return _mm256_add_ps(a, b); }
     static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
     static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+    static F div(F a, F b) { return _mm256_div_ps(a, b); }
     static F max(F a, F b) { return _mm256_max_ps(a, b); }
     static F min(F a, F b) { return _mm256_min_ps(a, b); }
     static float hsum(F a) {
@@ -122,10 +129,16 @@ struct Vec {
         return _mm_cvtss_f32(s);
     }
     static void store(float *p, F v) { _mm256_storeu_ps(p, v); }
+    static F round_bf16(F v) {  // to nearest even; NaN is not kept NaN (no NaN reaches here)
+        __m256i u = _mm256_castps_si256(v);
+        __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+        u = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd));
+        return _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32((int)0xffff0000u)));
+    }
     static void store(bf16 *p, F v) {
-        float tmp[N];
-        _mm256_storeu_ps(tmp, v);
-        for (int i = 0; i < N; i++) p[i] = f32_to_bf16(tmp[i]);
+        __m256i u = _mm256_srli_epi32(_mm256_castps_si256(round_bf16(v)), 16);
+        __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1));
+        _mm_storeu_si128((__m128i *)p, packed);
     }
     static F pow2(F n) {
         __m256i e = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
@@ -148,14 +161,14 @@ struct Vec {
 #error "build with -DLLK_AVX512BF16 or -DLLK_AVX2"
 #endif
 
-// exp(x) for x in [-87, 88] (clamped there): 2^n * e^f with n the nearest integer to x log2 e,
-// so that |f| <= ln(2) / 2, and e^f by its Taylor polynomial of degree 7 (relative error ~1e-9
-// before float32 rounding).
+// exp(x) for x in [-87, 88] (clamped there): 2^n e^f with n the nearest integer to x log2 e and
+// f = x - n ln 2 (ln 2 in two parts, so that f is exact to float32), |f| <= ln(2) / 2; e^f by its
+// Taylor polynomial of degree 7. Within 2 units in the last place of float32.
 inline Vec::F vexp(Vec::F x) {
     x = Vec::min(Vec::max(x, Vec::set1(-87.0f)), Vec::set1(88.0f));
-    Vec::F t = Vec::mul(x, Vec::set1(1.44269504088896341f));
-    Vec::F n = Vec::round(t);
-    Vec::F f = Vec::mul(Vec::sub(t, n), Vec::set1(0.69314718055994531f));
+    Vec::F n = Vec::round(Vec::mul(x, Vec::set1(1.44269504088896341f)));
+    Vec::F f = Vec::fma(n, Vec::set1(-0.693145751953125f), x);  // ln 2's first 16 bits: n * it is exact
+    f = Vec::fma(n, Vec::set1(-1.428606765330187045e-06f), f);   // the rest of ln 2
     Vec::F p = Vec::set1(1.0f / 5040);
     p = Vec::fma(p, f, Vec::set1(1.0f / 720));
     p = Vec::fma(p, f, Vec::set1(1.0f / 120));
@@ -531,6 +544,135 @@ int decode_attention_d(const void *q, long ldq, const void *k, const void *v, co
     return -1;
 }
 
+// ---------------------------------------------------------------------------------------------
+// The small operations of a step, fused: one call each instead of 3-8 torch ops, rounding to the
+// model's dtype T after each op they replace, as torch does, so that they compute what those
+// ops compute (bit for bit but for exp, and for the order of a norm's float32 sum).
+
+template <class T>
+inline Vec::F rounded(Vec::F v) {
+    if constexpr (sizeof(T) == 2) return Vec::round_bf16(v);
+    else return v;
+}
+template <class T>
+inline float rounded_scalar(float v) {
+    if constexpr (sizeof(T) == 2) return bf16_to_f32(f32_to_bf16(v));
+    else return v;
+}
+
+// Run body(first, last) over [0, count) split across threads when the work is worth a fork.
+template <class Body>
+inline void split_rows(long count, long work, int threads, Body body) {
+    if (threads <= 1 || count < 2 || work < (1 << 15)) {
+        body(0, count);
+        return;
+    }
+    if ((long)threads > count) threads = (int)count;
+#pragma omp parallel num_threads(threads)
+    {
+        int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        body(count * t / nt, count * (t + 1) / nt);
+    }
+}
+
+// hidden += delta (when given), then out = weight * rms_norm(hidden) as HF's LlamaRMSNorm computes
+// it: x * rsqrt(mean(x^2) + eps) in float32, rounded to T, times the weight, rounded to T.
+template <class T>
+void add_rmsnorm(T *hidden, const T *delta, const T *weight, T *out, long rows, long D, float eps, int threads) {
+    split_rows(rows, rows * D, threads, [&](long r0, long r1) {
+        for (long r = r0; r < r1; r++) {
+            T *h = hidden + r * D;
+            const T *dl = delta ? delta + r * D : nullptr;
+            Vec::F sq = Vec::zero();
+            long d = 0;
+            for (; d + Vec::N <= D; d += Vec::N) {
+                Vec::F x = Vec::load(h + d);
+                if (dl) {
+                    x = rounded<T>(Vec::add(x, Vec::load(dl + d)));
+                    Vec::store(h + d, x);
+                }
+                sq = Vec::fma(x, x, sq);
+            }
+            float sum = Vec::hsum(sq);
+            for (; d < D; d++) {
+                float x = to_f32(h[d]);
+                if (dl) {
+                    x = rounded_scalar<T>(x + to_f32(dl[d]));
+                    store_scalar(h + d, x);
+                }
+                sum += x * x;
+            }
+            Vec::F scale = Vec::set1(1.0f / sqrtf(sum / (float)D + eps));
+            for (d = 0; d + Vec::N <= D; d += Vec::N) {
+                Vec::F x = rounded<T>(Vec::mul(Vec::load(h + d), scale));
+                Vec::store(out + r * D + d, Vec::mul(Vec::load(weight + d), x));
+            }
+            float sc = 1.0f / sqrtf(sum / (float)D + eps);
+            for (; d < D; d++) store_scalar(out + r * D + d, to_f32(weight[d]) * rounded_scalar<T>(to_f32(h[d]) * sc));
+        }
+    });
+}
+
+// out[r, i] = silu(gate) * up for gate_up's row r = [gate (I) | up (I)]: silu(x) = x / (1 + e^-x)
+// in float32 rounded to T, times up, rounded to T.
+template <class T>
+void silu_mul(const T *gate_up, T *out, long rows, long I, int threads) {
+    split_rows(rows, rows * I, threads, [&](long r0, long r1) {
+        for (long r = r0; r < r1; r++) {
+            const T *g = gate_up + r * 2 * I, *u = g + I;
+            T *o = out + r * I;
+            long i = 0;
+            for (; i + Vec::N <= I; i += Vec::N) {
+                Vec::F x = Vec::load(g + i);
+                Vec::F e = vexp(Vec::sub(Vec::zero(), x));
+                Vec::F act = rounded<T>(Vec::div(x, Vec::add(Vec::set1(1.0f), e)));
+                Vec::store(o + i, Vec::mul(act, Vec::load(u + i)));
+            }
+            for (; i < I; i++) {
+                float x = to_f32(g[i]);
+                store_scalar(o + i, rounded_scalar<T>(x / (1.0f + expf(-x))) * to_f32(u[i]));
+            }
+        }
+    });
+}
+
+// Llama's rotary embedding of the q and k heads of each token's fused q/k/v row, in place, then its
+// k and v written to the cache. Row t of qkv ([tokens, (H + 2 Hkv) D], rows ldq apart) sits at
+// position positions[t] of slot slots[t]; cos and ssin are [positions, D] tables in T, ssin's
+// first half negated, so that the rotation is x * cos + roll(x, D / 2) * ssin, each product
+// rounded to T and their sum rounded to T (torch's _rotate).
+template <class T, class TC>
+void rope_store(T *qkv, long ldq, long tokens, long H, long Hkv, long D, const T *cos, const T *ssin,
+                const int64_t *positions, const int64_t *slots, TC *k_cache, TC *v_cache, long Lmax, int threads) {
+    const long half = D / 2;
+    split_rows(tokens, tokens * (H + 2 * Hkv) * D, threads, [&](long t0, long t1) {
+        for (long t = t0; t < t1; t++) {
+            T *row = qkv + t * ldq;
+            const T *c = cos + positions[t] * D, *sn = ssin + positions[t] * D;
+            for (long h = 0; h < H + Hkv; h++) {
+                T *x = row + h * D;
+                float rotated[512];
+                for (long d = 0; d < D; d += Vec::N) {
+                    Vec::F partner = Vec::load(x + (d + half) % D);  // roll(x, D / 2)[d]
+                    Vec::F a = rounded<T>(Vec::mul(Vec::load(x + d), Vec::load(c + d)));
+                    Vec::F b = rounded<T>(Vec::mul(partner, Vec::load(sn + d)));
+                    Vec::store(rotated + d, Vec::add(a, b));
+                }
+                for (long d = 0; d < D; d += Vec::N) Vec::store(x + d, Vec::load(rotated + d));
+            }
+            const long cache_row = ((slots[t] * Hkv) * Lmax + positions[t]) * D;
+            for (long h = 0; h < Hkv; h++) {
+                const T *k = row + (H + h) * D, *v = row + (H + Hkv + h) * D;
+                TC *kd = k_cache + cache_row + h * Lmax * D, *vd = v_cache + cache_row + h * Lmax * D;
+                for (long d = 0; d < D; d += Vec::N) {
+                    Vec::store(kd + d, Vec::load(k + d));
+                    Vec::store(vd + d, Vec::load(v + d));
+                }
+            }
+        }
+    });
+}
+
 }  // namespace
 
 LLK_API const char *llk_isa(void) { return ISA; }
@@ -563,5 +705,41 @@ LLK_API int llk_decode_attention(const void *q, long ldq, int q_dtype, const voi
     if (q_dtype == 0 && kv_dtype == 0) LLK_TYPES(float, float);
     if (q_dtype == 0 && kv_dtype == 1) LLK_TYPES(float, bf16);
 #undef LLK_TYPES
+    return -1;
+}
+
+// 0 on success, -1 for an unsupported dtype. delta may be null.
+LLK_API int llk_add_rmsnorm(void *hidden, const void *delta, const void *weight, void *out, long rows, long D,
+                            float eps, int dtype, int threads) {
+    if (dtype == 0) add_rmsnorm<float>((float *)hidden, (const float *)delta, (const float *)weight, (float *)out,
+                                       rows, D, eps, threads);
+    else if (dtype == 1) add_rmsnorm<bf16>((bf16 *)hidden, (const bf16 *)delta, (const bf16 *)weight, (bf16 *)out,
+                                           rows, D, eps, threads);
+    else return -1;
+    return 0;
+}
+
+// 0 on success, -1 for an unsupported dtype.
+LLK_API int llk_silu_mul(const void *gate_up, void *out, long rows, long I, int dtype, int threads) {
+    if (dtype == 0) silu_mul<float>((const float *)gate_up, (float *)out, rows, I, threads);
+    else if (dtype == 1) silu_mul<bf16>((const bf16 *)gate_up, (bf16 *)out, rows, I, threads);
+    else return -1;
+    return 0;
+}
+
+// 0 on success, -1 for an unsupported dtype pair or a head size that is not a multiple of the
+// vector width (or over 512).
+LLK_API int llk_rope_store(void *qkv, long ldq, long tokens, long H, long Hkv, long D, const void *cos,
+                           const void *ssin, const int64_t *positions, const int64_t *slots, void *k_cache,
+                           void *v_cache, long Lmax, int dtype, int kv_dtype, int threads) {
+    if (D % (2 * Vec::N) != 0 || D > 512) return -1;
+#define LLK_ROPE(T, TC)                                                                                       \
+    rope_store<T, TC>((T *)qkv, ldq, tokens, H, Hkv, D, (const T *)cos, (const T *)ssin, positions, slots, \
+                      (TC *)k_cache, (TC *)v_cache, Lmax, threads);                                          \
+    return 0
+    if (dtype == 1 && kv_dtype == 1) { LLK_ROPE(bf16, bf16); }
+    if (dtype == 1 && kv_dtype == 0) { LLK_ROPE(bf16, float); }
+    if (dtype == 0 && kv_dtype == 0) { LLK_ROPE(float, float); }
+#undef LLK_ROPE
     return -1;
 }

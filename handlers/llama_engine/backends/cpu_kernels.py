@@ -64,8 +64,10 @@ ISA_NEEDS = {
 }
 #: Best first.
 ISAS = ("avx512bf16", "avx2")
+#: ``-ffp-contract=off``: a product and a sum written apart stay apart (rounded as torch rounds them), where
+#: GCC's default would fuse them into one FMA.
 COMMON_FLAGS = ["-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", "-fvisibility=hidden", "-fno-math-errno",
-                "-Wall", "-Wno-uninitialized", "-Wno-maybe-uninitialized"]
+                "-ffp-contract=off", "-Wall", "-Wno-uninitialized", "-Wno-maybe-uninitialized"]
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 #: Head sizes the attention kernel is compiled for.
 HEAD_DIMS = (32, 64, 128, 256)
@@ -154,6 +156,15 @@ class CpuKernels:
         self._attention = self.lib.llk_decode_attention
         self._attention.argtypes = [p, i64, i32, p, p, i32, p, p, i64, i64, i64, i64, i64, f32, p, i32]
         self._attention.restype = i32
+        self._add_rmsnorm = self.lib.llk_add_rmsnorm
+        self._add_rmsnorm.argtypes = [p, p, p, p, i64, i64, f32, i32, i32]
+        self._add_rmsnorm.restype = i32
+        self._silu_mul = self.lib.llk_silu_mul
+        self._silu_mul.argtypes = [p, p, i64, i64, i32, i32]
+        self._silu_mul.restype = i32
+        self._rope_store = self.lib.llk_rope_store
+        self._rope_store.argtypes = [p, i64, i64, i64, i64, i64, p, p, p, p, p, p, i64, i32, i32, i32]
+        self._rope_store.restype = i32
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``x @ weight.T`` for ``x`` ``[M, K]`` (rows may be strided, elements contiguous) and a contiguous
@@ -183,6 +194,48 @@ class CpuKernels:
             raise ValueError(f"native decode attention: unsupported shape or dtype (q {q.dtype}, cache "
                              f"{k_layer.dtype}, {heads} heads over {kv_heads}, head_dim {dim})")
         return out
+
+    def add_rmsnorm(self, hidden: torch.Tensor, delta: Optional[torch.Tensor], weight: torch.Tensor,
+                    eps: float) -> torch.Tensor:
+        """``hidden += delta`` in place (when given), then HF's LlamaRMSNorm of ``hidden`` with ``weight``:
+        contiguous ``[rows, hidden_size]`` tensors of one dtype; returns the normed rows."""
+        out = torch.empty_like(hidden)
+        code = self._add_rmsnorm(hidden.data_ptr(), 0 if delta is None else delta.data_ptr(), weight.data_ptr(),
+                                 out.data_ptr(), hidden.shape[0], hidden.shape[1], eps, DTYPE_CODES[hidden.dtype],
+                                 torch.get_num_threads())
+        if code:
+            raise ValueError(f"native add_rmsnorm: unsupported dtype {hidden.dtype}")
+        return out
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` for a contiguous ``[rows, 2 * I]`` of ``[gate | up]`` rows; returns ``[rows, I]``."""
+        rows, width = gate_up.shape
+        out = torch.empty((rows, width // 2), dtype=gate_up.dtype)
+        code = self._silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, DTYPE_CODES[gate_up.dtype],
+                              torch.get_num_threads())
+        if code:
+            raise ValueError(f"native silu_mul: unsupported dtype {gate_up.dtype}")
+        return out
+
+    def rope_store(self, qkv: torch.Tensor, heads: int, kv_heads: int, cos: torch.Tensor, signed_sin: torch.Tensor,
+                   positions: torch.Tensor, slots: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor) -> None:
+        """Rotate the q and k heads of each row of ``qkv`` (``[tokens, (heads + 2 kv_heads) * head_dim]``, rows
+        may be strided) in place by the rotary tables' row at its position (``[positions, head_dim]``, first
+        half of ``signed_sin`` negated), and write its k and v into one layer's cache ``[slots, kv_heads,
+        max_length, head_dim]`` at ``(slots[t], positions[t])`` (int64 tensors)."""
+        dim = cos.shape[1]
+        code = self._rope_store(qkv.data_ptr(), qkv.stride(0), qkv.shape[0], heads, kv_heads, dim, cos.data_ptr(),
+                                signed_sin.data_ptr(), positions.data_ptr(), slots.data_ptr(), k_layer.data_ptr(),
+                                v_layer.data_ptr(), k_layer.shape[2], DTYPE_CODES[qkv.dtype],
+                                DTYPE_CODES[k_layer.dtype], torch.get_num_threads())
+        if code:
+            raise ValueError(f"native rope_store: unsupported (weights {qkv.dtype}, cache {k_layer.dtype}, "
+                             f"head_dim {dim})")
+
+    def supports_fused_ops(self, dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int) -> bool:
+        """Whether :meth:`add_rmsnorm`, :meth:`silu_mul` and :meth:`rope_store` serve these dtypes and head size."""
+        return (dtype in DTYPE_CODES and (kv_dtype == dtype or (dtype, kv_dtype) == (torch.bfloat16, torch.float32))
+                and head_dim % 32 == 0 and head_dim <= 512)
 
     def supports_attention(self, q_dtype: torch.dtype, kv_dtype: torch.dtype, heads: int, kv_heads: int,
                            head_dim: int) -> bool:

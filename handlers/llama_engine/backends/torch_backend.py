@@ -225,6 +225,8 @@ class TorchSlotBackend(OnePassSlotBackend):
         self._allocate_cache()
         self._cos, self._signed_sin = self._rope_tables()
         self._fused = self._fuse_projections(owns_model) if fuse else [None] * cfg.num_hidden_layers
+        #: Passes run :meth:`_fused_forward`: the native kernels' fused small ops, where they serve this model.
+        self._fused_ops = self._kernels is not None and self._fuses_small_ops()
         #: Prompt chunks attend by :class:`_PromptAttention` (see :func:`prompts_attend_by_blocks`).
         self._prompt_by_blocks = prompts_attend_by_blocks(self.dtype, self.kv_dtype, self.device)
 
@@ -252,6 +254,18 @@ class TorchSlotBackend(OnePassSlotBackend):
                         device: str = "auto", kv_cache_dtype: str = "auto") -> "TorchSlotBackend":
         return cls(load_model(model_path, dtype, device, max_length), max_slots, max_length,
                    owns_model=True, kv_cache_dtype=kv_cache_dtype)
+
+    def _fuses_small_ops(self) -> bool:
+        """Whether :meth:`_fused_forward` computes this model's forward: fused projections in every layer,
+        HF's Llama RMSNorm and SiLU, and dtypes and a head size the native kernels serve."""
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+        inner = self.model.model
+        norms = [inner.norm] + [n for layer in inner.layers for n in (layer.input_layernorm,
+                                                                      layer.post_attention_layernorm)]
+        return (self._kernels.supports_fused_ops(self.dtype, self.kv_dtype, self.head_dim)
+                and all(f is not None for f in self._fused) and all(type(n) is LlamaRMSNorm for n in norms)
+                and all(type(getattr(layer.mlp, "act_fn", None)) is torch.nn.SiLU for layer in inner.layers))
 
     def _fuse_projections(self, owns_model: bool) -> List[Optional[FusedLlamaProjections]]:
         """Each layer's q/k/v and gate/up as two products (None for a layer that cannot be fused)."""
@@ -345,6 +359,8 @@ class TorchSlotBackend(OnePassSlotBackend):
         in order) say how each run of them attends. The write index and every part's plan
         (masks, indices) are built once here for all layers.
         """
+        if self._fused_ops:
+            return self._fused_forward(ids, slots, positions, parts, sizes, last)
         inner = self.model.model
         ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         positions = torch.tensor(positions, device=self.device)
@@ -359,6 +375,44 @@ class TorchSlotBackend(OnePassSlotBackend):
             hidden = hidden + (layer.mlp(mlp_in) if fused is None else fused.mlp(mlp_in, layer.mlp))
         last = torch.tensor(last, device=self.device)
         return self.model.lm_head(inner.norm(hidden.index_select(0, last))).float()
+
+    def _fused_forward(self, ids: List[int], slots: List[int], positions: List[int], parts, sizes: List[int],
+                       last: List[int]) -> torch.Tensor:
+        """:meth:`_forward` with the native kernels' fused small ops (:data:`_fused_ops`): each residual add
+        and the RMSNorm after it as one call, the rotary embedding and the K/V cache write as one, SiLU
+        and the product with the up projection as one; each rounds as the torch ops it replaces.
+
+        12 layers of ~30 torch ops became ~9 calls each: a bench-model decode step spent ~1.0 ms (1 row)
+        and ~1.5 ms (8 rows) outside its linears and attention (Zen 5 EPYC, 2 threads).
+        """
+        kernels, inner = self._kernels, self.model.model
+        positions = torch.tensor(positions, dtype=torch.int64)
+        slots = torch.tensor(slots, dtype=torch.int64)
+        hidden = inner.embed_tokens(torch.tensor(ids, dtype=torch.long))
+        delta = None  # the residual branch not yet added to ``hidden``
+        for index, layer in enumerate(inner.layers):
+            norm = layer.input_layernorm
+            attn_in = kernels.add_rmsnorm(hidden, delta, norm.weight, norm.variance_epsilon)
+            delta = self._fused_attention(index, layer.self_attn, attn_in, positions, slots, parts, sizes)
+            norm = layer.post_attention_layernorm
+            mlp_in = kernels.add_rmsnorm(hidden, delta, norm.weight, norm.variance_epsilon)
+            delta = layer.mlp.down_proj(kernels.silu_mul(self._fused[index].gate_up_proj(mlp_in)))
+        last = torch.tensor(last)
+        normed = kernels.add_rmsnorm(hidden.index_select(0, last), delta.index_select(0, last), inner.norm.weight,
+                                     inner.norm.variance_epsilon)
+        return self.model.lm_head(normed).float()
+
+    def _fused_attention(self, index, attn, x, positions, slots, parts, sizes) -> torch.Tensor:
+        """:meth:`_attention` with the rotation and the cache write in one native call (in place in the
+        fused q/k/v product)."""
+        n, heads = x.shape[0], self.n_heads + self.n_kv_heads
+        qkv = self._fused[index].qkv_proj(x)
+        k_layer, v_layer = self.k_cache[index], self.v_cache[index]
+        self._kernels.rope_store(qkv, self.n_heads, self.n_kv_heads, self._cos, self._signed_sin, positions, slots,
+                                 k_layer, v_layer)
+        qkv = qkv.view(n, heads + self.n_kv_heads, self.head_dim)
+        return self._attend(attn, qkv[:, :self.n_heads], qkv[:, self.n_heads:heads], qkv[:, heads:], k_layer,
+                            v_layer, parts, sizes)
 
     def _write_index(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Flat row numbers ``[N * kv_heads]`` of each new key in a layer's cache viewed as ``[-1, head_dim]``.
@@ -392,6 +446,12 @@ class TorchSlotBackend(OnePassSlotBackend):
         kv = self.kv_dtype
         k_layer.view(-1, self.head_dim).index_copy_(0, write, k.reshape(-1, self.head_dim).to(kv))
         v_layer.view(-1, self.head_dim).index_copy_(0, write, v.reshape(-1, self.head_dim).to(kv))
+        return self._attend(attn, q, k, v, k_layer, v_layer, parts, sizes)
+
+    def _attend(self, attn, q, k, v, k_layer, v_layer, parts, sizes) -> torch.Tensor:
+        """Each part's tokens attend as the part says (the cache already holds their keys and values);
+        the heads' outputs through ``o_proj``."""
+        n = q.shape[0]
         gqa = self.n_heads != self.n_kv_heads
         split = (lambda t: t.split(sizes)) if len(parts) > 1 else (lambda t: (t,))
         outs = [part(q_part, k_part, v_part, k_layer, v_layer, gqa)
