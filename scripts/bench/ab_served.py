@@ -2,9 +2,12 @@
 
     python -m scripts.bench.ab_served model-config/bench-llama-llamacpp.yaml my-variant.yaml
     python -m scripts.bench.ab_served llama-server llama-server:t1 --streams 1
+    python -m scripts.bench.ab_served model-config/bench-llama-continuous.yaml@HEAD model-config/bench-llama-continuous.yaml
 
 A variant is a model-config (built from the bench model into its own TorchServe, as the bench
-serves it) or ``llama-server`` (``llama-server:tN``: N threads for a batch of one token, ``-t``).
+serves it), the same at a git revision (``CONFIG@REV``: the archive is built by that revision's
+own code, exported with ``git archive``, so a code change is compared served), or
+``llama-server`` (``llama-server:tN``: N threads for a batch of one token, ``-t``).
 Both stay up; each round sends the same wave of ``--streams`` requests to one, then the other,
 in alternating order, so the machine's drift between minutes falls on both alike. Prints each
 one's output tokens/s per round and the median. Needs ``make bench-models`` (and ``make
@@ -14,6 +17,7 @@ compare fixed pairs; this compares any two.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -39,15 +43,34 @@ def make_system(variant: str, index: int, work: Path, dtype: str, threads: int):
         if not ok:
             raise SystemExit(f"llama-server: {detail}")
         return system
+    variant, _, revision = variant.partition("@")
     config = derived_config(Path(variant).resolve(), work / f"variant{index}.yaml", dtype, threads, {})
     system = TorchServeSystem(work / f"variant{index}", config, model_dir(dtype), model_name=f"variant{index}")
-    system.build()
+    if revision:
+        build_at_revision(system, revision, work / f"tree{index}")
+    else:
+        system.build()
     return system
+
+
+def build_at_revision(system, revision: str, tree: Path) -> None:
+    """Build ``system``'s archive with the project's code at ``revision`` (its handler, engine and
+    build script), exported into ``tree``."""
+    import subprocess
+
+    tree.mkdir(parents=True)
+    archive = subprocess.run(["git", "archive", revision], cwd=ROOT, check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+    env = {**os.environ, "PYTHONPATH": f"{tree / 'handlers'}{os.pathsep}{tree}"}
+    subprocess.run([sys.executable, str(tree / "scripts" / "build_model.py"), "--config", str(system.config),
+                    "--checkpoint", str(system.checkpoint), "--name", system.model_name,
+                    "--build-dir", str(system.work / "models" / system.model_name),
+                    "--export-path", str(system.store)], cwd=tree, env=env, check=True)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("a", help="a model-config path, or llama-server[:tN]")
+    parser.add_argument("a", help="a model-config path (CONFIG@REV: built by a git revision's code), or llama-server[:tN]")
     parser.add_argument("b", help="the other variant, the same way")
     parser.add_argument("--streams", default="1,8", help="comma list of concurrent streams per wave (default 1,8)")
     parser.add_argument("--rounds", type=int, default=4, help="alternated rounds per stream count (default 4)")
