@@ -204,9 +204,9 @@ def test_isa_for_picks_the_best_instruction_set_the_cpu_runs():
 
 @pytest.mark.skipif(not _loaded_libgomps(), reason="torch here runs no libgomp")
 @pytest.mark.parametrize("isa", ISAS)
-def test_the_kernels_run_on_torchs_openmp_runtime(isa, isolated):
-    """In a fresh process: loading the kernels maps no OpenMP runtime besides the one torch loaded,
-    so their threads are torch's team, not a second one on the same cores."""
+def test_the_kernels_bring_no_second_openmp_runtime(isa, isolated):
+    """In a fresh process: loading and running the kernels maps no OpenMP runtime besides the one torch
+    loaded (their threads are their own pool), so nothing else spins on torch's cores."""
     script = (
         "import os, torch\n"
         "from llama_engine.backends import cpu_kernels\n"

@@ -10,10 +10,13 @@
 // dtype codes: 0 float32, 1 bfloat16. Every pointer is to contiguous row-major data.
 #include <immintrin.h>
 #include <math.h>
-#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
+#include <atomic>
+#include <chrono>
+#include <mutex>
+#include <thread>
 #include <vector>
 
 #define LLK_API extern "C" __attribute__((visibility("default")))
@@ -183,6 +186,101 @@ inline Vec::F vexp(Vec::F x) {
 inline void prefetch(const void *p) { _mm_prefetch((const char *)p, _MM_HINT_T0); }
 
 // ---------------------------------------------------------------------------------------------
+// The kernels' threads: the caller and helper threads claim chunks of a job from one counter.
+//
+// OpenMP's parallel regions end at a barrier that waits for every thread of the team, so when a
+// server's other processes take one core for a while, the model's other thread stands idle at
+// that barrier. Here a job is done when its chunks are: the caller works through them itself
+// and waits only for chunks a helper has claimed and not yet finished, never for a helper that
+// has not started. Helpers spin a short while for the next job (the gaps between a step's
+// kernels) and then sleep (the gaps between steps, when the server needs the cores).
+
+class Pool {
+  public:
+    // Run body(c) for c in [0, chunks) on up to `threads` threads (the caller one of them).
+    template <class Body>
+    void run(long chunks, int threads, Body &&body) {
+        if (threads <= 1 || chunks <= 1 || !dispatch_.try_lock()) {  // busy with another caller's job: alone
+            for (long c = 0; c < chunks; c++) body(c);
+            return;
+        }
+        start_helpers(threads - 1);
+        Job job{chunks, [](void *ctx, long c) { (*static_cast<Body *>(ctx))(c); }, &body};
+        job_ = &job;
+        done_.store(0, std::memory_order_relaxed);
+        // a new generation in the high half, chunk 0 in the low half
+        const uint64_t gen = (ticket_.load(std::memory_order_relaxed) >> 32) + 1;
+        ticket_.store(gen << 32, std::memory_order_release);
+        generation_.store((uint32_t)gen, std::memory_order_release);
+        generation_.notify_all();
+        work(gen, job);
+        while (done_.load(std::memory_order_acquire) < chunks) _mm_pause();
+        job_ = nullptr;
+        dispatch_.unlock();
+    }
+
+  private:
+    struct Job {
+        long chunks;
+        void (*call)(void *, long);
+        void *ctx;
+    };
+
+    // Claim and run chunks of generation gen until none are left, counting each one done.
+    void work(uint64_t gen, const Job &job) {
+        for (;;) {
+            uint64_t t = ticket_.load(std::memory_order_acquire);
+            if ((t >> 32) != gen || (long)(t & 0xffffffffu) >= job.chunks) return;
+            if (!ticket_.compare_exchange_weak(t, t + 1, std::memory_order_acq_rel)) continue;
+            job.call(job.ctx, (long)(t & 0xffffffffu));
+            done_.fetch_add(1, std::memory_order_release);
+        }
+    }
+
+    void helper() {
+        uint32_t seen = generation_.load(std::memory_order_acquire);
+        for (;;) {
+            auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(SPIN_US);
+            uint32_t now;
+            while ((now = generation_.load(std::memory_order_acquire)) == seen) {
+                if (std::chrono::steady_clock::now() > until) {
+                    generation_.wait(seen, std::memory_order_acquire);
+                } else {
+                    for (int i = 0; i < 64; i++) _mm_pause();
+                }
+            }
+            seen = now;
+            const Job *job = job_;
+            if (job == nullptr) continue;
+            // the job is valid while its generation's chunks remain: work() checks that with every claim
+            work((uint64_t)now, *job);
+        }
+    }
+
+    void start_helpers(int count) {
+        while ((int)helpers_.size() < count) {
+            helpers_.emplace_back([this] { helper(); });
+            helpers_.back().detach();
+        }
+    }
+
+    // How long a helper waits, spinning, for the next job before it sleeps.
+    static const int SPIN_US = 200;
+    std::mutex dispatch_;
+    std::atomic<uint64_t> ticket_{0};
+    std::atomic<uint32_t> generation_{0};
+    std::atomic<long> done_{0};
+    const Job *volatile job_ = nullptr;
+    std::vector<std::thread> helpers_;
+};
+
+Pool &pool() {
+    static Pool *instance = new Pool();  // never destroyed: its helpers outlive static destructors
+    return *instance;
+}
+
+
+// ---------------------------------------------------------------------------------------------
 // linear: y[M, N] = x[M, K] @ w[N, K]^T for the few rows of a decode step.
 //
 // Each thread takes a contiguous range of w's rows and walks it in blocks of R rows, each
@@ -290,29 +388,25 @@ void linear_rows(const T *x, long ldx, const T *w, T *y, long ldy, long M, long 
         }
 }
 
+// The rows of w a thread takes at a time (see linear()).
+static const long CHUNK_BYTES = 64 << 10;
+
 template <class T>
 void linear(const T *x, long ldx, const T *w, T *y, long ldy, long M, long K, long N, int threads) {
     // Prefetch distance in elements: ~2 KB ahead for one row of x, ~8 KB once each byte of w
     // meets several rows (measured on the bench model's weights, 2 threads, Zen 5).
     const long pf = (M == 1 ? 1024 : 4096) / (long)sizeof(T);
     const int R = M == 1 ? 1 : 4;
-    long blocks = N / R;
-    if (threads < 1) threads = 1;
-    if ((long)threads > blocks) threads = blocks > 0 ? (int)blocks : 1;
     auto run = [&](long n0, long n1) {
         if (M == 1) linear_rows<T, 1, 1>(x, ldx, w, y, ldy, M, K, n0, n1, pf);
         else linear_rows<T, 4, Vec::N / 4>(x, ldx, w, y, ldy, M, K, n0, n1, pf);
     };
-    if (threads == 1) {
-        run(0, N);
-        return;
-    }
-#pragma omp parallel num_threads(threads)
-    {
-        int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        long n0 = blocks * t / nt * R, n1 = t == nt - 1 ? N : blocks * (t + 1) / nt * R;
-        run(n0, n1);
-    }
+    // Rows of w go out in chunks of ~CHUNK_BYTES, each to whichever thread is free (see Pool).
+    const long row_bytes = K * (long)sizeof(T);
+    long chunk = (CHUNK_BYTES / row_bytes) / R * R;
+    if (chunk < R) chunk = R;
+    const long chunks = (N + chunk - 1) / chunk;
+    pool().run(chunks, threads, [&](long c) { run(c * chunk, c + 1 == chunks ? N : (c + 1) * chunk); });
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -510,19 +604,13 @@ template <class TQ, class TC, int D>
 void decode_attention(const TQ *q, long ldq, const TC *k, const TC *v, const int64_t *slots, const int64_t *lens,
                       long rows, long H, long Hkv, long Lmax, float scale, TQ *out, int threads) {
     const long G = H / Hkv, items = rows * Hkv;
-    if (threads < 1) threads = 1;
-    if ((long)threads > items) threads = (int)items;
-#pragma omp parallel num_threads(threads)
-    {
-        std::vector<float> scores;
-#pragma omp for schedule(dynamic, 1)
-        for (long item = 0; item < items; item++) {
-            long b = item / Hkv, h = item % Hkv;
-            long base = (slots[b] * Hkv + h) * Lmax * D;
-            attend_item<TQ, TC, D>(q + b * ldq + h * G * D, k + base, v + base, lens[b], (int)G, scale,
-                                   out + (b * H + h * G) * D, scores);
-        }
-    }
+    pool().run(items, threads, [&](long item) {
+        thread_local std::vector<float> scores;
+        long b = item / Hkv, h = item % Hkv;
+        long base = (slots[b] * Hkv + h) * Lmax * D;
+        attend_item<TQ, TC, D>(q + b * ldq + h * G * D, k + base, v + base, lens[b], (int)G, scale,
+                               out + (b * H + h * G) * D, scores);
+    });
 }
 
 template <class TQ, class TC>
@@ -567,12 +655,8 @@ inline void split_rows(long count, long work, int threads, Body body) {
         body(0, count);
         return;
     }
-    if ((long)threads > count) threads = (int)count;
-#pragma omp parallel num_threads(threads)
-    {
-        int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        body(count * t / nt, count * (t + 1) / nt);
-    }
+    const long chunks = count < 4L * threads ? count : 4L * threads;
+    pool().run(chunks, threads, [&](long c) { body(count * c / chunks, count * (c + 1) / chunks); });
 }
 
 // hidden += delta (when given), then out = weight * rms_norm(hidden) as HF's LlamaRMSNorm computes
