@@ -293,3 +293,42 @@ def test_rope_store_rotates_like_the_backend_and_writes_each_tokens_kv_at_its_sl
         assert torch.equal(k_layer[slots[t], :, positions[t]], want[t, heads:].to(kv_dtype))
         assert torch.equal(v_layer[slots[t], :, positions[t]], per_head[t, heads + kv_heads:].to(kv_dtype))
     assert int((k_layer != 0).any(-1).sum()) == 4 * kv_heads  # nothing else written
+
+
+@pytest.mark.parametrize("kernels", ISAS[:1], indirect=True)
+def test_the_kernels_thread_pool_gives_every_caller_its_own_right_answer(kernels):
+    """Two Python threads call the kernels at once (ctypes drops the GIL: one gets the pool, the other runs
+    alone), with pauses long enough for the helpers to fall asleep between some calls, and jobs of
+    different chunk counts back to back: every result is the float64 product to bf16 rounding."""
+    import threading
+    import time
+
+    gen = torch.Generator().manual_seed(5)
+    shapes = [(1, 768, 2304), (3, 256, 100), (8, 3072, 768), (1, 64, 7)]
+    cases = [(torch.randn(m, k, generator=gen).to(torch.bfloat16), torch.randn(n, k, generator=gen).to(torch.bfloat16))
+             for m, k, n in shapes]
+    wants = [x.double() @ w.double().T for x, w in cases]
+    failures = []
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+
+    def caller(seed):
+        order = torch.randperm(200, generator=torch.Generator().manual_seed(seed)) % len(cases)
+        for i, case in enumerate(order.tolist()):
+            got = kernels.linear(*cases[case]).double()
+            bound = ROUNDING[torch.bfloat16] * wants[case].abs() + ACCUMULATION * 4096
+            if ((got - wants[case]).abs() > bound).any():
+                failures.append((seed, i, case))
+            if i % 50 == 49:
+                time.sleep(0.01)  # past the helpers' spin: they sleep, and the next job wakes them
+
+    try:
+        threads = [threading.Thread(target=caller, args=(seed,)) for seed in (1, 2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+    finally:
+        torch.set_num_threads(previous)
+    assert not any(t.is_alive() for t in threads), "a call never returned"
+    assert not failures, failures[:5]
