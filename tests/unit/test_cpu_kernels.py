@@ -332,3 +332,12 @@ def test_the_kernels_thread_pool_gives_every_caller_its_own_right_answer(kernels
         torch.set_num_threads(previous)
     assert not any(t.is_alive() for t in threads), "a call never returned"
     assert not failures, failures[:5]
+
+
+@pytest.mark.parametrize("kernels", ISAS, indirect=True)
+def test_the_pool_runs_every_chunk_of_every_job_exactly_once(kernels):
+    """Hundreds of thousands of jobs of 1-64 chunks back to back, helpers late or early: each chunk of each
+    job ran once before its job returned. (A helper that read the next job before its ticket opened once ran
+    a chunk early, and a served worker crashed on it under load.)"""
+    assert kernels.pool_check(jobs=200_000, max_chunks=64, threads=3) == 0
+    assert kernels.pool_check(jobs=20_000, max_chunks=2, threads=2) == 0

@@ -206,16 +206,20 @@ class Pool {
         }
         start_helpers(threads - 1);
         Job job{chunks, [](void *ctx, long c) { (*static_cast<Body *>(ctx))(c); }, &body};
-        job_ = &job;
-        done_.store(0, std::memory_order_relaxed);
-        // a new generation in the high half, chunk 0 in the low half
+        // The ticket holds the generation in its high half and the next chunk in its low half. It
+        // changes generation closed (no chunk to claim) before the job does: a helper still on the
+        // last generation, however late, then finds no ticket of its generation to claim, whichever
+        // job it reads. Only then the job, and the ticket opened at chunk 0.
         const uint64_t gen = (ticket_.load(std::memory_order_relaxed) >> 32) + 1;
+        ticket_.store((gen << 32) | CLOSED, std::memory_order_seq_cst);
+        job_.store(&job, std::memory_order_release);
+        done_.store(0, std::memory_order_relaxed);
         ticket_.store(gen << 32, std::memory_order_release);
         generation_.store((uint32_t)gen, std::memory_order_release);
         generation_.notify_all();
         work(gen, job);
         while (done_.load(std::memory_order_acquire) < chunks) _mm_pause();
-        job_ = nullptr;
+        job_.store(nullptr, std::memory_order_release);
         dispatch_.unlock();
     }
 
@@ -230,9 +234,9 @@ class Pool {
     void work(uint64_t gen, const Job &job) {
         for (;;) {
             uint64_t t = ticket_.load(std::memory_order_acquire);
-            if ((t >> 32) != gen || (long)(t & 0xffffffffu) >= job.chunks) return;
+            if ((t >> 32) != gen || (t & CLOSED) == CLOSED || (long)(t & CLOSED) >= job.chunks) return;
             if (!ticket_.compare_exchange_weak(t, t + 1, std::memory_order_acq_rel)) continue;
-            job.call(job.ctx, (long)(t & 0xffffffffu));
+            job.call(job.ctx, (long)(t & CLOSED));
             done_.fetch_add(1, std::memory_order_release);
         }
     }
@@ -250,7 +254,7 @@ class Pool {
                 }
             }
             seen = now;
-            const Job *job = job_;
+            const Job *job = job_.load(std::memory_order_acquire);
             if (job == nullptr) continue;
             // the job is valid while its generation's chunks remain: work() checks that with every claim
             work((uint64_t)now, *job);
@@ -264,13 +268,15 @@ class Pool {
         }
     }
 
+    // A ticket's chunk field when no chunk may be claimed.
+    static const uint64_t CLOSED = 0xffffffffu;
     // How long a helper waits, spinning, for the next job before it sleeps.
     static const int SPIN_US = 200;
     std::mutex dispatch_;
     std::atomic<uint64_t> ticket_{0};
     std::atomic<uint32_t> generation_{0};
     std::atomic<long> done_{0};
-    const Job *volatile job_ = nullptr;
+    std::atomic<const Job *> job_{nullptr};
     std::vector<std::thread> helpers_;
 };
 
@@ -826,4 +832,29 @@ LLK_API int llk_rope_store(void *qkv, long ldq, long tokens, long H, long Hkv, l
     if (dtype == 0 && kv_dtype == 0) { LLK_ROPE(float, float); }
 #undef LLK_ROPE
     return -1;
+}
+
+// The pool's own check: `jobs` jobs back to back of 1 to max_chunks chunks each (of uneven length)
+// on `threads` threads, now and then after a pause long enough for the helpers to fall asleep (so
+// that they wake late, into later jobs); returns how many jobs saw a chunk run other than exactly
+// once by the time the job returned (0 when the pool is right).
+LLK_API long llk_pool_check(long jobs, long max_chunks, int threads) {
+    const long SLEEP_US = 250;  // past a helper's spin (Pool::SPIN_US)
+    long wrong = 0;
+    std::vector<std::atomic<int>> runs(max_chunks);
+    for (long j = 0; j < jobs; j++) {
+        const long n = 1 + (j * 7919) % max_chunks;
+        if (j % 64 == 63) std::this_thread::sleep_for(std::chrono::microseconds(SLEEP_US + j % 300));
+        for (long c = 0; c < n; c++) runs[c].store(0, std::memory_order_relaxed);
+        pool().run(n, threads, [&](long c) {
+            for (long i = 0; i < (c * 31 + j) % 97; i++) _mm_pause();
+            runs[c].fetch_add(1, std::memory_order_relaxed);
+        });
+        for (long c = 0; c < n; c++)
+            if (runs[c].load(std::memory_order_relaxed) != 1) {
+                wrong++;
+                break;
+            }
+    }
+    return wrong;
 }

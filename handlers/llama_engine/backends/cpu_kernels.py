@@ -167,6 +167,9 @@ class CpuKernels:
         self._rope_store = self.lib.llk_rope_store
         self._rope_store.argtypes = [p, i64, i64, i64, i64, i64, p, p, p, p, p, p, i64, i32, i32, i32]
         self._rope_store.restype = i32
+        self._pool_check = self.lib.llk_pool_check
+        self._pool_check.argtypes = [i64, i64, i32]
+        self._pool_check.restype = i64
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``x @ weight.T`` for ``x`` ``[M, K]`` (rows may be strided, elements contiguous) and a contiguous
@@ -233,6 +236,11 @@ class CpuKernels:
         if code:
             raise ValueError(f"native rope_store: unsupported (weights {qkv.dtype}, cache {k_layer.dtype}, "
                              f"head_dim {dim})")
+
+    def pool_check(self, jobs: int, max_chunks: int, threads: int) -> int:
+        """The library's thread pool run ``jobs`` times back to back: how many jobs ran a chunk other than
+        exactly once (0 when it is right; tests/unit/test_cpu_kernels.py)."""
+        return self._pool_check(jobs, max_chunks, threads)
 
     def supports_fused_ops(self, dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int) -> bool:
         """Whether :meth:`add_rmsnorm`, :meth:`silu_mul` and :meth:`rope_store` serve these dtypes and head size."""
