@@ -206,10 +206,10 @@ class Pool {
         }
         start_helpers(threads - 1);
         Job job{chunks, [](void *ctx, long c) { (*static_cast<Body *>(ctx))(c); }, &body};
-        // The ticket holds the generation in its high half and the next chunk in its low half. It
-        // changes generation closed (no chunk to claim) before the job does: a helper still on the
-        // last generation, however late, then finds no ticket of its generation to claim, whichever
-        // job it reads. Only then the job, and the ticket opened at chunk 0.
+        // The ticket holds the generation in its high half and the next chunk in its low half; it is
+        // open (a chunk to claim) only while its job lives. It changes generation closed before the
+        // job changes: a helper still on the last generation, however late, finds no ticket of its
+        // generation to claim, whichever job it reads. Then the job, and the ticket opened at chunk 0.
         const uint64_t gen = (ticket_.load(std::memory_order_relaxed) >> 32) + 1;
         ticket_.store((gen << 32) | CLOSED, std::memory_order_seq_cst);
         job_.store(&job, std::memory_order_release);
@@ -219,6 +219,9 @@ class Pool {
         generation_.notify_all();
         work(gen, job);
         while (done_.load(std::memory_order_acquire) < chunks) _mm_pause();
+        // Closed again before the job goes: a helper that read this ticket exhausted but not closed
+        // may read the job's chunk count after the job is gone, and its claim must then fail.
+        ticket_.store((gen << 32) | CLOSED, std::memory_order_release);
         job_.store(nullptr, std::memory_order_release);
         dispatch_.unlock();
     }
@@ -273,7 +276,7 @@ class Pool {
     // How long a helper waits, spinning, for the next job before it sleeps.
     static const int SPIN_US = 200;
     std::mutex dispatch_;
-    std::atomic<uint64_t> ticket_{0};
+    std::atomic<uint64_t> ticket_{CLOSED};
     std::atomic<uint32_t> generation_{0};
     std::atomic<long> done_{0};
     std::atomic<const Job *> job_{nullptr};
@@ -834,22 +837,36 @@ LLK_API int llk_rope_store(void *qkv, long ldq, long tokens, long H, long Hkv, l
     return -1;
 }
 
+// Overwrite the stack below the caller with bytes that, read as a dead job, claim every chunk and
+// call nowhere: what the model's Python frames do to a finished job's memory in a served worker.
+__attribute__((noinline)) static void scribble_stack() {
+    volatile unsigned char junk[8192];
+    for (size_t i = 0; i < sizeof(junk); i++) junk[i] = 0x7f;
+}
+
 // The pool's own check: `jobs` jobs back to back of 1 to max_chunks chunks each (of uneven length)
-// on `threads` threads, now and then after a pause long enough for the helpers to fall asleep (so
-// that they wake late, into later jobs); returns how many jobs saw a chunk run other than exactly
-// once by the time the job returned (0 when the pool is right).
+// on `threads` threads, the stack scribbled between them, now and then after a pause long enough
+// for the helpers to fall asleep (so that they wake late, after their job); returns how many jobs
+// saw a chunk run other than exactly once by the time the job returned (0 when the pool is right;
+// a pool that let a helper claim from a dead job crashes here instead).
+// One job of the check, in a frame of its own that the next scribble_stack() overwrites.
+__attribute__((noinline)) static void counted_job(std::atomic<int> *runs, long n, long j, int threads) {
+    pool().run(n, threads, [&](long c) {
+        for (long i = 0; i < (c * 31 + j) % 97; i++) _mm_pause();
+        runs[c].fetch_add(1, std::memory_order_relaxed);
+    });
+}
+
 LLK_API long llk_pool_check(long jobs, long max_chunks, int threads) {
     const long SLEEP_US = 250;  // past a helper's spin (Pool::SPIN_US)
     long wrong = 0;
     std::vector<std::atomic<int>> runs(max_chunks);
     for (long j = 0; j < jobs; j++) {
         const long n = 1 + (j * 7919) % max_chunks;
+        scribble_stack();
         if (j % 64 == 63) std::this_thread::sleep_for(std::chrono::microseconds(SLEEP_US + j % 300));
         for (long c = 0; c < n; c++) runs[c].store(0, std::memory_order_relaxed);
-        pool().run(n, threads, [&](long c) {
-            for (long i = 0; i < (c * 31 + j) % 97; i++) _mm_pause();
-            runs[c].fetch_add(1, std::memory_order_relaxed);
-        });
+        counted_job(runs.data(), n, j, threads);
         for (long c = 0; c < n; c++)
             if (runs[c].load(std::memory_order_relaxed) != 1) {
                 wrong++;
