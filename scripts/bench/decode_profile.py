@@ -21,32 +21,52 @@ import importlib.util
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 BACKENDS = "handlers/llama_engine/backends"
 #: The modules taken from the baseline revision, in import order: a kernel change in
-#: ``fast_linear`` is compared as well as one in ``torch_backend``.
-MODULES = ("fast_linear", "torch_backend")
+#: ``cpu_kernels`` (its C++ source too: the baseline builds its own library) or ``fast_linear`` is
+#: compared as well as one in ``torch_backend``.
+MODULES = ("cpu_kernels", "fast_linear", "torch_backend")
+#: Modules a revision may predate (its other modules then do not import them).
+OPTIONAL = ("cpu_kernels",)
+
+
+def git_show(rev: str, path: str) -> Optional[str]:
+    done = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, capture_output=True, text=True)
+    return done.stdout if done.returncode == 0 else None
 
 
 def load_baseline(rev: str):
-    """The baseline revision's torch_backend module (over its own fast_linear), importable next to the current one."""
-    module = None
+    """The baseline revision's torch_backend module (over its own fast_linear and native kernels),
+    importable next to the current one."""
+    module, loaded = None, []
+    tree = Path(tempfile.mkdtemp(prefix="decode-profile-"))
     for stem in MODULES:
-        source = subprocess.run(["git", "show", f"{rev}:{BACKENDS}/{stem}.py"], cwd=ROOT, check=True,
-                                capture_output=True, text=True).stdout
-        for earlier in MODULES[:MODULES.index(stem)]:
+        source = git_show(rev, f"{BACKENDS}/{stem}.py")
+        if source is None:
+            if stem in OPTIONAL:
+                continue
+            sys.exit(f"{rev}:{BACKENDS}/{stem}.py does not exist")
+        for earlier in loaded:
             source = source.replace(f"from .{earlier} import", f"from ._baseline_{earlier} import")
+            source = source.replace(f"from . import {earlier}", f"from . import _baseline_{earlier} as {earlier}")
+        if stem == "cpu_kernels":  # the revision's C++ next to its module, built into its own library
+            (tree / "cpu_kernels.cpp").write_text(git_show(rev, f"{BACKENDS}/cpu_kernels.cpp"))
         name = f"llama_engine.backends._baseline_{stem}"
         spec = importlib.util.spec_from_loader(name, loader=None)
         module = importlib.util.module_from_spec(spec)
         module.__package__ = "llama_engine.backends"
+        module.__file__ = str(tree / f"{stem}.py")
         sys.modules[name] = module
         exec(compile(source, f"{rev}:{BACKENDS}/{stem}.py", "exec"), module.__dict__)
+        loaded.append(stem)
     return module
 
 
