@@ -296,12 +296,37 @@ def steady_rate(bound: dict, utilization: float) -> dict:
                 micro_capacity_per_s=round(capacity, 4), micro_tps=round(bound["micro_tps"], 2))
 
 
+def overload_rate(bound: dict, overload: float) -> dict:
+    """The arrival rate at ``overload`` times what the ideal continuous batcher serves of ``bound``'s requests.
+
+    Like :func:`steady_rate`, from the saturated replay (every slot busy every step, arrivals
+    ignored): ``saturated_ideal_tps`` gives the requests/s the ideal serves at the step costs
+    measured here; past it, every server's queue grows, and its throughput is its capacity.
+    """
+    capacity = bound["saturated_ideal_tps"] * bound["requests"] / bound["tokens"]
+    return dict(rate=round(overload * capacity, 4), overload=overload, ideal_capacity_per_s=round(capacity, 4),
+                saturated_ideal_tps=round(bound["saturated_ideal_tps"], 2))
+
+
+def pace_for(bound: dict, load: dict) -> Optional[dict]:
+    """The pace of a load given by ``requests`` (its ``utilization`` of micro-batching's capacity, or
+    ``overload`` times the ideal continuous batcher's), or None for a load with a fixed rate."""
+    if "requests" not in load:
+        return None
+    if load.get("utilization"):
+        return steady_rate(bound, load["utilization"])
+    if load.get("overload"):
+        return overload_rate(bound, load["overload"])
+    return None
+
+
 def main(argv=None) -> int:
     plan = MODES["default"]
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--load", choices=["mixed", "wide", "steady"], default="mixed",
-                   help="the bench's Poisson load: mixed (default), wide (outputs spread widely) or steady "
-                        "(the mixed load's lengths, paced to micro-batching's requests/s here)")
+                   help="the bench's Poisson load: mixed (default) or wide (outputs spread widely), each paced "
+                        "past the ideal continuous batcher's requests/s here, or steady (the mixed load's "
+                        "lengths, paced to 60%% of micro-batching's)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=auto_dtype("cpu"),
                    help="default: what handler.dtype: auto picks on this CPU")
     p.add_argument("--model", type=Path, help="checkpoint (default: build/bench-model-<dtype>)")
@@ -321,11 +346,13 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(args.threads)
     load = dict(plan[{"mixed": "poisson", "wide": "poisson_wide", "steady": "poisson_steady"}[args.load]])
-    load.update({k: v for k, v in (("rate", args.rate), ("duration", args.duration)) if v})
+    if args.duration:  # a fixed rate and duration instead of the load's requests
+        load = {k: v for k, v in load.items() if k not in ("requests", "overload", "utilization")}
+        load.update(rate=args.rate or load["rate"], duration=args.duration)
     schedule = poisson_lengths(load, args.max_length, args.seed)
     r = measure(load_backend(args.model, args.dtype, args.slots, args.max_length), schedule, args.chunk, args.repeats)
-    if args.load == "steady":  # drawn at 1 request/s: paced as the bench paces it, unless --rate says
-        pace = args.rate or steady_rate(r, load["utilization"])["rate"]
+    if "requests" in load:  # drawn at 1 request/s: paced as the bench paces it, unless --rate says
+        pace = args.rate or pace_for(r, load)["rate"]
         schedule = [(t / pace, inp, out) for t, inp, out in schedule]
         r.update(on_arrivals(r, schedule))
         load.update(rate=round(pace, 3), duration=round(schedule[-1][0], 1))

@@ -22,21 +22,31 @@ from scripts.bench.prompts import PromptFactory
 
 ROOT = Path(__file__).resolve().parents[2]
 
+#: The first Poisson load: mixed lengths, ``requests`` of them, arriving at ``overload`` times the
+#: requests/s that the ideal continuous batcher serves of them in ``continuous_bound``'s saturated
+#: replay (every slot busy every step, at the step costs measured in-process before the served
+#: rounds). That is more than any system here serves, so that each one's throughput is its capacity
+#: on the mix rather than the offered rate: a fixed 1 request/s once offered 2-3x what the 2-vCPU
+#: AVX2 EPYC served, and with the native CPU kernels every system on the Zen 5 EPYC kept up with it
+#: (139 tok/s each), which measured the offer. ``rate`` is the pace when the run measures no bound
+#: to derive it from (a subset of the systems, ``--smoke``).
+MIXED = dict(requests=60, overload=1.25, rate=1.0, inputs=[128, 256, 512, 768], outputs=[32, 64, 128, 256])
 #: The second Poisson load: short prompts, seven answers in eight of 8 tokens and one of 512. A
 #: micro-batch runs until its longest answer ends, so its rows sit idle most of their steps;
 #: continuous batching refills them. How wide the outputs must spread for that to be worth 2x
 #: depends on the CPU: on the 2-vCPU AVX2 EPYC an 8-row decode step costs 2.0x a 1-row one, and
 #: ``continuous_bound`` (micro unpadded, as it now runs) put the first wide load (inputs 64-256,
 #: outputs 8/16/32/64/512 alike, 2/s x 20 s) at 1.51x for the schedule's ideal, this one at 2.20x
-#: (2.39x saturated). Offered at 3/s for 40 s: well past what either server keeps up with, and
-#: long enough that the last long answers' drain is a small part of the run.
-WIDE = dict(rate=3.0, duration=40.0, inputs=[32, 64], outputs=[8] * 7 + [512])
-WIDE_QUICK = dict(rate=3.0, duration=12.0, inputs=[32, 64], outputs=[8] * 7 + [256])
+#: (2.39x saturated). Paced as the mixed load is, past what the ideal continuous batcher serves: a
+#: fixed 3 requests/s had stopped saturating the continuous server on the Zen 5 EPYC (it served
+#: 2.95 of them a second), and the ratio measured the offer (1.30x) where the bound allowed 3.24x.
+WIDE = dict(requests=128, overload=1.25, rate=3.0, inputs=[32, 64], outputs=[8] * 7 + [512])
+WIDE_QUICK = dict(WIDE, requests=40, outputs=[8] * 7 + [256])
 #: The third Poisson load: the mixed load's lengths, ``requests`` of them, arriving at
-#: ``utilization`` of what micro-batching serves on this CPU. The mixed load's fixed 1 request/s is
-#: 2-3x more than the 2-vCPU AVX2 EPYC serves: there every queue grows until the arrivals stop,
-#: and a p99 TTFT is the backlog of the last arrivals, set by throughput and the run's length rather
-#: than by how the scheduler admits requests. Paced to the CPU at hand, both servers keep up (on
+#: ``utilization`` of what micro-batching serves on this CPU. Offered past capacity, as the mixed
+#: load is, every queue grows until the arrivals stop, and a p99 TTFT is the backlog of the last
+#: arrivals, set by throughput and the run's length rather than by how the scheduler admits
+#: requests. Paced to the CPU at hand, both servers keep up (on
 #: the in-process step costs), and TTFT measures the wait each scheduler imposes. ``rate`` is the
 #: pace when the run measures no continuous bound to derive it from (``--smoke``).
 STEADY = dict(requests=30, utilization=0.6, rate=None, inputs=[128, 256, 512, 768], outputs=[32, 64, 128, 256])
@@ -56,15 +66,14 @@ MODES = {
     "quick": dict(
         model="bench", dtype="auto", lengths=[(256, 32), (768, 32)], length_repeats=3, ttft_probes=0,
         probe_tokens=0, concurrency=[1, 2, 4, 8, 16], conc_input=128, conc_output=32, rounds=1,
-        poisson=dict(rate=1.0, duration=20.0, inputs=[64, 128, 256, 512], outputs=[16, 32, 64]), poisson_rounds=1,
+        poisson=dict(MIXED, requests=20, inputs=[64, 128, 256, 512], outputs=[16, 32, 64]), poisson_rounds=1,
         poisson_wide=WIDE_QUICK, poisson_steady=dict(STEADY, requests=12, inputs=[64, 128, 256, 512], outputs=[16, 32, 64]),
         bound=True,
         membw_gb=1.0, paired_rounds=3, paired_concurrency=[1, 8], quiet_wait=10, quiet_budget=60, peers=True, fp32_decode=False, max_minutes=10, request_timeout=300, docs=True),
     "default": dict(
         model="bench", dtype="auto", lengths=[(256, 768), (512, 512), (768, 256)], length_repeats=1,
         ttft_probes=4, probe_tokens=8, concurrency=[1, 2, 4, 8, 16], conc_input=256, conc_output=128, rounds=2,
-        poisson=dict(rate=1.0, duration=60.0, inputs=[128, 256, 512, 768], outputs=[32, 64, 128, 256]),
-        poisson_rounds=2, poisson_wide=WIDE, poisson_steady=STEADY, bound=True,
+        poisson=MIXED, poisson_rounds=2, poisson_wide=WIDE, poisson_steady=STEADY, bound=True,
         membw_gb=2.0, paired_rounds=3, paired_concurrency=[1, 8], quiet_wait=30, quiet_budget=300, peers=True, fp32_decode=True, max_minutes=95, request_timeout=900, docs=True),
 }
 
@@ -83,10 +92,11 @@ def make_plan(mode: str, scenarios: List[str], poisson_rate: Optional[float] = N
     plan = dict(MODES[mode])
     plan["scenarios"] = scenarios
     plan["poisson"] = dict(plan["poisson"])
-    if poisson_rate:
-        plan["poisson"]["rate"] = poisson_rate
-    if poisson_duration:
-        plan["poisson"]["duration"] = poisson_duration
+    if poisson_rate or poisson_duration:  # a fixed rate: the mixed load is no longer paced to the CPU
+        load = {k: v for k, v in plan["poisson"].items() if k not in ("requests", "overload")}
+        load["rate"] = poisson_rate or load["rate"]
+        load["duration"] = poisson_duration or load.get("duration") or plan["poisson"]["requests"] / load["rate"]
+        plan["poisson"] = load
     if poisson_rounds:
         plan["poisson_rounds"] = poisson_rounds
     return plan
@@ -137,8 +147,19 @@ class Prompts:
         self.warm = factory.make(16)
         self.schedules = {load: [(t, factory.make(inp), out) for t, inp, out in
                                  poisson_lengths(plan[POISSON_PLAN[load]], max_length, seed)] for load in LOADS}
-        self.schedule = self.schedules["mixed"]
         self.rates: dict = {}  # load -> the rate :meth:`pace` set
+
+    @property
+    def schedule(self) -> list:
+        """The mixed load's schedule, as paced (the peers run this one)."""
+        return self.schedules["mixed"]
+
+    def load_plan(self, plan: dict, load: str) -> dict:
+        """``load``'s plan, with the rate and duration its schedule was paced to (a load given by ``requests``)."""
+        load_plan = plan[POISSON_PLAN[load]]
+        if load not in self.rates:
+            return load_plan
+        return dict(load_plan, rate=self.rates[load], duration=round(self.schedules[load][-1][0], 1))
 
     def pace(self, load: str, rate: float) -> None:
         """Arrivals of ``load`` (drawn at 1 request/s) at ``rate`` per second: the same requests, spread in time."""
@@ -159,8 +180,9 @@ def choices_text(values: List[int]) -> str:
 def poisson_lengths(p: dict, max_length: int, seed: int) -> List[tuple]:
     """The Poisson schedule's (arrival s, input tokens, output tokens), drawn from ``seed``.
 
-    A load given by ``requests`` rather than rate and duration (the steady load) is drawn at 1
-    request/s and cut at that many; :meth:`Prompts.pace` sets its rate once the CPU is measured.
+    A load given by ``requests`` rather than rate and duration (every load of the full and quick runs)
+    is drawn at 1 request/s and cut at that many; :meth:`Prompts.pace` sets its rate once the CPU is
+    measured.
     """
     if "requests" in p:
         unit = {k: v for k, v in p.items() if k != "requests"}

@@ -295,8 +295,8 @@ def continuous_ratios(runs, extra: Optional[dict] = None) -> dict:
         out["continuous_p99_ttft_vs_micro"] = _p99_ttft_ratio(
             cont, micro, bounds.get("mixed", {}), "report", None,
             "Poisson run (mixed load): continuous-batching TTFT p99 / micro-batching TTFT p99 (the goal is on "
-            "the steady load: where this fixed rate is more than both servers serve, every queue grows until "
-            "the arrivals stop and p99 TTFT is the backlog of the last arrivals)")
+            "the steady load: this load offers more than both servers serve, so every queue grows until the "
+            "arrivals stop and p99 TTFT is the backlog of the last arrivals)")
     micro_s, cont_s = poisson_run(runs, SERVED, "steady"), poisson_run(runs, CONTINUOUS, "steady")
     if micro_s and cont_s:
         pace = (extra or {}).get("steady_load", {})
@@ -763,19 +763,21 @@ ahead of micro-batching on the Poisson load at all: `.venv/bin/python -m scripts
 6. **Sweeps**: input length at concurrency 1 (full run: 256/512/768 input tokens with output to 1024 in all,
    plus 4 TTFT probes of 8 output tokens per length, the lengths taken in turn so that each sees the same
    minutes of the host's drift); concurrency 1, 2, 4, 8, 16 (full run: 256 input + 128
-   output tokens, 2 rounds); a Poisson arrival run at a fixed request rate with mixed lengths (full run:
-   1 request/s for 60 s, inputs 128–768, outputs 32–256, all drawn uniformly), which offers more than any
-   system here can serve, so that its throughput is each system's capacity on that mix rather than the
-   offered rate. The two TorchServe variants run it in alternating rounds (full run: 2 each, micro first
+   output tokens, 2 rounds); a Poisson arrival run with mixed lengths (full run: 60 requests, inputs
+   128–768, outputs 32–256, all drawn uniformly), paced at 1.25x the requests/s that the ideal continuous
+   batcher serves of them in `continuous_bound`'s saturated replay at the step costs measured in-process
+   before the served rounds, so that it offers more than any system here can serve and its throughput
+   is each system's capacity on that mix rather than the offered rate (a fixed rate stops doing that as
+   soon as a system gets faster; `extra.load_paces` holds each load's pace). The two TorchServe variants
+   run it in alternating rounds (full run: 2 each, micro first
    in round 1, continuous first in round 2), both servers up and the idle one waiting; their Poisson row
    gathers every round's requests, its tok/s is the mean of the rounds' and `round_ratios` holds
    continuous / micro per round. Two more loads run the same way, on the two variants only: the wide
-   load (short prompts, seven answers in eight of 8 tokens and one of 512, 3 requests/s for 40 s: where
-   continuous batching's refilled rows count most) and the steady load (30 requests of the mixed load's
-   lengths, paced at 60% of the requests/s that micro-batching serves in `continuous_bound`'s replay at
-   the step costs measured in-process before the served rounds; `extra.steady_load` holds the pace):
-   a load both servers keep up with, so that TTFT measures the wait each scheduler imposes rather than
-   a backlog. The in-process engine has no scheduler, so it does not run the Poisson
+   load (128 short prompts, seven answers in eight of 8 tokens and one of 512, paced as the mixed load:
+   where continuous batching's refilled rows count most) and the steady load (30 requests of the mixed
+   load's lengths, paced at 60% of the requests/s that micro-batching serves in the same replay;
+   `extra.steady_load` holds its pace): a load both servers keep up with, so that TTFT measures the
+   wait each scheduler imposes rather than a backlog. The in-process engine has no scheduler, so it does not run the Poisson
    loads. Before the Poisson rounds, the two variants also run the same static wave (full run: 8 streams,
    256 in, 128 out) back to back, alternated over 3 pairs (the "paired-variants" rows;
    `continuous_over_micro` holds continuous / micro per pair), so that their static-load comparison

@@ -327,10 +327,12 @@ class BenchRun:
             bounds = self.results["extra"]["continuous_bound"] = continuous_bounds(
                 load_model_config_file(str(self.cb_config)), self.checkpoint, self.dtype, self.prompts, self.plan,
                 self.threads)
-            if "pace" in bounds.get("steady", {}):
-                self.results["extra"]["steady_load"] = dict(
-                    bounds["steady"]["pace"], basis="utilization x micro-batching's requests/s in the continuous bound's "
-                                                    "saturated replay (step costs measured in-process)")
+            for load, bound in bounds.items():
+                if "pace" in bound:
+                    self._record_pace(load, dict(bound["pace"], basis=(
+                        "utilization x micro-batching's" if "utilization" in bound["pace"] else
+                        "overload x the ideal continuous batcher's") + " requests/s in the continuous bound's "
+                        "saturated replay (step costs measured in-process)"))
             self.phases["continuous_bound_s"] = time.perf_counter() - t
 
     # -- 2. the served handler, each variant ----------------------------------------------------
@@ -451,24 +453,24 @@ class BenchRun:
             traceback.print_exc()
 
     def _paced(self, load: str) -> bool:
-        """Whether ``load`` has its arrival rate: its plan's own, one the continuous bound set (the steady
-        load's), or the plan's fallback ``rate`` when no bound was measured to derive it from."""
+        """Whether ``load`` has its arrival rate: its plan's own, one the continuous bound set (a load given
+        by ``requests``), or the plan's fallback ``rate`` when no bound was measured to derive it from."""
         load_plan = self.plan[POISSON_PLAN[load]]
         if "requests" not in load_plan or load in self.prompts.rates:
             return True
         if load_plan.get("rate"):
             self.prompts.pace(load, load_plan["rate"])
-            self.results["extra"]["steady_load"] = {"rate": load_plan["rate"], "basis": "the plan's fixed rate"}
+            self._record_pace(load, {"rate": load_plan["rate"], "basis": "the plan's fixed rate (no continuous bound)"})
             return True
         log(f"skipping the {load} load: its rate comes from the continuous bound, which this run did not measure")
         return False
 
-    def _load_plan(self, load: str) -> dict:
-        """``load``'s plan, with the rate and duration its schedule was paced to (the steady load)."""
-        load_plan = self.plan[POISSON_PLAN[load]]
-        if load not in self.prompts.rates:
-            return load_plan
-        return dict(load_plan, rate=self.prompts.rates[load], duration=round(self.prompts.schedules[load][-1][0], 1))
+    def _record_pace(self, load: str, pace: dict) -> None:
+        """``extra.load_paces[load]``: the rate a load's arrivals were paced to, and why (the steady load's
+        also as ``extra.steady_load``, which the report reads)."""
+        self.results["extra"].setdefault("load_paces", {})[load] = pace
+        if load == "steady":
+            self.results["extra"]["steady_load"] = pace
 
     def poisson_rounds(self, names: List[str], load: str) -> None:
         """The variants on one Poisson load: round k runs micro then continuous (k even) or the
@@ -480,7 +482,7 @@ class BenchRun:
         """
         plan, monitor = self.plan, self.monitor
         t = time.perf_counter()
-        schedule, load_plan = self.prompts.schedules[load], self._load_plan(load)
+        schedule, load_plan = self.prompts.schedules[load], self.prompts.load_plan(self.plan, load)
         per_round = {name: [] for name in names}
         records = {name: [] for name in names}
         snap = monitor.snapshot()
@@ -570,6 +572,7 @@ class BenchRun:
                 adapter = peer.start(timeout=min(900, budget.left()))
                 log(f"{peer.name} ready in {peer.timings['start_to_ready_s']} s (pid {peer.pid})")
                 run_wave(adapter, [self.prompts.warm], 4, self.timeout)
+                self._paced("mixed")  # the served variants' rounds paced it already, unless they did not run
                 sweep(peer.name, lambda ps, n, a=adapter: run_wave(a, ps, n, self.timeout), self.prompts, plan, budget,
                       self.runs, self.monitor, schedule_runner=lambda s, a=adapter: run_schedule(a, s, self.timeout))
                 if peer.name == "llama.cpp":

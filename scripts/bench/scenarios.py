@@ -76,7 +76,7 @@ def sweep(system: str, runner, prompts: Prompts, plan: dict, budget: Budget, run
                 run["output_tokens_per_s_rounds"] = rates
                 run["throughput_seq_tokens_per_s"] = round(sum(seq) / len(seq), 3)
     if schedule_runner is not None and "poisson" in scenarios and prompts.schedule and budget.ok(f"{system} poisson", 30):
-        p = plan["poisson"]
+        p = prompts.load_plan(plan, "mixed")
         run, _ = measure(f"poisson {p['rate']}/s for {p['duration']} s", lambda: schedule_runner(prompts.schedule),
                          **poisson_labels(p, prompts.schedule))
         if run.get("ok"):
@@ -207,7 +207,7 @@ def continuous_bounds(cb_cfg, checkpoint: Path, dtype: str, prompts: Prompts, pl
     prefill budget: the ideal continuous batcher's tok/s (``ideal_tps``) that the served one is held to."""
     import torch
 
-    from scripts.bench.continuous_bound import load_backend, measure, on_arrivals, steady_rate
+    from scripts.bench.continuous_bound import load_backend, measure, on_arrivals, pace_for
 
     torch.set_num_threads(threads)
     backend = load_backend(checkpoint, dtype, cb_cfg.slots, cb_cfg.handler.max_length)
@@ -217,13 +217,15 @@ def continuous_bounds(cb_cfg, checkpoint: Path, dtype: str, prompts: Prompts, pl
         if not schedule:
             continue
         out[load] = measure(backend, schedule, cb_cfg.continuous_batching.max_prefill_tokens_per_step)
-        utilization = plan[POISSON_PLAN[load]].get("utilization")
-        if utilization and load not in prompts.rates:
-            pace = steady_rate(out[load], utilization)
+        pace = None if load in prompts.rates else pace_for(out[load], plan[POISSON_PLAN[load]])
+        if pace:
             prompts.pace(load, pace["rate"])
             out[load].update(on_arrivals(out[load], lengths_of(prompts.schedules[load])), pace=pace)
-            log(f"{load} load paced at {pace['rate']:.3f} requests/s: {utilization:.0%} of micro-batching's "
-                f"{pace['micro_capacity_per_s']:.3f}/s at the step costs measured here")
+            log(f"{load} load paced at {pace['rate']:.3f} requests/s: " + (
+                f"{pace['utilization']:.0%} of micro-batching's {pace['micro_capacity_per_s']:.3f}/s"
+                if "utilization" in pace else
+                f"{pace['overload']:.2f}x the ideal continuous batcher's {pace['ideal_capacity_per_s']:.3f}/s")
+                + " at the step costs measured here")
         log(f"continuous bound, {load} load: ideal {out[load]['ideal_tps']:.1f} tok/s, micro-batching replay "
             f"{out[load]['micro_tps']:.1f} tok/s, at most {out[load]['bound']:.2f}x; p99 TTFT ideal / micro "
             f"{out[load]['p99_ttft_bound']:.2f}")
