@@ -3,11 +3,14 @@
 //
 // A decode step reads every weight once for a handful of rows, and every cached key and value
 // of every row once: both are streams from memory with little arithmetic per byte, and what
-// decides their speed is how close the stream gets to the memory bandwidth. These kernels
-// read the weights and the cache in their plain layouts, one sequential stream per thread with
-// software prefetch ahead of it, and accumulate in float32.
+// decides their speed is how close the stream gets to the memory bandwidth. The linear and
+// attention kernels read the weights and the cache in their plain layouts, a sequential stream
+// per chunk of work with a software prefetch ahead of it, and accumulate in float32. The rest of
+// a step (norms, rotary, SiLU) is fused into three small kernels that round as torch does. The
+// threads are the caller's and a pool's (Pool, below), not OpenMP's.
 //
-// dtype codes: 0 float32, 1 bfloat16. Every pointer is to contiguous row-major data.
+// dtype codes: 0 float32, 1 bfloat16. Pointers are to row-major data, rows `ld` elements apart
+// where an ld is given and contiguous otherwise.
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -397,14 +400,16 @@ void linear_rows(const T *x, long ldx, const T *w, T *y, long ldy, long M, long 
         }
 }
 
+// How far ahead of its reads (bytes) linear() prefetches w: ~1 KB for one row of x, ~4 KB once each
+// byte of w meets several rows (bench model's weights, 2 threads, Zen 5; 0.5-8 KB measured alike at
+// one row).
+static const long PREFETCH_ONE_ROW = 1024, PREFETCH_ROWS = 4096;
 // The rows of w a thread takes at a time (see linear()).
 static const long CHUNK_BYTES = 64 << 10;
 
 template <class T>
 void linear(const T *x, long ldx, const T *w, T *y, long ldy, long M, long K, long N, int threads) {
-    // Prefetch distance in elements: ~2 KB ahead for one row of x, ~8 KB once each byte of w
-    // meets several rows (measured on the bench model's weights, 2 threads, Zen 5).
-    const long pf = (M == 1 ? 1024 : 4096) / (long)sizeof(T);
+    const long pf = (M == 1 ? PREFETCH_ONE_ROW : PREFETCH_ROWS) / (long)sizeof(T);
     const int R = M == 1 ? 1 : 4;
     auto run = [&](long n0, long n1) {
         if (M == 1) linear_rows<T, 1, 1>(x, ldx, w, y, ldy, M, K, n0, n1, pf);
