@@ -827,13 +827,14 @@ ahead of micro-batching on the Poisson load at all: `.venv/bin/python -m scripts
 * The speed of a small VM drifts: on the reference machine the same in-process batch-1 decode measured
   30 ms per token in one run and 57 ms in another an hour later, with no other process running. Compare
   systems through the paired rows and the ratios, and re-run before reading a difference under ~20%.
-* Where a batch-1 decode step goes (AMX Xeon, bench model, bf16, 2 threads, 2026-11-25, timed op by
-  op): of 14-15 ms, ~9.7 ms are the linear products (what `decode_products` takes alone), 1.9 ms the
-  ~600 other ops when no weights stream between them, and ~2.5 ms more when they do (each op's data
-  comes back from L3 after a weight stream went through the caches). Torch's `rms_norm` for HF's eight
-  ops, the residual adds folded into the products' oneDNN epilogue, and weights packed for 1 row were
-  no faster (0.97-1.01x of the step, A/B by `scripts.bench.decode_profile`); libgomp's wait policy
-  beyond the served default changed nothing.
+* Where a batch-1 decode step goes on the native CPU kernels (Zen 5 EPYC, bench model, bf16, 2 threads,
+  2026-11-26, each part replaced by a no-op in turn, 300 positions of context): of ~5.9 ms, ~5.2 ms
+  are the linear products (the 230 MB of weights at ~44 GB/s, what `decode_products` takes alone),
+  ~0.2-0.3 ms attention and ~0.45 ms the rest (embedding, the fused norms, rotary and SiLU, the
+  Python between them). At 8 rows: ~6.7 ms products, ~2.4 ms attention (the rows' bf16 keys and
+  values, 88 MB at ~37 GB/s), ~0.6 ms the rest. Before those kernels (torch's oneDNN products, SDPA
+  over a float32 cache, ~30 torch ops a layer) the same steps took ~8.4 and ~17.6 ms; on the AMX Xeon
+  (2026-11-25) 14-15 ms at 1 row, of which ~9.7 ms the oneDNN products.
 * The llamacpp variant's `decode_threads: auto` decides at load, from a timed probe, whether one stream
   decodes on one thread; on the 2-vCPU Zen 4 EPYC the probe gave 8.6 against 7.7 ms (one thread) and,
   an hour later, 11.0 against 7.1 (both), and its 1-stream figure moves with that choice. The model
