@@ -27,4 +27,9 @@ if ! command -v curl >/dev/null 2>&1; then
   echo "missing: curl. Install it, e.g. 'apt-get install curl'" >&2
   fail=1
 fi
+if [ -z "${CXX:-}" ] && ! command -v g++ >/dev/null 2>&1 && ! command -v c++ >/dev/null 2>&1; then
+  # not fatal: the build step ships no native CPU kernels and the torch backend keeps torch's (slower decode)
+  echo "note: no C++ compiler (g++ or \$CXX): the torch backend's native CPU kernels will not be built, and" \
+       "it decodes on torch's kernels. Install one for them, e.g. 'apt-get install g++'" >&2
+fi
 exit $fail
