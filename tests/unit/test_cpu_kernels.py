@@ -341,3 +341,15 @@ def test_the_pool_runs_every_chunk_of_every_job_exactly_once(kernels):
     a chunk early, and a served worker crashed on it under load.)"""
     assert kernels.pool_check(jobs=200_000, max_chunks=64, threads=3) == 0
     assert kernels.pool_check(jobs=20_000, max_chunks=2, threads=2) == 0
+
+
+def test_the_build_step_ships_every_instruction_set_or_says_why_not(tmp_path, monkeypatch, capsys):
+    from scripts import build_archive
+
+    built = build_archive.ship_native_kernels(tmp_path / "with")
+    assert sorted(p.name for p in built) == sorted(cpu_kernels.library_name(isa) for isa in cpu_kernels.ISAS)
+    assert all(p.parent == tmp_path / "with" and p.stat().st_size > 0 for p in built)
+    monkeypatch.setenv("CXX", "/nonexistent/g++")
+    assert build_archive.ship_native_kernels(tmp_path / "without") == []
+    assert "native CPU kernels not shipped" in capsys.readouterr().out
+    assert not list((tmp_path / "without").glob("*.so"))
