@@ -11,6 +11,7 @@
 """
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -158,6 +159,35 @@ def test_a_build_is_atomic_and_a_shipped_library_is_loaded_before_the_cache(isa,
     monkeypatch.setenv("CXX", "/nonexistent/g++")  # nothing may be compiled now
     loaded = cpu_kernels.load()
     assert loaded is not None and loaded.path == path and loaded.isa == isa
+
+
+def test_a_shipped_library_that_does_not_load_here_is_rebuilt_here(isolated, tmp_path, monkeypatch, caplog):
+    """A library built for another host (a newer glibc, say) fails dlopen; the worker builds its own."""
+    shipped = tmp_path / "artifact"
+    shipped.mkdir()
+    (shipped / cpu_kernels.library_name("avx2")).write_bytes(b"not an ELF file")
+    monkeypatch.setattr(cpu_kernels, "shipped_dir", lambda: shipped)
+    monkeypatch.setenv(cpu_kernels.CACHE_ENV, str(isolated / "cache"))
+    monkeypatch.setenv(cpu_kernels.ENV, "avx2")
+    with caplog.at_level(logging.WARNING, logger=cpu_kernels.__name__):
+        loaded = cpu_kernels.load()
+    assert loaded is not None and loaded.path == isolated / "cache" / cpu_kernels.library_name("avx2")
+    assert "does not load here" in caplog.text
+
+
+@pytest.mark.skipif(not shutil.which("objdump"), reason="needs objdump (binutils)")
+@pytest.mark.parametrize("isa", ISAS)
+def test_a_built_library_runs_wherever_torch_runs(isa, tmp_path):
+    """The build step ships its libraries to serving hosts that may run an older glibc than the build
+    machine's. torch's wheels are manylinux_2_28 (glibc 2.28, libstdc++ of GCC 8: RHEL 8), so the
+    library may import no newer symbol than those."""
+    symbols = subprocess.run(["objdump", "-T", str(cpu_kernels.build(isa, tmp_path))], capture_output=True,
+                             text=True, check=True).stdout
+
+    def newest(prefix):
+        return max(tuple(int(n) for n in v.split(".")) for v in re.findall(rf"\b{prefix}_([0-9.]+)", symbols))
+
+    assert newest("GLIBC") <= (2, 28) and newest("GLIBCXX") <= (3, 4, 25), symbols
 
 
 def test_without_a_compiler_the_backend_keeps_torchs_kernels_and_logs_why(isolated, monkeypatch, caplog):

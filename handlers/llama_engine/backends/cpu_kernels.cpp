@@ -18,7 +18,6 @@
 
 #include <atomic>
 #include <chrono>
-#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -203,11 +202,12 @@ class Pool {
     // Run body(c) for c in [0, chunks) on up to `threads` threads (the caller one of them).
     template <class Body>
     void run(long chunks, int threads, Body &&body) {
-        if (threads <= 1 || chunks <= 1 || !dispatch_.try_lock()) {  // busy with another caller's job: alone
+        if (threads <= 1 || chunks <= 1 || busy_.exchange(true, std::memory_order_acquire)) {  // another
+            // caller's job has the helpers: this one runs alone
             for (long c = 0; c < chunks; c++) body(c);
             return;
         }
-        start_helpers(threads - 1);
+        start_helpers(threads - 1);  // only the caller holding busy_ gets here
         Job job{chunks, [](void *ctx, long c) { (*static_cast<Body *>(ctx))(c); }, &body};
         // The ticket holds the generation in its high half and the next chunk in its low half; it is
         // open (a chunk to claim) only while its job lives. It changes generation closed before the
@@ -226,7 +226,7 @@ class Pool {
         // may read the job's chunk count after the job is gone, and its claim must then fail.
         ticket_.store((gen << 32) | CLOSED, std::memory_order_release);
         job_.store(nullptr, std::memory_order_release);
-        dispatch_.unlock();
+        busy_.store(false, std::memory_order_release);
     }
 
   private:
@@ -278,7 +278,9 @@ class Pool {
     static const uint64_t CLOSED = 0xffffffffu;
     // How long a helper waits, spinning, for the next job before it sleeps.
     static const int SPIN_US = 200;
-    std::mutex dispatch_;
+    // Whether a caller's job has the helpers (a try-lock; an atomic rather than a std::mutex, whose
+    // trylock is a glibc 2.34 symbol: the shipped library loads on older serving hosts).
+    std::atomic<bool> busy_{false};
     std::atomic<uint64_t> ticket_{CLOSED};
     std::atomic<uint32_t> generation_{0};
     std::atomic<long> done_{0};
@@ -756,9 +758,12 @@ void silu_mul(const T *gate_up, T *out, long rows, long I, int threads) {
                 Vec::F act = rounded<T>(Vec::div(x, Vec::add(Vec::set1(1.0f), e)));
                 Vec::store(o + i, Vec::mul(act, Vec::load(u + i)));
             }
-            for (; i < I; i++) {
-                float x = to_f32(g[i]);
-                store_scalar(o + i, rounded_scalar<T>(x / (1.0f + expf(-x))) * to_f32(u[i]));
+            if (i < I) {  // the last elements, through the same exp (no libm: see busy_)
+                float gate[Vec::N] = {0}, act[Vec::N];
+                for (long j = 0; i + j < I; j++) gate[j] = to_f32(g[i + j]);
+                Vec::F x = Vec::load(gate);
+                Vec::store(act, Vec::div(x, Vec::add(Vec::set1(1.0f), vexp(Vec::sub(Vec::zero(), x)))));
+                for (long j = 0; i + j < I; j++) store_scalar(o + i + j, rounded_scalar<T>(act[j]) * to_f32(u[i + j]));
             }
         }
     });

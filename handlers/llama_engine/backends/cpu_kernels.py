@@ -279,12 +279,20 @@ def _load(setting: str, flags: FrozenSet[str]) -> Optional[CpuKernels]:
         raise ValueError(f"{ENV}={setting}: this CPU cannot run {setting!r}; use auto, 0, or one of "
                          f"{', '.join(i for i in ISAS if ISA_NEEDS[i] <= flags) or '(none here)'}")
     name = library_name(isa)
-    shipped, cached = shipped_dir() / name, cache_dir() / name
+    for path in (shipped_dir() / name, cache_dir() / name):
+        if path.is_file():
+            try:
+                return _loaded_from(path, isa)
+            except OSError as exc:  # built for another host (an older glibc, say): build one here
+                logger.warning("native CPU kernels: %s does not load here (%s); building one", path, exc)
     try:
-        path = next((p for p in (shipped, cached) if p.is_file()), None) or build(isa, cache_dir())
-        kernels = CpuKernels(path, isa)
+        return _loaded_from(build(isa, cache_dir()), isa)
     except (KernelBuildError, OSError) as exc:
         logger.warning("native CPU kernels unavailable, torch's kernels instead: %s", exc)
         return None
+
+
+def _loaded_from(path: Path, isa: str) -> CpuKernels:
+    kernels = CpuKernels(path, isa)
     logger.info("native CPU kernels: %s (%s)", isa, path)
     return kernels
