@@ -120,6 +120,24 @@ def set_torch_threads(config) -> int:
     return threads
 
 
+def use_assigned_gpu(config, gpu_id) -> Optional[int]:
+    """Make the GPU TorchServe assigned this worker the current CUDA device; its index, or None.
+
+    On a GPU host TorchServe spreads a model's workers over the GPUs by each worker's ``gpu_id``;
+    ``cuda`` (and ``auto`` there) then means that GPU, not GPU 0 for every worker. Nothing to do
+    for a CPU model, another backend, or a host without CUDA.
+    """
+    handler = config.handler
+    if gpu_id is None or handler.backend != "torch" or handler.device == "cpu" or not torch.cuda.is_available():
+        return None
+    index, count = int(gpu_id), torch.cuda.device_count()
+    if not 0 <= index < count:
+        raise RuntimeError(f"TorchServe assigned this worker gpu_id {index}, but it sees {count} CUDA device(s); "
+                           "check CUDA_VISIBLE_DEVICES against torchserve's number_of_gpu")
+    torch.cuda.set_device(index)
+    return index
+
+
 @dataclass
 class BatchEntry:
     """One request of TorchServe's frontend batch as it moves through the MicroBatching stages.
@@ -191,6 +209,7 @@ class ModelService(ABC):
         started = time.perf_counter()
         self.config = load_model_config(context.model_yaml_config)
         threads = set_torch_threads(self.config)
+        use_assigned_gpu(self.config, context.system_properties.get("gpu_id"))
         self.runner = self._load(context.system_properties.get("model_dir"))
         self.metrics = TorchServeMetrics(context.metrics, context.model_name, self.config.slots,
                                          continuous=self.config.continuous)

@@ -75,8 +75,11 @@ class TokenSelector:
         return logits
 
     def choose(self, logits: torch.Tensor) -> Tuple[int, float]:
-        """Pick one token from one row of logits; return it with its log-probability."""
-        scores = self.penalise(logits.float())
+        """Pick one token from one row of logits; return it with its log-probability.
+
+        On the CPU wherever the logits are: the request's generator is a CPU one, so a seed draws
+        the same tokens on a GPU as on a CPU (and a CUDA row cannot be sampled with it)."""
+        scores = self.penalise(logits.float().cpu())
         if self.params.do_sample:
             scores = self.warp(scores)
             logprobs = scores.log_softmax(-1)

@@ -156,3 +156,40 @@ def test_stage_wrapper_routes_an_escaping_exception_to_its_requests(handler):
     entries = [llama_handler.BatchEntry(0, None), llama_handler.BatchEntry(1, None)]
     assert broken(handler, entries) is entries
     assert all(e.error.status == 500 and "stage bug" in e.error.message for e in entries)
+
+
+class FakeCuda:
+    """torch.cuda on a host with ``count`` GPUs, recording set_device."""
+
+    def __init__(self, count):
+        self.count, self.current = count, None
+
+    def is_available(self):
+        return self.count > 0
+
+    def device_count(self):
+        return self.count
+
+    def set_device(self, index):
+        self.current = index
+
+
+@pytest.mark.parametrize("handler_cfg, gpu_id, count, chosen", [
+    ({"device": "auto"}, 1, 2, 1),
+    ({"device": "cuda"}, "0", 2, 0),  # TorchServe may pass the id as a string
+    ({"device": "cpu"}, 1, 2, None),
+    ({"device": "auto"}, None, 2, None),
+    ({"device": "auto"}, 0, 0, None),
+    ({"backend": "llamacpp"}, 1, 2, None),
+])
+def test_a_worker_uses_the_gpu_torchserve_assigned_it(monkeypatch, handler_cfg, gpu_id, count, chosen):
+    cuda = FakeCuda(count)
+    monkeypatch.setattr(llama_handler.torch, "cuda", cuda)
+    config = llama_handler.load_model_config({"handler": handler_cfg})
+    assert llama_handler.use_assigned_gpu(config, gpu_id) == chosen and cuda.current == chosen
+
+
+def test_a_gpu_id_the_worker_cannot_see_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(llama_handler.torch, "cuda", FakeCuda(1))
+    with pytest.raises(RuntimeError, match="gpu_id 2, but it sees 1 CUDA device.*CUDA_VISIBLE_DEVICES"):
+        llama_handler.use_assigned_gpu(llama_handler.load_model_config({}), 2)
