@@ -146,17 +146,19 @@ def test_native_linear_matches_nn_linear_on_either_side_of_its_row_limit(monkeyp
         strided.float(), linear.weight.float(), linear.bias.float()), atol=0.05, rtol=0.02)
 
 
-def test_native_linears_serve_bf16_weights_only_on_the_bf16_build(monkeypatch):
-    """float32 weights, and bf16 through the avx2 build, stay on oneDNN's packed products (faster there)."""
+def test_native_linears_serve_bf16_weights_only_on_the_bf16_build_without_amx(monkeypatch):
+    """float32 weights, bf16 through the avx2 build, and bf16 on an AMX CPU (whose tiles oneDNN
+    multiplies on) stay on oneDNN's packed products (faster there)."""
     cpu = torch.device("cpu")
-    assert fast_linear.native_kernels_for(torch.float32, cpu) is None
-    assert fast_linear.native_kernels_for(torch.bfloat16, torch.device("meta")) is None
+    assert fast_linear.native_kernels_for(torch.float32, cpu, AVX512_BF16) is None
+    assert fast_linear.native_kernels_for(torch.bfloat16, torch.device("meta"), AVX512_BF16) is None
     monkeypatch.setattr(cpu_kernels, "load", lambda: type("K", (), {"isa": "avx2"})())
-    assert fast_linear.native_kernels_for(torch.bfloat16, cpu) is None
+    assert fast_linear.native_kernels_for(torch.bfloat16, cpu, AVX512_BF16) is None
     bf16_build = type("K", (), {"isa": "avx512bf16"})()
     monkeypatch.setattr(cpu_kernels, "load", lambda: bf16_build)
     expected = bf16_build if packing_supported(torch.bfloat16, cpu) else None
-    assert fast_linear.native_kernels_for(torch.bfloat16, cpu) is expected
+    assert fast_linear.native_kernels_for(torch.bfloat16, cpu, AVX512_BF16) is expected
+    assert fast_linear.native_kernels_for(torch.bfloat16, cpu, AMX) is None
 
 
 @FP32
@@ -177,7 +179,7 @@ def test_pack_linears_swaps_every_linear_and_keeps_logits(tiny_model_dir, dtype,
     linears = sum(type(m) is torch.nn.Linear for m in plain.modules())
     assert pack_linears(packed) == linears
     assert not any(type(m) is torch.nn.Linear for m in packed.modules())
-    native = dtype == "bfloat16" and kernels == "native" and NATIVE.isa == "avx512bf16"
+    native = dtype == "bfloat16" and fast_linear.native_kernels_for(torch.bfloat16, torch.device("cpu")) is not None
     assert all(isinstance(m, NativeLinear if native else PackedLinear) for m in packed.modules()
                if isinstance(m, (NativeLinear, PackedLinear))) and any(isinstance(m, NativeLinear) is native
                                                                        for m in packed.modules())

@@ -40,10 +40,12 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Dict, Optional, Sequence
+from typing import Dict, FrozenSet, Optional, Sequence
 
 import torch
 from torch import nn
+
+from ..cpu import cpu_class, cpu_flags
 
 logger = logging.getLogger(__name__)
 
@@ -138,16 +140,22 @@ def packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
     return dtype == torch.float32
 
 
-def native_kernels_for(dtype: torch.dtype, device: torch.device):
+def native_kernels_for(dtype: torch.dtype, device: torch.device, flags: Optional[FrozenSet[str]] = None):
     """The native kernels where :class:`NativeLinear` serves ``dtype`` weights on ``device``, else None:
-    bfloat16 on a CPU whose kernels multiply bf16 pairs natively (the ``avx512bf16`` build).
+    bfloat16 on a CPU whose kernels multiply bf16 pairs natively (the ``avx512bf16`` build) and that
+    has no AMX. ``flags``: the CPU's (default: this machine's).
 
-    Elsewhere oneDNN's packed products were as fast or faster (bench model, Zen 5 EPYC, one pass over
-    the weights): float32, 1 row 11.0 ms native against 11.8 packed, 8 rows 14.6 against 13.3, and
-    prompts ~5% faster packed; bf16 through the ``avx2`` build (which converts to float32), 1 row 6.3
-    against 6.1, 8 rows 13.2 against 7.4.
+    Elsewhere oneDNN's packed products were as fast or faster (bench model, one pass over the
+    weights, 2 threads). Zen 5 EPYC: float32, 1 row 11.0 ms native against 11.8 packed, 8 rows 14.6
+    against 13.3, and prompts ~5% faster packed; bf16 through the ``avx2`` build (which converts to
+    float32), 1 row 6.3 against 6.1, 8 rows 13.2 against 7.4. AMX Xeon, bf16, where oneDNN multiplies
+    on the AMX tiles: 1 row 8.4 against 8.9, 2 rows 9.8 against 8.7, 8 rows 16.9 against 9.1; a
+    decode step at 8 rows took 13.8 ms with oneDNN's linears and the native attention, 21.8 with the
+    native linears too.
     """
     if torch.device(device).type != "cpu" or dtype != torch.bfloat16 or not packing_supported(dtype, device):
+        return None
+    if cpu_class(cpu_flags() if flags is None else flags) == "amx":
         return None
     from . import cpu_kernels
 
