@@ -15,7 +15,6 @@ import re
 import shutil
 import subprocess
 import sys
-
 from pathlib import Path
 
 import pytest
