@@ -1,6 +1,7 @@
 """Shared fixtures. Tests are marked by folder: unit, e2e, neuron, gpu."""
 from __future__ import annotations
 
+import functools
 import glob
 import os
 import subprocess
@@ -13,6 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL_DIR = ROOT / "build" / "tiny-llama"
 
 
+@functools.cache
 def _has_cuda() -> bool:
     import torch
 
@@ -21,17 +23,14 @@ def _has_cuda() -> bool:
 
 def pytest_collection_modifyitems(config, items):
     has_neuron = bool(glob.glob("/dev/neuron*"))
-    has_cuda = None
     for item in items:
         folder = Path(str(item.fspath)).relative_to(ROOT / "tests").parts[0]
         if folder in ("unit", "e2e", "neuron", "gpu"):
             item.add_marker(getattr(pytest.mark, folder))
         if folder == "neuron" and not has_neuron:
             item.add_marker(pytest.mark.skip(reason="needs Neuron hardware (/dev/neuron*)"))
-        if folder == "gpu":
-            has_cuda = _has_cuda() if has_cuda is None else has_cuda
-            if not has_cuda:
-                item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available())"))
+        if folder == "gpu" and not _has_cuda():
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available())"))
 
 
 @pytest.fixture(scope="session")

@@ -57,6 +57,11 @@ def cpu_class(flags: FrozenSet[str]) -> str:
     return "other"
 
 
+def is_amx(flags: Optional[FrozenSet[str]] = None) -> bool:
+    """Whether the CPU with ``flags`` (default: this machine's) is of the ``amx`` class."""
+    return cpu_class(cpu_flags() if flags is None else flags) == "amx"
+
+
 def auto_dtype(device: str, flags: Optional[FrozenSet[str]] = None) -> str:
     """``handler.dtype: auto``: bfloat16 on a GPU that supports it and on a CPU with native bf16,
     float32 everywhere else."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -56,8 +57,6 @@ def make_system(variant: str, index: int, work: Path, dtype: str, threads: int):
 def build_at_revision(system, revision: str, tree: Path) -> None:
     """Build ``system``'s archive with the project's code at ``revision`` (its handler, engine and
     build script), exported into ``tree``."""
-    import subprocess
-
     tree.mkdir(parents=True)
     archive = subprocess.run(["git", "archive", revision], cwd=ROOT, check=True, capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)

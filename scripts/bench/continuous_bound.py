@@ -40,7 +40,7 @@ from typing import Optional
 import torch
 
 from llama_engine.cpu import auto_dtype
-from scripts.bench.plan import MODES, poisson_lengths
+from scripts.bench.plan import MODES, at_fixed_rate, poisson_lengths
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -347,8 +347,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     load = dict(plan[{"mixed": "poisson", "wide": "poisson_wide", "steady": "poisson_steady"}[args.load]])
     if args.duration:  # a fixed rate and duration instead of the load's requests
-        load = {k: v for k, v in load.items() if k not in ("requests", "overload", "utilization")}
-        load.update(rate=args.rate or load["rate"], duration=args.duration)
+        load = at_fixed_rate(load, args.rate, args.duration)
     schedule = poisson_lengths(load, args.max_length, args.seed)
     r = measure(load_backend(args.model, args.dtype, args.slots, args.max_length), schedule, args.chunk, args.repeats)
     if "requests" in load:  # drawn at 1 request/s: paced as the bench paces it, unless --rate says

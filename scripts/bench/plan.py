@@ -86,17 +86,27 @@ def log(msg: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
+#: The keys of a load that pace it to the CPU at hand (see :meth:`Prompts.pace`).
+PACING_KEYS = ("requests", "overload", "utilization")
+
+
+def at_fixed_rate(load: dict, rate: Optional[float] = None, duration: Optional[float] = None) -> dict:
+    """``load`` offered at a fixed ``rate`` (default: its fallback ``rate``) for ``duration`` seconds
+    (default: its own, or as long as its ``requests`` take at that rate), no longer paced to the CPU."""
+    fixed = {k: v for k, v in load.items() if k not in PACING_KEYS}
+    fixed["rate"] = rate or fixed["rate"]
+    fixed["duration"] = duration or fixed.get("duration") or load["requests"] / fixed["rate"]
+    return fixed
+
+
 def make_plan(mode: str, scenarios: List[str], poisson_rate: Optional[float] = None,
               poisson_duration: Optional[float] = None, poisson_rounds: Optional[int] = None) -> dict:
     """The plan of ``mode`` with the command line's scenarios and Poisson overrides."""
     plan = dict(MODES[mode])
     plan["scenarios"] = scenarios
     plan["poisson"] = dict(plan["poisson"])
-    if poisson_rate or poisson_duration:  # a fixed rate: the mixed load is no longer paced to the CPU
-        load = {k: v for k, v in plan["poisson"].items() if k not in ("requests", "overload")}
-        load["rate"] = poisson_rate or load["rate"]
-        load["duration"] = poisson_duration or load.get("duration") or plan["poisson"]["requests"] / load["rate"]
-        plan["poisson"] = load
+    if poisson_rate or poisson_duration:
+        plan["poisson"] = at_fixed_rate(plan["poisson"], poisson_rate, poisson_duration)
     if poisson_rounds:
         plan["poisson_rounds"] = poisson_rounds
     return plan

@@ -4,10 +4,13 @@
   its dtype: ``linear`` for row, column and inner-dimension tails and strided rows;
   ``decode_attention`` for every dtype pair, head size and GQA group, rows of different lengths
   in slots out of order, a one-position row, and strided queries.
+* The fused small ops (``add_rmsnorm``, ``silu_mul``, ``rope_store``) round as the torch ops they
+  replace; the thread pool runs every chunk of every job once, whoever calls.
 * Building and loading: the file name follows the source, a build is atomic, a shipped library
-  is preferred to the cache, no compiler means torch's kernels (with the reason logged), the
-  switch turns the kernels off or picks an instruction set, and the kernels share torch's
-  OpenMP runtime.
+  is preferred to the cache and rebuilt where it does not load, the kernels' own code needs no
+  newer glibc than torch, no compiler means torch's kernels (with the reason logged), the
+  switch turns the kernels off or picks an instruction set, and the kernels bring no OpenMP
+  runtime of their own.
 """
 import logging
 import os

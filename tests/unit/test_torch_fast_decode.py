@@ -12,7 +12,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from llama_engine.backends import cpu_kernels, fast_linear, torch_backend
+from llama_engine import cpu as cpu_info
+from llama_engine.backends import cpu_kernels, fast_linear
 from llama_engine.backends.base import PrefillChunk
 from llama_engine.backends.fast_linear import NativeLinear, PackedLinear, pack_linears, packing_supported
 from llama_engine.backends.torch_backend import (
@@ -248,7 +249,7 @@ def test_slot_backend_packed_matches_plain_model(tiny_model_dir, dtype, kernels)
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16", "float32"])
 def test_bf16_weights_keep_a_float32_cache_on_a_cpu_without_amx_or_native_attention_unless_told_and_match_the_plain_model(
         tiny_model_dir, monkeypatch, kv_cache_dtype, kernels):
-    monkeypatch.setattr(torch_backend, "cpu_flags", lambda: AVX512_BF16)
+    monkeypatch.setattr(cpu_info, "cpu_flags", lambda: AVX512_BF16)
     backend = TorchBackend(str(tiny_model_dir), dtype="bfloat16", device="cpu", max_length=64,
                            kv_cache_dtype=kv_cache_dtype)
     auto = torch.bfloat16 if kernels == "native" else torch.float32
@@ -288,7 +289,7 @@ def test_bf16_prompts_whole_or_in_chunks_match_the_plain_model_on_each_cpu_class
                                                                                  flags, kv, by_blocks, kernels):
     """Without AMX: prompts by blocks, over a float32 cache (a bf16 one where decode rows attend through the
     native kernel); with AMX: a bf16 cache and SDPA. Same logits."""
-    monkeypatch.setattr(torch_backend, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(cpu_info, "cpu_flags", lambda: flags)
     backend = TorchSlotBackend(load(tiny_model_dir, torch.bfloat16), max_slots=2, max_length=320, fuse=fuse)
     kv = torch.bfloat16 if kernels == "native" else kv
     assert backend.kv_dtype == kv and backend.k_cache.dtype == kv
@@ -405,7 +406,7 @@ def test_slot_rotary_is_hf_rotary_bit_for_bit(dtype):
 
 def test_only_bf16_weights_on_cpu_attend_by_blocks_unless_amx_reads_a_bf16_cache(tiny_model_dir, monkeypatch, kernels):
     """float16 products are slow on a CPU without native fp16 (slower by blocks than through SDPA)."""
-    monkeypatch.setattr(torch_backend, "cpu_flags", lambda: AVX512_BF16)
+    monkeypatch.setattr(cpu_info, "cpu_flags", lambda: AVX512_BF16)
     for dtype, by_blocks in ((torch.bfloat16, True), (torch.float16, False), (torch.float32, False)):
         assert TorchSlotBackend(load(tiny_model_dir, dtype), max_slots=1, max_length=32)._prompt_by_blocks is by_blocks
     cpu, bf16, fp32 = torch.device("cpu"), torch.bfloat16, torch.float32

@@ -732,13 +732,14 @@ void add_rmsnorm(T *hidden, const T *delta, const T *weight, T *out, long rows, 
                 }
                 sum += x * x;
             }
-            Vec::F scale = Vec::set1(1.0f / sqrtf(sum / (float)D + eps));
+            const float inv_rms = 1.0f / sqrtf(sum / (float)D + eps);
+            const Vec::F scale = Vec::set1(inv_rms);
             for (d = 0; d + Vec::N <= D; d += Vec::N) {
                 Vec::F x = rounded<T>(Vec::mul(Vec::load(h + d), scale));
                 Vec::store(out + r * D + d, Vec::mul(Vec::load(weight + d), x));
             }
-            float sc = 1.0f / sqrtf(sum / (float)D + eps);
-            for (; d < D; d++) store_scalar(out + r * D + d, to_f32(weight[d]) * rounded_scalar<T>(to_f32(h[d]) * sc));
+            for (; d < D; d++)
+                store_scalar(out + r * D + d, to_f32(weight[d]) * rounded_scalar<T>(to_f32(h[d]) * inv_rms));
         }
     });
 }
@@ -884,12 +885,7 @@ __attribute__((noinline)) static void scribble_stack() {
     for (size_t i = 0; i < sizeof(junk); i++) junk[i] = 0x7f;
 }
 
-// The pool's own check: `jobs` jobs back to back of 1 to max_chunks chunks each (of uneven length)
-// on `threads` threads, the stack scribbled between them, now and then after a pause long enough
-// for the helpers to fall asleep (so that they wake late, after their job); returns how many jobs
-// saw a chunk run other than exactly once by the time the job returned (0 when the pool is right;
-// a pool that let a helper claim from a dead job crashes here instead).
-// One job of the check, in a frame of its own that the next scribble_stack() overwrites.
+// One job of llk_pool_check, in a frame of its own that the next scribble_stack() overwrites.
 __attribute__((noinline)) static void counted_job(std::atomic<int> *runs, long n, long j, int threads) {
     pool().run(n, threads, [&](long c) {
         for (long i = 0; i < (c * 31 + j) % 97; i++) _mm_pause();
@@ -897,6 +893,11 @@ __attribute__((noinline)) static void counted_job(std::atomic<int> *runs, long n
     });
 }
 
+// The pool's own check: `jobs` jobs back to back of 1 to max_chunks chunks each (of uneven length)
+// on `threads` threads, the stack scribbled between them, now and then after a pause long enough
+// for the helpers to fall asleep (so that they wake late, after their job); returns how many jobs
+// saw a chunk run other than exactly once by the time the job returned (0 when the pool is right;
+// a pool that let a helper claim from a dead job crashes here instead).
 LLK_API long llk_pool_check(long jobs, long max_chunks, int threads) {
     const long SLEEP_US = 250;  // past a helper's spin (Pool::SPIN_US)
     long wrong = 0;

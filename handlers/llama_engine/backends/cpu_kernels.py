@@ -6,13 +6,16 @@ of every row once. torch's kernels for those shapes stop well short of the memor
 oneDNN's packed GEMV 5.3-6.7 ms at 35-43 GB/s while ``x.sum()`` read 40-64 GB/s; on a Zen 4
 EPYC and an AMX Xeon it streamed at 21 GB/s). SDPA over the slot cache took 8.5 ms of a 17.6
 ms step at 8 rows of ~300 positions (float32 cache, ~21 GB/s). ``cpu_kernels.cpp`` holds two
-kernels that read their data in its plain layout, one sequential stream per thread with a
+streaming kernels that read their data in its plain layout, one sequential stream per thread with a
 software prefetch ahead of it:
 
 * ``linear``: ``y = x @ W.T`` for a few rows of ``x``, bf16 or float32, accumulated in float32
   (bf16 pairs through AVX512_BF16's dot product where the CPU has it);
 * ``decode_attention``: one query per row and head over the row's cached positions, the heads
-  of a GQA group sharing each key and value read, softmax in float32.
+  of a GQA group sharing each key and value read, softmax in float32;
+
+and the small ops of a step fused, rounding as the torch ops they replace: ``add_rmsnorm``,
+``silu_mul`` and ``rope_store`` (the rotary embedding and the cache write).
 
 The source is compiled once per instruction set (``avx512bf16``: AVX-512 with BF16, which AMX
 CPUs have as well; ``avx2``: AVX2 + FMA) into a shared library with no dependency on torch's
@@ -140,36 +143,34 @@ def build_all(directory: Path) -> list:
     return [build(isa, directory) for isa in ISAS]
 
 
+_P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
+#: The library's C functions: attribute -> (symbol, argument types, result type).
+_FUNCTIONS = {
+    "_linear": ("llk_linear", [_P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I32, _I32], _I32),
+    "_attention": ("llk_decode_attention",
+                   [_P, _I64, _I32, _P, _P, _I32, _P, _P, _I64, _I64, _I64, _I64, _I64, _F32, _P, _I32], _I32),
+    "_add_rmsnorm": ("llk_add_rmsnorm", [_P, _P, _P, _P, _I64, _I64, _F32, _I32, _I32], _I32),
+    "_silu_mul": ("llk_silu_mul", [_P, _P, _I64, _I64, _I32, _I32], _I32),
+    "_rope_store": ("llk_rope_store",
+                    [_P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _I64, _I32, _I32, _I32], _I32),
+    "_pool_check": ("llk_pool_check", [_I64, _I64, _I32], _I64),
+    "_isa": ("llk_isa", [], ctypes.c_char_p),
+}
+
+
 class CpuKernels:
     """The loaded library for one instruction set, called with torch tensors."""
 
     def __init__(self, path: Path, isa: str):
         self.path, self.isa = path, isa
         self.lib = ctypes.CDLL(str(path))
-        if self.lib.llk_isa.restype is not ctypes.c_char_p:
-            self.lib.llk_isa.restype = ctypes.c_char_p
-        built_for = self.lib.llk_isa().decode()
+        for attribute, (symbol, argtypes, restype) in _FUNCTIONS.items():
+            function = getattr(self.lib, symbol)
+            function.argtypes, function.restype = argtypes, restype
+            setattr(self, attribute, function)
+        built_for = self._isa().decode()
         if built_for != isa:
             raise KernelBuildError(f"{path} was built for {built_for}, not {isa}")
-        p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
-        self._linear = self.lib.llk_linear
-        self._linear.argtypes = [p, i64, p, p, i64, i64, i64, i64, i32, i32]
-        self._linear.restype = i32
-        self._attention = self.lib.llk_decode_attention
-        self._attention.argtypes = [p, i64, i32, p, p, i32, p, p, i64, i64, i64, i64, i64, f32, p, i32]
-        self._attention.restype = i32
-        self._add_rmsnorm = self.lib.llk_add_rmsnorm
-        self._add_rmsnorm.argtypes = [p, p, p, p, i64, i64, f32, i32, i32]
-        self._add_rmsnorm.restype = i32
-        self._silu_mul = self.lib.llk_silu_mul
-        self._silu_mul.argtypes = [p, p, i64, i64, i32, i32]
-        self._silu_mul.restype = i32
-        self._rope_store = self.lib.llk_rope_store
-        self._rope_store.argtypes = [p, i64, i64, i64, i64, i64, p, p, p, p, p, p, i64, i32, i32, i32]
-        self._rope_store.restype = i32
-        self._pool_check = self.lib.llk_pool_check
-        self._pool_check.argtypes = [i64, i64, i32]
-        self._pool_check.restype = i64
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``x @ weight.T`` for ``x`` ``[M, K]`` (rows may be strided, elements contiguous) and a contiguous
@@ -253,6 +254,11 @@ class CpuKernels:
                 and kv_heads >= 1 and heads % kv_heads == 0 and heads // kv_heads <= 64)
 
 
+def for_device(device) -> Optional[CpuKernels]:
+    """:func:`load` for tensors on ``device``: None off the CPU (the kernels serve CPU memory only)."""
+    return load() if torch.device(device).type == "cpu" else None
+
+
 _loaded: Dict[str, Optional[CpuKernels]] = {}
 _lock = threading.Lock()
 
@@ -283,7 +289,7 @@ def _load(setting: str, flags: FrozenSet[str]) -> Optional[CpuKernels]:
         if path.is_file():
             try:
                 return _loaded_from(path, isa)
-            except OSError as exc:  # built for another host (an older glibc, say): build one here
+            except OSError as exc:  # built for another host (a newer glibc, say): build one here
                 logger.warning("native CPU kernels: %s does not load here (%s); building one", path, exc)
     try:
         return _loaded_from(build(isa, cache_dir()), isa)

@@ -45,7 +45,8 @@ from typing import Dict, FrozenSet, Optional, Sequence
 import torch
 from torch import nn
 
-from ..cpu import cpu_class, cpu_flags
+from ..cpu import is_amx
+from . import cpu_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -153,13 +154,9 @@ def native_kernels_for(dtype: torch.dtype, device: torch.device, flags: Optional
     decode step at 8 rows took 13.8 ms with oneDNN's linears and the native attention, 21.8 with the
     native linears too.
     """
-    if torch.device(device).type != "cpu" or dtype != torch.bfloat16 or not packing_supported(dtype, device):
+    if dtype != torch.bfloat16 or not packing_supported(dtype, device) or is_amx(flags):
         return None
-    if cpu_class(cpu_flags() if flags is None else flags) == "amx":
-        return None
-    from . import cpu_kernels
-
-    kernels = cpu_kernels.load()
+    kernels = cpu_kernels.for_device(device)
     return kernels if kernels is not None and kernels.isa == "avx512bf16" else None
 
 

@@ -6,7 +6,8 @@ from typing import FrozenSet, List, Optional, Sequence
 
 import torch
 
-from ..cpu import auto_dtype, cpu_class, cpu_flags, keep_freed_memory
+from ..cpu import auto_dtype, is_amx, keep_freed_memory
+from . import cpu_kernels
 from .base import Backend, OnePassSlotBackend, PrefillChunk, SlotBatchBackend
 from .fast_linear import FusedLlamaProjections, pack_linears
 
@@ -63,7 +64,7 @@ def kv_cache_dtype_for(setting: str, weights: torch.dtype, device: torch.device,
         return getattr(torch, setting)
     if torch.device(device).type != "cpu" or weights == torch.float32:
         return weights
-    return torch.bfloat16 if weights == torch.bfloat16 and (native_attention or _amx(flags)) else torch.float32
+    return torch.bfloat16 if weights == torch.bfloat16 and (native_attention or is_amx(flags)) else torch.float32
 
 
 def prompts_attend_by_blocks(weights: torch.dtype, kv: torch.dtype, device: torch.device,
@@ -76,12 +77,7 @@ def prompts_attend_by_blocks(weights: torch.dtype, kv: torch.dtype, device: torc
     """
     if torch.device(device).type != "cpu" or weights != torch.bfloat16:
         return False
-    return not (kv == torch.bfloat16 and _amx(flags))
-
-
-def _amx(flags: Optional[FrozenSet[str]]) -> bool:
-    """Whether the CPU with ``flags`` (default: this machine's) is of the ``amx`` class."""
-    return cpu_class(cpu_flags() if flags is None else flags) == "amx"
+    return not (kv == torch.bfloat16 and is_amx(flags))
 
 
 def check_max_length(config, max_length: int) -> None:
@@ -212,7 +208,7 @@ class TorchSlotBackend(OnePassSlotBackend):
         self.n_heads = cfg.num_attention_heads
         self.n_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.n_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
-        kernels = _native_kernels(self.device)
+        kernels = cpu_kernels.for_device(self.device)
 
         def native_attention(kv: torch.dtype) -> bool:
             return kernels is not None and kernels.supports_attention(self.dtype, kv, self.n_heads, self.n_kv_heads,
@@ -477,15 +473,6 @@ class _NativeDecodeRows:
         if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
             q = q.contiguous()
         return self.kernels.decode_attention(q, k_layer, v_layer, self.slots, self.lengths, self.scale)
-
-
-def _native_kernels(device: torch.device):
-    """The native CPU kernels (:mod:`.cpu_kernels`) on a CPU that loads them, else None."""
-    if torch.device(device).type != "cpu":
-        return None
-    from . import cpu_kernels
-
-    return cpu_kernels.load()
 
 
 class _DecodeRows:
