@@ -8,6 +8,8 @@
 #   build/peers/vllm-venv                          vLLM for CPU (python -m vllm.entrypoints.openai.api_server)
 #
 #   scripts/build_peers.sh [llama|gguf|vllm ...]   default: all three, in that order
+#   scripts/build_peers.sh llama-avx2              llama-server for an AVX2-only CPU, in build/peers/llama.cpp/build-avx2:
+#                                                 the peer of python -m scripts.bench --cpu-class avx2 (also llama-avx512)
 #   scripts/build_peers.sh backend                 llama-cpp-python in $PY's venv (the llamacpp backend) and
 #                                                 the tree whose converter the build step runs (make llamacpp)
 #
@@ -116,29 +118,49 @@ build_backend() {
   say "llamacpp backend: $("$PY" -c 'import llama_cpp; print("llama_cpp", llama_cpp.__version__)'), converter $LLAMA_TREE/convert_hf_to_gguf.py"
 }
 
+# ggml's instruction sets for a CPU class (llama_engine.cpu.CLASSES) that the bench emulates on a
+# newer CPU (python -m scripts.bench --cpu-class CLASS): what GGML_NATIVE would pick on such a CPU.
+ggml_isa_flags() {
+  case $1 in
+    avx2) echo "-DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF" ;;
+    avx512) echo "-DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON" ;;
+    *) die "no llama-server build for CPU class '$1' (llama-avx2 or llama-avx512; plain 'llama' builds for this CPU)" ;;
+  esac
+}
+
+# build_llama [CLASS]: llama-server for this CPU (GGML_NATIVE) in $LLAMA_TREE/build, or for an older
+# CPU class in $LLAMA_TREE/build-CLASS (the peer of a bench run with --cpu-class CLASS).
 build_llama() {
-  if patch_amx_tile_config "$LLAMA_TREE"; then
-    rm -f "$LLAMA_BIN"
+  local class=${1:-} dir=$LLAMA_TREE/build isa="-DGGML_NATIVE=ON" what="native"
+  if [[ -n $class ]]; then
+    isa="-DGGML_NATIVE=OFF $(ggml_isa_flags "$class")"
+    dir=$LLAMA_TREE/build-$class
+    what="for CPU class $class"
   fi
-  if [[ -x $LLAMA_BIN ]]; then
-    say "llama-server: already built at $LLAMA_BIN (delete it to rebuild)"
+  local bin=$dir/bin/llama-server log=$PEERS/llama-build${class:+-$class}.log
+  if patch_amx_tile_config "$LLAMA_TREE"; then
+    rm -f "$LLAMA_BIN" "$LLAMA_TREE"/build-*/bin/llama-server
+  fi
+  if [[ -x $bin ]]; then
+    say "llama-server: already built at $bin (delete it to rebuild)"
     return
   fi
   need cmake "install cmake (apt-get install cmake)"
   need g++ "install a C++ compiler (apt-get install g++)"
   fetch_tree
   patch_amx_tile_config "$LLAMA_TREE" || true
-  say "llama.cpp: configuring (Release, native, static, no curl/tests/examples)"
-  cmake -S "$LLAMA_TREE" -B "$LLAMA_TREE/build" -DCMAKE_BUILD_TYPE=Release \
-    -DLLAMA_CURL=OFF -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF \
+  say "llama.cpp: configuring (Release, $what, static, no curl/tests/examples)"
+  # shellcheck disable=SC2086 # $isa is a list of flags
+  cmake -S "$LLAMA_TREE" -B "$dir" -DCMAKE_BUILD_TYPE=Release \
+    -DLLAMA_CURL=OFF $isa -DBUILD_SHARED_LIBS=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON \
-    $(command -v ninja >/dev/null && echo -G Ninja) >"$PEERS/llama-cmake.log" 2>&1 \
-    || die "cmake configure, see $PEERS/llama-cmake.log: $(tail -5 "$PEERS/llama-cmake.log")"
-  say "llama.cpp: building llama-server with $JOBS jobs (about 6 minutes on 2 idle cores, far longer on a busy machine); log $PEERS/llama-build.log"
-  cmake --build "$LLAMA_TREE/build" --config Release --target llama-server -j "$JOBS" >"$PEERS/llama-build.log" 2>&1 \
-    || die "building llama-server, see $PEERS/llama-build.log: $(tail -5 "$PEERS/llama-build.log")"
-  [[ -x $LLAMA_BIN ]] || die "the build finished but left no $LLAMA_BIN"
-  say "llama.cpp: built $LLAMA_BIN ($("$LLAMA_BIN" --version 2>&1 | head -1))"
+    $(command -v ninja >/dev/null && echo -G Ninja) >"$PEERS/llama-cmake${class:+-$class}.log" 2>&1 \
+    || die "cmake configure, see $PEERS/llama-cmake${class:+-$class}.log: $(tail -5 "$PEERS/llama-cmake${class:+-$class}.log")"
+  say "llama.cpp: building llama-server ($what) with $JOBS jobs (about 6 minutes on 2 idle cores, far longer on a busy machine); log $log"
+  cmake --build "$dir" --config Release --target llama-server -j "$JOBS" >"$log" 2>&1 \
+    || die "building llama-server, see $log: $(tail -5 "$log")"
+  [[ -x $bin ]] || die "the build finished but left no $bin"
+  say "llama.cpp: built $bin ($("$bin" --version 2>&1 | head -1))"
 }
 
 build_gguf() {
@@ -209,10 +231,11 @@ main() {
   for step in "${steps[@]}"; do
     case $step in
       llama) build_llama ;;
+      llama-*) build_llama "${step#llama-}" ;;
       gguf) build_gguf ;;
       vllm) build_vllm ;;
       backend) build_backend ;;
-      *) die "unknown step '$step' (llama, gguf, vllm, backend)" ;;
+      *) die "unknown step '$step' (llama, llama-avx2, llama-avx512, gguf, vllm, backend)" ;;
     esac
   done
   say "done: ${steps[*]}"

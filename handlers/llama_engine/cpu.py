@@ -12,9 +12,10 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import os
 import sys
 from pathlib import Path
-from typing import FrozenSet, Optional
+from typing import Dict, FrozenSet, Optional
 
 logger = logging.getLogger(__name__)
 
@@ -25,18 +26,82 @@ REPORTED_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16"
                   "amx_tile", "amx_bf16", "amx_int8", "amx_fp16")
 
 
+#: The CPU classes (:func:`cpu_class`), lowest first.
+CLASSES = ("other", "avx2", "avx512", "avx512-bf16", "amx")
+#: The flags (by prefix) that lift a CPU into each class: a CPU of a lower class has none of them.
+CLASS_FLAG_PREFIXES = {"avx2": ("avx2",), "avx512": ("avx512",), "avx512-bf16": ("avx512_bf16",), "amx": ("amx",)}
+#: ``LLAMA_CPU_CLASS=avx2``: this machine reports only the flags a CPU of that (lower) class has,
+#: so ``dtype: auto`` and the native kernels choose as they would there. torch's own kernels need
+#: their own variables for that (:func:`emulation_env`); the bench's ``--cpu-class`` sets them all.
+CLASS_ENV = "LLAMA_CPU_CLASS"
+_announced: set = set()
+
+
 def cpu_flags(cpuinfo: Optional[str] = None) -> FrozenSet[str]:
-    """The first CPU's feature flags from ``/proc/cpuinfo`` (empty where there is none, e.g. macOS)."""
+    """The first CPU's feature flags from ``/proc/cpuinfo`` (empty where there is none, e.g. macOS),
+    or, for this machine, those of the class ``LLAMA_CPU_CLASS`` names (:func:`restrict_flags`)."""
     if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return frozenset()
+        flags = host_cpu_flags()
+        target = os.environ.get(CLASS_ENV, "").strip()
+        if not target:
+            return flags
+        restricted = restrict_flags(flags, target)
+        if target not in _announced:
+            _announced.add(target)
+            logger.info("%s=%s: choosing as a CPU of class %s would (this one is %s)", CLASS_ENV, target, target,
+                        cpu_class(flags))
+        return restricted
     for line in cpuinfo.splitlines():
         key, _, value = line.partition(":")
         if key.strip() in ("flags", "Features"):
             return frozenset(value.split())
     return frozenset()
+
+
+def host_cpu_flags() -> FrozenSet[str]:
+    """This machine's flags as ``/proc/cpuinfo`` has them, whatever ``LLAMA_CPU_CLASS`` says."""
+    try:
+        return cpu_flags(Path("/proc/cpuinfo").read_text())
+    except OSError:
+        return frozenset()
+
+
+def restrict_flags(flags: FrozenSet[str], target: str) -> FrozenSet[str]:
+    """``flags`` without those that lift a CPU above class ``target``: what a CPU of that class has.
+
+    Only downwards: a CPU cannot run a higher class's instructions, so asking for one raises.
+    """
+    if target not in CLASSES:
+        raise ValueError(f"{CLASS_ENV}={target!r} is not a CPU class; use one of {', '.join(CLASSES)}")
+    actual = cpu_class(flags)
+    if CLASSES.index(target) > CLASSES.index(actual):
+        raise ValueError(f"{CLASS_ENV}={target}: this CPU is of class {actual} and cannot run the instructions of "
+                         f"class {target}; use {actual} or a lower class, or unset {CLASS_ENV}")
+    above = tuple(prefix for cls in CLASSES[CLASSES.index(target) + 1:] for prefix in CLASS_FLAG_PREFIXES[cls])
+    return frozenset(flag for flag in flags if not flag.startswith(above))
+
+
+#: What keeps torch's own kernels within a class: ATen's vectorized ops, oneDNN (bf16 and packed
+#: linears), MKL (float32 matrix products). A class absent from a table needs no limit there.
+_ATEN_CAPABILITY = {"other": "default", "avx2": "avx2"}
+_ONEDNN_MAX_ISA = {"other": "SSE41", "avx2": "AVX2", "avx512": "AVX512_CORE_VNNI", "avx512-bf16": "AVX512_CORE_BF16"}
+_MKL_INSTRUCTIONS = {"other": "SSE4_2", "avx2": "AVX2"}
+
+
+def emulation_env(target: str) -> Dict[str, str]:
+    """The environment under which this machine computes as a CPU of class ``target`` would: this
+    package's choices (``LLAMA_CPU_CLASS``) and torch's kernels (``ATEN_CPU_CAPABILITY``,
+    ``ONEDNN_MAX_CPU_ISA``, ``MKL_ENABLE_INSTRUCTIONS``). Each library reads its variable once, at
+    its first use, so a process must have them before it computes anything. Memory, caches and
+    clocks stay this machine's: an emulated class measures the instruction set, not the chip.
+    """
+    restrict_flags(host_cpu_flags(), target)  # raises for a class this machine cannot emulate
+    env = {CLASS_ENV: target}
+    for var, table in (("ATEN_CPU_CAPABILITY", _ATEN_CAPABILITY), ("ONEDNN_MAX_CPU_ISA", _ONEDNN_MAX_ISA),
+                       ("MKL_ENABLE_INSTRUCTIONS", _MKL_INSTRUCTIONS)):
+        if target in table:
+            env[var] = table[target]
+    return env
 
 
 def has_native_bf16(flags: FrozenSet[str]) -> bool:

@@ -34,11 +34,30 @@ def _cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
     return name
 
 
+def emulate(target: str) -> dict:
+    """Have this process, and every server it starts, compute as a CPU of class ``target`` would
+    (``llama_engine.cpu.emulation_env``); the variables it set. Raises where torch had already
+    chosen its kernels, or this CPU cannot run the class's instructions."""
+    env = cpu_features.emulation_env(target)
+    os.environ.update(env)
+    import torch
+
+    want, got = env.get("ATEN_CPU_CAPABILITY"), torch.backends.cpu.get_cpu_capability()
+    if want and got.lower() != want.lower():
+        raise RuntimeError(f"--cpu-class {target}: torch computes with {got} here, not {want}; ATEN_CPU_CAPABILITY "
+                           f"must be set before this process first uses torch (run the bench afresh)")
+    return env
+
+
 def machine_info() -> dict:
-    flags = cpu_features.cpu_flags()
+    flags, host_class = cpu_features.cpu_flags(), cpu_features.cpu_class(cpu_features.host_cpu_flags())
     info = {"cpu": _cpu_model(), "logical_cpus": os.cpu_count(), "cpu_flags": cpu_features.reported_flags(flags),
             "cpu_class": cpu_features.cpu_class(flags), "auto_dtype": cpu_features.auto_dtype("cpu", flags),
             "platform": platform.platform()}
+    if info["cpu_class"] != host_class:
+        info["emulated_on"] = host_class
+        info["emulation_env"] = {k: os.environ[k] for k in cpu_features.emulation_env(info["cpu_class"])
+                                 if k in os.environ}
     try:
         import psutil
 

@@ -2,12 +2,16 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import statistics
 from pathlib import Path
 from typing import List, Optional
 
 from scripts.bench.plan import choices_text
+
+#: The page a full run rewrites (``--docs`` names another).
+DOCS_PAGE = Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md"
 
 SERVED = "torchserve"
 CONTINUOUS = "torchserve-continuous"
@@ -541,10 +545,12 @@ Plots: {', '.join(f'`{p}`' for p in plots)}.
 
 
 def cpu_label(machine: dict) -> str:
-    """The CPU class a run was measured on (``amx``, ``avx512-bf16``, ``avx512``, ``avx2``); runs from
-    before the class was recorded are classed from their flags."""
+    """The CPU class a run was measured on (``amx``, ``avx512-bf16``, ``avx512``, ``avx2``), and the host's
+    where it was emulated (``avx2 (emulated on avx512-bf16)``); runs from before the class was
+    recorded are classed from their flags."""
     if machine.get("cpu_class"):
-        return machine["cpu_class"]
+        emulated_on = machine.get("emulated_on")
+        return f"{machine['cpu_class']} (emulated on {emulated_on})" if emulated_on else machine["cpu_class"]
     from llama_engine.cpu import cpu_class
 
     return cpu_class(frozenset(machine.get("cpu_flags", [])))
@@ -846,6 +852,21 @@ ahead of micro-batching on the Poisson load at all: `.venv/bin/python -m scripts
 """
 
 
+def default_docs(machine: dict) -> Path:
+    """The page a full run rewrites: ``docs/benchmarks.md``, or for a run on an emulated CPU class its own
+    page (``docs/benchmarks-avx2-emulated.md``), so that it never stands in for a measured CPU's."""
+    if machine.get("emulated_on"):
+        return DOCS_PAGE.with_name(f"{DOCS_PAGE.stem}-{machine['cpu_class']}-emulated.md")
+    return DOCS_PAGE
+
+
+def by_cpu_path(docs: Path) -> Path:
+    """The JSON of ratios by CPU class beside ``docs``: the main page's for the pages runs write by default."""
+    if docs.parent == DOCS_PAGE.parent and docs.stem.startswith(DOCS_PAGE.stem + "-") and docs.stem.endswith("-emulated"):
+        docs = DOCS_PAGE
+    return docs.parent / f"{docs.stem}-by-cpu.json"
+
+
 def render_docs(results: dict, plots: List[Path], docs: Path) -> str:
     """The docs page, with the plots copied beside it (``<page>-plots/``) so that the page shows them."""
     folder = docs.parent / f"{docs.stem}-plots"
@@ -853,9 +874,10 @@ def render_docs(results: dict, plots: List[Path], docs: Path) -> str:
     for plot in plots:
         shutil.copyfile(plot, folder / plot.name)
     images = "\n".join(f"![{p.stem}]({folder.name}/{p.name})" for p in plots)
-    by_cpu = update_by_cpu(results, docs.parent / f"{docs.stem}-by-cpu.json")
+    by_cpu_file = by_cpu_path(docs)
+    by_cpu = update_by_cpu(results, by_cpu_file)
     by_cpu_text = (f"## Ratios by CPU class\n\nThe latest run's ratios on each class of CPU measured (from "
-                   f"`{docs.stem}-by-cpu.json`, which each run updates for its own class). A ratio that holds on one "
+                   f"`{os.path.relpath(by_cpu_file, docs.parent)}`, which each run updates for its own class). A ratio that holds on one "
                    f"class can flip on another.\n\n{by_cpu_table(by_cpu)}\n")
     return (DOCS_HEAD + by_cpu_text + "## Latest results\n\n" + markdown(results, [Path(folder.name) / p.name for p in plots])
             + "\n" + images + "\n")

@@ -30,7 +30,7 @@ import traceback
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from llama_engine.cpu import auto_dtype
+from llama_engine.cpu import CLASSES, auto_dtype
 from scripts.bench import machine, model as bench_model, report
 from scripts.bench.membw import read_bandwidth
 from scripts.bench.plan import (
@@ -98,6 +98,11 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     parser.add_argument("--llama-gguf", type=Path, help="GGUF of the bench model for llama-server")
     parser.add_argument("--max-minutes", type=float, help="time budget; later phases are skipped past it")
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompts and Poisson schedules (default 0)")
+    parser.add_argument("--cpu-class", choices=CLASSES[1:], metavar="CLASS",
+                        help="measure as a CPU of this lower class would (avx2, avx512, avx512-bf16): its dtype, "
+                             "native kernels and torch's kernels (llama_engine.cpu.emulation_env); llama.cpp's peer "
+                             "from build/peers/llama.cpp/build-CLASS (make bench-peers BENCH_PEERS=llama-CLASS); "
+                             "the docs page docs/benchmarks-CLASS-emulated.md")
     parser.add_argument("--render", type=Path, metavar="JSON",
                         help="measure nothing: rewrite the Markdown, plots (and --docs) from a results JSON")
     return parser.parse_args(argv)
@@ -107,6 +112,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.render is not None:
         return render(args)
+    if args.cpu_class:
+        log(f"--cpu-class {args.cpu_class}: " + " ".join(f"{k}={v}" for k, v in machine.emulate(args.cpu_class).items()))
 
     bench = BenchRun(args, argv)
     bench.model_and_configs()
@@ -128,7 +135,7 @@ def render(args) -> int:
     """--render: measure nothing, rewrite the Markdown, plots (and docs) from a results JSON."""
     results = json.loads(args.render.read_text())
     results["ratios"] = report.ratios(results)
-    docs = None if args.no_docs else (args.docs or (ROOT / "docs" / "benchmarks.md"
+    docs = None if args.no_docs else (args.docs or (report.default_docs(results["machine"])
                                                     if results["mode"] != "smoke" else None))
     out = args.out.resolve()
     written = report.write_all(results, out, docs)
@@ -166,6 +173,9 @@ class BenchRun:
             "plan": {k: v for k, v in plan.items() if k not in ("docs",)}, "systems": {}, "runs": [], "extra": {},
         }
         self.runs = self.results["runs"]
+        host = self.results["machine"]
+        #: the CPU class emulated (--cpu-class, below this host's), or None
+        self.emulated = host["cpu_class"] if host.get("emulated_on") else None
         self.timeout = plan["request_timeout"]
         self.monitor = machine.CpuMonitor()
         self.monitor.budget = plan["quiet_budget"]
@@ -373,6 +383,10 @@ class BenchRun:
         from llama_engine import load_model_config_file
         from scripts.bench.systems import TorchServeSystem
 
+        if self.emulated:
+            self.results["systems"][report.LLAMACPP] = {"status": "skipped", "detail": self._unemulated("llama-cpp-python")}
+            log(f"{report.LLAMACPP}: {self.results['systems'][report.LLAMACPP]['detail']}")
+            return
         if importlib.util.find_spec("llama_cpp") is None:
             self.results["systems"][report.LLAMACPP] = {
                 "status": "not installed", "detail": "llama-cpp-python does not import (make llamacpp builds it)"}
@@ -384,6 +398,10 @@ class BenchRun:
                     lambda: TorchServeSystem(self.work / "llamacpp", config, self.checkpoint, model_name="bench-llama-llamacpp"),
                     lambda ts: f"backend llamacpp ({load_model_config_file(str(config)).handler.gguf_type} GGUF), "
                                f"continuousBatching, pid {ts.pid}")
+
+    def _unemulated(self, what: str) -> str:
+        return (f"skipped: {what} is built for this host's instruction set ({self.results['machine']['emulated_on']}), "
+                f"which no variable narrows to the emulated class {self.emulated}'s")
 
     def served(self, name: str, make_system, describe, after=None) -> None:
         """Build, start, warm up and sweep one served variant; ``after(system, adapter)`` runs while it is up.
@@ -548,8 +566,10 @@ class BenchRun:
 
         args, plan, budget, results = self.args, self.plan, self.budget, self.results
         max_length = self.cfg.handler.max_length
-        peers = [LlamaCppSystem(self.work / "llama.cpp", self.dtype, self.threads, self.micro, max_length, args.llama_gguf),
-                 LlamaCppSystem(self.work / "llama.cpp-q8_0", self.dtype, self.threads, self.micro, max_length, quant="q8_0"),
+        peers = [LlamaCppSystem(self.work / "llama.cpp", self.dtype, self.threads, self.micro, max_length, args.llama_gguf,
+                                cpu_class=self.emulated),
+                 LlamaCppSystem(self.work / "llama.cpp-q8_0", self.dtype, self.threads, self.micro, max_length, quant="q8_0",
+                                cpu_class=self.emulated),
                  VllmSystem(self.work / "vllm", self.checkpoint, self.dtype, self.micro, max_length)]
         for peer in peers:
             t = time.perf_counter()
@@ -558,7 +578,9 @@ class BenchRun:
             except Exception as exc:  # noqa: BLE001
                 found, detail = False, f"not installed ({type(exc).__name__}: {exc})"
             status = results["systems"][peer.name] = {"status": "ok" if found else "not installed", "detail": detail}
-            if found and (not plan["peers"] or args.no_peers):
+            if found and self.emulated and isinstance(peer, VllmSystem):
+                status.update(status="skipped", detail=self._unemulated(f"vLLM's CPU build ({detail})"))
+            elif found and (not plan["peers"] or args.no_peers):
                 status.update(status="skipped", detail=f"installed ({detail}) but skipped in this mode")
             elif found and peer.name not in args.systems:
                 status.update(status="skipped", detail=f"installed ({detail}) but not selected (--systems)")
@@ -609,7 +631,8 @@ class BenchRun:
         phases["total_s"] = time.perf_counter() - self.started
         results["phases_s"] = {k: round(v, 2) for k, v in phases.items()}
         everything = list(args.systems) == list(SYSTEMS) and list(args.scenarios) == list(SCENARIOS)
-        docs = None if args.no_docs else (args.docs or (ROOT / "docs" / "benchmarks.md" if self.plan["docs"] and everything else None))
+        docs = None if args.no_docs else (args.docs or (report.default_docs(results["machine"])
+                                                        if self.plan["docs"] and everything else None))
         written = report.write_all(results, self.out, docs)
         for line in report.ratio_lines(results["ratios"]):
             print(line)

@@ -5,7 +5,8 @@ log file under the run's work directory, and is stopped by the PID of that group
 then SIGKILL). Peers are never installed or built here; they are detected:
 
 * llama.cpp: a ``llama-server`` binary on PATH, in ``build/peers/`` or in
-  ``build/peers/llama.cpp/build/bin/``, and a GGUF of the bench model at
+  ``build/peers/llama.cpp/build/bin/`` (for an emulated CPU class only
+  ``build/peers/llama.cpp/build-<class>/bin/``), and a GGUF of the bench model at
   ``build/peers/bench-model-<bf16|fp32>.gguf`` (or ``--llama-gguf``);
 * vLLM: a virtual environment at ``build/peers/vllm-venv`` whose Python imports vllm; it
   serves the bench model's safetensors directory directly.
@@ -150,7 +151,8 @@ class LlamaCppSystem(PeerSystem):
     or quantized (``quant="q8_0"``: the separately labelled ``llama.cpp-q8_0`` row)."""
 
     def __init__(self, work: Path, dtype: str, threads: int, parallel: int, max_length: int,
-                 gguf: Optional[Path] = None, quant: Optional[str] = None, decode_threads: Optional[int] = None):
+                 gguf: Optional[Path] = None, quant: Optional[str] = None, decode_threads: Optional[int] = None,
+                 cpu_class: Optional[str] = None):
         self.name = "llama.cpp" if quant is None else f"llama.cpp-{quant}"
         super().__init__(work)
         self.dtype, self.threads, self.parallel, self.max_length = dtype, threads, parallel, max_length
@@ -159,13 +161,22 @@ class LlamaCppSystem(PeerSystem):
         suffix = quant or {"bfloat16": "bf16", "float32": "fp32"}.get(dtype, dtype)
         self.gguf = Path(gguf) if gguf else PEERS / f"bench-model-{suffix}.gguf"
         self.binary: Optional[str] = None
+        #: an emulated CPU class (the bench's --cpu-class): only a llama-server built for it will do
+        self.cpu_class = cpu_class
 
     def detect(self):
-        candidates = [shutil.which("llama-server"), PEERS / "llama-server",
-                      PEERS / "llama.cpp" / "build" / "bin" / "llama-server"]
+        if self.cpu_class:
+            built = PEERS / "llama.cpp" / f"build-{self.cpu_class}" / "bin" / "llama-server"
+            candidates = [built]
+            missing = (f"not installed (no llama-server built for CPU class {self.cpu_class} at {built}: "
+                       f"make bench-peers BENCH_PEERS=llama-{self.cpu_class})")
+        else:
+            candidates = [shutil.which("llama-server"), PEERS / "llama-server",
+                          PEERS / "llama.cpp" / "build" / "bin" / "llama-server"]
+            missing = "not installed (no llama-server on PATH, in build/peers/ or build/peers/llama.cpp/build/bin/)"
         self.binary = next((str(c) for c in candidates if c and os.access(str(c), os.X_OK)), None)
         if self.binary is None:
-            return False, "not installed (no llama-server on PATH, in build/peers/ or build/peers/llama.cpp/build/bin/)"
+            return False, missing
         if not self.gguf.exists():
             return False, (f"not installed: llama-server at {self.binary}, but no GGUF of the bench model at "
                            f"{self.gguf} (convert_hf_to_gguf.py build/bench-model-* --outfile {self.gguf})")

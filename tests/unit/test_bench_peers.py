@@ -3,6 +3,7 @@ llama-server stream as the real server sends it."""
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -174,3 +175,40 @@ def test_continuous_bound_measures_two_loads_on_one_backend(tiny_model_dir):
             assert r["tokens"] == sum(out for _, _, out in schedule) and set(r["step_ms"]) == {1, 2}
     finally:
         torch.set_num_threads(threads)
+
+
+def test_an_emulated_cpu_class_takes_only_a_llama_server_built_for_it(tmp_path, monkeypatch):
+    """Under --cpu-class avx2 the native llama-server (AVX-512 here) would not be the peer an AVX2
+    CPU runs: only build/peers/llama.cpp/build-avx2's will do."""
+    from scripts.bench import systems
+
+    monkeypatch.setattr(systems, "PEERS", tmp_path)
+    gguf = tmp_path / "bench-model-fp32.gguf"
+    gguf.write_bytes(b"GGUF")
+
+    def binary(folder):
+        path = tmp_path / "llama.cpp" / folder / "bin" / "llama-server"
+        path.parent.mkdir(parents=True)
+        path.write_text("#!/bin/sh\n")
+        path.chmod(0o755)
+        return path
+
+    native = binary("build")
+    assert systems.LlamaCppSystem(tmp_path / "w", "float32", 2, 8, 1024).detect() == (True, f"{native} with {gguf}")
+    found, detail = systems.LlamaCppSystem(tmp_path / "w", "float32", 2, 8, 1024, cpu_class="avx2").detect()
+    assert not found and "make bench-peers BENCH_PEERS=llama-avx2" in detail
+    for_avx2 = binary("build-avx2")
+    assert systems.LlamaCppSystem(tmp_path / "w", "float32", 2, 8, 1024, cpu_class="avx2").detect() == \
+        (True, f"{for_avx2} with {gguf}")
+
+
+def test_build_peers_knows_ggmls_flags_for_each_class_it_builds_for():
+    script = ROOT / "scripts" / "build_peers.sh"
+    flags = {}
+    for cls in ("avx2", "avx512", "amx"):
+        probe = subprocess.run(["bash", "-c", f'source <(sed "/^main \\"\\$@\\"/d" {script}); ggml_isa_flags {cls}'],
+                               capture_output=True, text=True, timeout=30)
+        flags[cls] = (probe.returncode, probe.stdout.split(), probe.stderr)
+    assert flags["avx2"][0] == 0 and "-DGGML_AVX2=ON" in flags["avx2"][1] and "-DGGML_AVX512=OFF" in flags["avx2"][1]
+    assert flags["avx512"][0] == 0 and "-DGGML_AVX512=ON" in flags["avx512"][1]
+    assert flags["amx"][0] != 0 and "no llama-server build for CPU class 'amx'" in flags["amx"][2]

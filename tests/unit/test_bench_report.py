@@ -122,6 +122,27 @@ def test_each_cpu_class_keeps_its_latest_ratios(tmp_path):
     assert "| peer_ratio_llama.cpp | >= 1.0 | 1.000 | 2.500 |" in text
 
 
+def test_an_emulated_class_is_labelled_apart_and_never_rewrites_the_measured_cpus_page(tmp_path, monkeypatch):
+    """A run with --cpu-class avx2 on an avx512-bf16 host is its own column, its own page, and the
+    table of ratios by class stays the one beside docs/benchmarks.md."""
+    monkeypatch.setattr(report, "DOCS_PAGE", tmp_path / "docs" / "benchmarks.md")
+    (tmp_path / "docs").mkdir()
+    runs = [_run("torchserve", "concurrency", 100.0, concurrency=8), _run("llama.cpp", "concurrency", 80.0, concurrency=8)]
+    measured, emulated = _results(runs, "avx2"), _results(runs, "avx2")
+    emulated["machine"]["emulated_on"] = "avx512-bf16"
+    assert report.cpu_label(emulated["machine"]) == "avx2 (emulated on avx512-bf16)"
+    assert report.default_docs(measured["machine"]) == tmp_path / "docs" / "benchmarks.md"
+    page = report.default_docs(emulated["machine"])
+    assert page == tmp_path / "docs" / "benchmarks-avx2-emulated.md"
+    by_cpu = tmp_path / "docs" / "benchmarks-by-cpu.json"
+    assert report.by_cpu_path(page) == by_cpu == report.by_cpu_path(report.DOCS_PAGE)
+    assert report.by_cpu_path(tmp_path / "mine.md") == tmp_path / "mine-by-cpu.json"
+    for results in (measured, emulated):
+        results["ratios"] = report.ratios(results)
+        report.update_by_cpu(results, by_cpu)
+    assert sorted(json.loads(by_cpu.read_text())) == ["avx2", "avx2 (emulated on avx512-bf16)"]
+
+
 def test_old_runs_without_a_class_are_classed_from_their_flags():
     assert report.cpu_label({"cpu_flags": ["amx_bf16", "avx2", "avx512_bf16"]}) == "amx"
     assert report.cpu_label({"cpu_flags": ["avx2"]}) == "avx2"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import struct
 import subprocess
@@ -317,3 +318,35 @@ def test_peer_is_detected_started_driven_and_stopped_by_pid(tmp_path, monkeypatc
     vllm = VllmSystem(tmp_path / "w2", tmp_path, "bfloat16", 8, 1024, venv=tmp_path / "no-venv")
     found, detail = vllm.detect()
     assert not found and detail.startswith("not installed")
+
+
+def test_smoke_as_an_avx2_cpu_serves_with_that_classs_dtype_and_kernels(tiny_model_dir, tmp_path):
+    """--cpu-class avx2 on a newer CPU: the bench, and the TorchServe worker it starts, choose and
+    compute as an AVX2-only CPU would, and the run says it was emulated."""
+    from llama_engine import cpu
+
+    host = cpu.cpu_class(cpu.host_cpu_flags())
+    if cpu.CLASSES.index(host) < cpu.CLASSES.index("avx2"):
+        pytest.skip(f"this CPU ({host}) has no AVX2 to run an avx2 CPU's instructions")
+    out = tmp_path / "bench"
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
+    env.pop("LLAMA_CPU_CLASS", None)
+    proc = subprocess.run([sys.executable, "-m", "scripts.bench", "--smoke", "--cpu-class", "avx2", "--out", str(out),
+                           "--tiny", str(tiny_model_dir), "--systems", "inprocess,torchserve", "--scenarios", "concurrency"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=480, start_new_session=True)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    results = json.loads((out / "latest.json").read_text())
+    machine = results["machine"]
+    assert (machine["cpu_class"], machine["auto_dtype"], machine["torch_cpu_capability"]) == ("avx2", "float32", "AVX2")
+    assert not {"avx512f", "avx512_bf16", "amx_bf16"} & set(machine["cpu_flags"])
+    assert results["systems"]["torchserve"]["status"] == "ok"
+    assert any(r["system"] == "torchserve" and r["ok"] for r in results["runs"])
+    log = (out / "work" / "torchserve" / "logs" / "model_log.log").read_text()
+    assert re.search(r"native CPU kernels: avx2 \(", log), "the worker did not load the avx2 build"
+    if host != "avx2":
+        assert machine["emulated_on"] == host
+        assert machine["emulation_env"]["ONEDNN_MAX_CPU_ISA"] == "AVX2"
+        assert "LLAMA_CPU_CLASS=avx2: choosing as a CPU of class avx2 would" in log
+        assert f"(CPU class `avx2 (emulated on {host})`)" in (out / "results.md").read_text()
+    else:
+        assert "emulated_on" not in machine

@@ -1,4 +1,8 @@
 """``handler.dtype: auto``: bf16 only where the CPU computes in it natively."""
+import os
+import subprocess
+import sys
+
 import pytest
 
 from llama_engine import cpu
@@ -51,3 +55,69 @@ def test_the_torch_backend_loads_auto_in_the_dtype_this_cpu_gets(tiny_model_dir)
     expected = resolve_dtype("auto", "cpu")
     assert expected == cpu.auto_dtype("cpu")
     assert backend.model.dtype == getattr(torch, expected)
+
+
+@pytest.mark.parametrize("cpuinfo, target, kept, dropped", [
+    (SPR, "avx512-bf16", {"avx512_bf16", "avx512f", "avx2"}, {"amx_bf16", "amx_tile", "amx_int8"}),
+    (SPR, "avx512", {"avx512f", "avx512_vnni", "avx512_fp16", "avx2"}, {"avx512_bf16", "amx_bf16"}),
+    (SPR, "avx2", {"avx2", "fpu"}, {"avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile"}),
+    (COOPER, "other", {"fpu"}, {"avx2", "avx512f"}),
+    (AVX2_EPYC, "avx2", {"avx2", "fma", "f16c", "bmi2"}, set()),
+])
+def test_a_cpu_restricted_to_a_lower_class_keeps_only_that_classs_flags(cpuinfo, target, kept, dropped):
+    flags = cpu.restrict_flags(cpu.cpu_flags(cpuinfo), target)
+    assert cpu.cpu_class(flags) == target
+    assert kept <= flags and not dropped & flags
+
+
+@pytest.mark.parametrize("target, message", [
+    ("amx", "class avx512-bf16 and cannot run the instructions of class amx"),
+    ("avx3", "'avx3' is not a CPU class; use one of other, avx2, avx512, avx512-bf16, amx"),
+])
+def test_a_class_the_cpu_cannot_emulate_is_refused_by_name(target, message):
+    with pytest.raises(ValueError, match="LLAMA_CPU_CLASS") as err:
+        cpu.restrict_flags(cpu.cpu_flags(COOPER), target)
+    assert message in str(err.value)
+
+
+def test_llama_cpu_class_narrows_this_machines_flags_and_so_the_auto_dtype(monkeypatch):
+    monkeypatch.setattr(cpu, "host_cpu_flags", lambda: cpu.cpu_flags(SPR))
+    assert cpu.auto_dtype("cpu") == "bfloat16" and cpu.is_amx()
+    monkeypatch.setenv(cpu.CLASS_ENV, "avx2")
+    assert cpu.cpu_class(cpu.cpu_flags()) == "avx2"
+    assert cpu.auto_dtype("cpu") == "float32" and not cpu.is_amx()
+    assert cpu.cpu_flags(COOPER) == frozenset(COOPER.split(":")[1].split())  # given flags are taken as given
+    monkeypatch.setenv(cpu.CLASS_ENV, "avx3")
+    with pytest.raises(ValueError, match="LLAMA_CPU_CLASS='avx3'"):
+        cpu.cpu_flags()
+
+
+@pytest.mark.parametrize("target, expected", [
+    ("avx2", {"LLAMA_CPU_CLASS": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+              "MKL_ENABLE_INSTRUCTIONS": "AVX2"}),
+    ("avx512", {"LLAMA_CPU_CLASS": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_VNNI"}),
+    ("avx512-bf16", {"LLAMA_CPU_CLASS": "avx512-bf16", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}),
+    ("amx", {"LLAMA_CPU_CLASS": "amx"}),
+])
+def test_emulation_narrows_torchs_own_kernels_to_the_class(monkeypatch, target, expected):
+    monkeypatch.setattr(cpu, "host_cpu_flags", lambda: cpu.cpu_flags(SPR))
+    assert cpu.emulation_env(target) == expected
+
+
+def test_no_emulation_above_this_machines_class(monkeypatch):
+    monkeypatch.setattr(cpu, "host_cpu_flags", lambda: cpu.cpu_flags(AVX2_EPYC))
+    assert cpu.emulation_env("avx2")["LLAMA_CPU_CLASS"] == "avx2"
+    with pytest.raises(ValueError, match="class avx2 and cannot run the instructions of class avx512"):
+        cpu.emulation_env("avx512")
+
+
+def test_torch_computes_with_the_emulated_classs_instructions():
+    """The variables :func:`emulation_env` sets do narrow torch (read in a fresh process: each
+    library reads its own once)."""
+    if cpu.CLASSES.index(cpu.cpu_class(cpu.host_cpu_flags())) < cpu.CLASSES.index("avx2"):
+        pytest.skip("this CPU has no AVX2 to emulate an avx2 CPU with")
+    env = dict(os.environ, **cpu.emulation_env("avx2"))
+    probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.backends.cpu.get_cpu_capability())"],
+                           env=env, capture_output=True, text=True, timeout=120)
+    assert probe.returncode == 0, probe.stderr
+    assert probe.stdout.strip() == "AVX2"
