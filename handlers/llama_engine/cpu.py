@@ -40,17 +40,21 @@ _announced: set = set()
 def cpu_flags(cpuinfo: Optional[str] = None) -> FrozenSet[str]:
     """The first CPU's feature flags from ``/proc/cpuinfo`` (empty where there is none, e.g. macOS),
     or, for this machine, those of the class ``LLAMA_CPU_CLASS`` names (:func:`restrict_flags`)."""
-    if cpuinfo is None:
-        flags = host_cpu_flags()
-        target = os.environ.get(CLASS_ENV, "").strip()
-        if not target:
-            return flags
-        restricted = restrict_flags(flags, target)
-        if target not in _announced:
-            _announced.add(target)
-            logger.info("%s=%s: choosing as a CPU of class %s would (this one is %s)", CLASS_ENV, target, target,
-                        cpu_class(flags))
-        return restricted
+    if cpuinfo is not None:
+        return _parse_flags(cpuinfo)
+    flags = host_cpu_flags()
+    target = os.environ.get(CLASS_ENV, "").strip()
+    if not target:
+        return flags
+    restricted = restrict_flags(flags, target)
+    if target not in _announced:
+        _announced.add(target)
+        logger.info("%s=%s: choosing as a CPU of class %s would (this one is %s)", CLASS_ENV, target, target,
+                    cpu_class(flags))
+    return restricted
+
+
+def _parse_flags(cpuinfo: str) -> FrozenSet[str]:
     for line in cpuinfo.splitlines():
         key, _, value = line.partition(":")
         if key.strip() in ("flags", "Features"):
@@ -61,7 +65,7 @@ def cpu_flags(cpuinfo: Optional[str] = None) -> FrozenSet[str]:
 def host_cpu_flags() -> FrozenSet[str]:
     """This machine's flags as ``/proc/cpuinfo`` has them, whatever ``LLAMA_CPU_CLASS`` says."""
     try:
-        return cpu_flags(Path("/proc/cpuinfo").read_text())
+        return _parse_flags(Path("/proc/cpuinfo").read_text())
     except OSError:
         return frozenset()
 

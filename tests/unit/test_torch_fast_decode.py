@@ -59,6 +59,8 @@ def one_thread():
 #: CPU flag sets of the two classes with native bf16 (the backend reads this machine's otherwise).
 AMX = frozenset({"avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16"})
 AVX512_BF16 = frozenset({"avx2", "avx512f", "avx512_bf16"})
+AVX512 = frozenset({"avx2", "fma", "avx512f"})
+AVX2 = frozenset({"avx2", "fma", "f16c"})
 
 
 def load(tiny_model_dir, dtype):
@@ -147,19 +149,27 @@ def test_native_linear_matches_nn_linear_on_either_side_of_its_row_limit(monkeyp
         strided.float(), linear.weight.float(), linear.bias.float()), atol=0.05, rtol=0.02)
 
 
-def test_native_linears_serve_bf16_weights_only_on_the_bf16_build_without_amx(monkeypatch):
-    """float32 weights, bf16 through the avx2 build, and bf16 on an AMX CPU (whose tiles oneDNN
-    multiplies on) stay on oneDNN's packed products (faster there)."""
+def test_native_linears_serve_bf16_on_the_bf16_build_without_amx_and_float32_on_an_avx2_cpu(monkeypatch):
+    """bf16 through the avx2 build, bf16 on an AMX CPU (whose tiles oneDNN multiplies on) and float32
+    where oneDNN has AVX-512 stay on oneDNN's packed products (faster there); float32 on an AVX2 CPU
+    runs natively, up to its own row count."""
     cpu = torch.device("cpu")
     assert fast_linear.native_kernels_for(torch.float32, cpu, AVX512_BF16) is None
     assert fast_linear.native_kernels_for(torch.bfloat16, torch.device("meta"), AVX512_BF16) is None
-    monkeypatch.setattr(cpu_kernels, "load", lambda: type("K", (), {"isa": "avx2"})())
+    avx2_build = type("K", (), {"isa": "avx2"})()
+    monkeypatch.setattr(cpu_kernels, "load", lambda: avx2_build)
     assert fast_linear.native_kernels_for(torch.bfloat16, cpu, AVX512_BF16) is None
+    assert fast_linear.native_kernels_for(torch.bfloat16, cpu, AVX2) is None
+    assert fast_linear.native_kernels_for(torch.float32, cpu, AVX2) is (
+        avx2_build if packing_supported(torch.float32, cpu) else None)
+    assert fast_linear.native_kernels_for(torch.float32, cpu, AVX512) is None
     bf16_build = type("K", (), {"isa": "avx512bf16"})()
     monkeypatch.setattr(cpu_kernels, "load", lambda: bf16_build)
     expected = bf16_build if packing_supported(torch.bfloat16, cpu) else None
     assert fast_linear.native_kernels_for(torch.bfloat16, cpu, AVX512_BF16) is expected
     assert fast_linear.native_kernels_for(torch.bfloat16, cpu, AMX) is None
+    assert fast_linear.native_max_rows(torch.float32) == fast_linear.FP32_NATIVE_MAX_ROWS < fast_linear.NATIVE_MAX_ROWS
+    assert fast_linear.native_max_rows(torch.bfloat16) == fast_linear.NATIVE_MAX_ROWS
 
 
 @FP32
@@ -180,7 +190,7 @@ def test_pack_linears_swaps_every_linear_and_keeps_logits(tiny_model_dir, dtype,
     linears = sum(type(m) is torch.nn.Linear for m in plain.modules())
     assert pack_linears(packed) == linears
     assert not any(type(m) is torch.nn.Linear for m in packed.modules())
-    native = dtype == "bfloat16" and fast_linear.native_kernels_for(torch.bfloat16, torch.device("cpu")) is not None
+    native = fast_linear.native_kernels_for(getattr(torch, dtype), torch.device("cpu")) is not None
     assert all(isinstance(m, NativeLinear if native else PackedLinear) for m in packed.modules()
                if isinstance(m, (NativeLinear, PackedLinear))) and any(isinstance(m, NativeLinear) is native
                                                                        for m in packed.modules())
@@ -193,6 +203,7 @@ def test_pack_linears_swaps_every_linear_and_keeps_logits(tiny_model_dir, dtype,
 def test_float32_packing_follows_a_measurement_of_both_kernels(tiny_model_dir, monkeypatch, packed_is_slower):
     monkeypatch.delenv(fast_linear.ENV)
     monkeypatch.setattr(fast_linear, "_FP32_DECISIONS", {})
+    monkeypatch.setattr(fast_linear, "native_kernels_for", lambda *args: None)  # as on a CPU above avx2
     plain_forward, packed_forward = torch.nn.Linear.forward, PackedLinear.forward
     slow = packed_forward if packed_is_slower else plain_forward
 
@@ -210,6 +221,23 @@ def test_float32_packing_follows_a_measurement_of_both_kernels(tiny_model_dir, m
     assert fast_linear._FP32_DECISIONS == {torch.get_num_threads(): not packed_is_slower}
     # one measurement per process and thread count: the next model follows it without measuring
     assert pack_linears(load(tiny_model_dir, torch.float32)) == swapped
+
+
+@FP32
+def test_float32_linears_on_an_avx2_cpu_run_natively_and_keep_the_logits(tiny_model_dir, monkeypatch):
+    """The avx2 build's float32 products, on either side of their row limit, compute the model's."""
+    if cpu_kernels.isa_for(cpu_info.cpu_flags()) is None:
+        pytest.skip("this CPU runs none of the native kernels' instruction sets")
+    monkeypatch.setenv(cpu_kernels.ENV, "avx2")
+    monkeypatch.setattr(fast_linear, "cpu_flags", lambda: AVX2)
+    plain, native = load(tiny_model_dir, torch.float32), load(tiny_model_dir, torch.float32)
+    assert pack_linears(native) == sum(type(m) is torch.nn.Linear for m in plain.modules())
+    layers = [m for m in native.modules() if isinstance(m, (NativeLinear, PackedLinear))]
+    assert all(isinstance(m, NativeLinear) and m.kernels.isa == "avx2" and m.max_rows == fast_linear.FP32_NATIVE_MAX_ROWS
+               for m in layers)
+    ids, mask = prompts()
+    for got, want in zip(reference_logits(native, ids, mask, 6), reference_logits(plain, ids, mask, 6)):
+        assert_close(got, want, "float32")
 
 
 def test_pack_linears_honours_the_switch(tiny_model_dir, monkeypatch):

@@ -45,7 +45,7 @@ from typing import Dict, FrozenSet, Optional, Sequence
 import torch
 from torch import nn
 
-from ..cpu import is_amx
+from ..cpu import cpu_class, cpu_flags, is_amx
 from . import cpu_kernels
 
 logger = logging.getLogger(__name__)
@@ -58,6 +58,14 @@ ENV = "LLAMA_PACKED_LINEAR"
 #: against oneDNN plain: 8 rows 6.4 against 9.9 ms, 16 rows 8.9 against 12.1, 32 rows 14.3 against
 #: 16.0, 48 rows 19.2 against 19.6 (oneDNN packed, for comparison: 6.8, 8.1, 12.1, 15.8).
 NATIVE_MAX_ROWS = 48
+#: The same for float32 weights on an ``avx2`` CPU (:func:`native_kernels_for`). One pass over the bench
+#: model's float32 weights, Zen 5 EPYC run as an AVX2 CPU (``llama_engine.cpu.emulation_env``), 2
+#: threads, best of 7 and 15 in separate processes: native 9.9 / 12.2 / 13.4 / 18.7 / 23.5 / 28.5 /
+#: 38.9 / 49.2 ms at 1 / 2 / 4 / 8 / 12 / 16 / 24 / 32 rows; oneDNN packed 13.4 / 14.2 / 15.9 / 18.1 at
+#: 1 / 2 / 4 / 8 rows, 26.7 at 16, 54.3 at 48, 241 at 256; oneDNN over the plain weight 26.2 / 29.9 / 35.0 /
+#: 40.5 / 47.0 / 61.6 / 244 at 8 / 12 / 16 / 24 / 32 / 48 / 256. So a decode step's rows stream
+#: 1.1-1.35x faster, and steps of 9-64 rows (prompt tails beside decodes) pay 5-15% for the single copy.
+FP32_NATIVE_MAX_ROWS = 24
 #: Row count oneDNN lays the packed weights out for (any row count still computes correctly).
 ONEDNN_BATCH_HINT = 8
 #: The same for float32. Laid out for 8 rows, oneDNN matched its 1-row layout at 1 row and ran 2 to 8
@@ -144,20 +152,34 @@ def packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
 def native_kernels_for(dtype: torch.dtype, device: torch.device, flags: Optional[FrozenSet[str]] = None):
     """The native kernels where :class:`NativeLinear` serves ``dtype`` weights on ``device``, else None:
     bfloat16 on a CPU whose kernels multiply bf16 pairs natively (the ``avx512bf16`` build) and that
-    has no AMX. ``flags``: the CPU's (default: this machine's).
+    has no AMX; float32 on an ``avx2``-class CPU, where oneDNN has no wider instructions than the
+    ``avx2`` build. ``flags``: the CPU's (default: this machine's).
 
     Elsewhere oneDNN's packed products were as fast or faster (bench model, one pass over the
-    weights, 2 threads). Zen 5 EPYC: float32, 1 row 11.0 ms native against 11.8 packed, 8 rows 14.6
-    against 13.3, and prompts ~5% faster packed; bf16 through the ``avx2`` build (which converts to
-    float32), 1 row 6.3 against 6.1, 8 rows 13.2 against 7.4. AMX Xeon, bf16, where oneDNN multiplies
-    on the AMX tiles: 1 row 8.4 against 8.9, 2 rows 9.8 against 8.7, 8 rows 16.9 against 9.1; a
-    decode step at 8 rows took 13.8 ms with oneDNN's linears and the native attention, 21.8 with the
-    native linears too.
+    weights, 2 threads). Zen 5 EPYC: float32 against oneDNN's AVX-512, 1 row 11.0 ms native against
+    11.8 packed, 8 rows 14.6 against 13.3, and prompts ~5% faster packed; bf16 through the ``avx2``
+    build (which converts to float32), 1 row 6.3 against 6.1, 8 rows 13.2 against 7.4. AMX Xeon,
+    bf16, where oneDNN multiplies on the AMX tiles: 1 row 8.4 against 8.9, 2 rows 9.8 against 8.7,
+    8 rows 16.9 against 9.1; a decode step at 8 rows took 13.8 ms with oneDNN's linears and the
+    native attention, 21.8 with the native linears too. float32 on an ``avx2`` CPU: see
+    :data:`FP32_NATIVE_MAX_ROWS`.
     """
-    if dtype != torch.bfloat16 or not packing_supported(dtype, device) or is_amx(flags):
+    if not packing_supported(dtype, device):
+        return None
+    flags = cpu_flags() if flags is None else flags
+    if dtype == torch.bfloat16 and not is_amx(flags):
+        isa = "avx512bf16"
+    elif dtype == torch.float32 and cpu_class(flags) == "avx2":
+        isa = "avx2"
+    else:
         return None
     kernels = cpu_kernels.for_device(device)
-    return kernels if kernels is not None and kernels.isa == "avx512bf16" else None
+    return kernels if kernels is not None and kernels.isa == isa else None
+
+
+def native_max_rows(dtype: torch.dtype) -> int:
+    """The most rows :class:`NativeLinear` runs natively for ``dtype`` weights."""
+    return FP32_NATIVE_MAX_ROWS if dtype == torch.float32 else NATIVE_MAX_ROWS
 
 
 def pack_linears(model: nn.Module, batch_hint: Optional[int] = None) -> int:
@@ -180,7 +202,9 @@ def pack_linears(model: nn.Module, batch_hint: Optional[int] = None) -> int:
         return 0
     kernels = native_kernels_for(weight.dtype, weight.device)
     if kernels is not None:
-        return _swap(targets, weight.dtype, lambda linear: NativeLinear(linear, kernels), f"native, {kernels.isa}")
+        max_rows = native_max_rows(weight.dtype)
+        return _swap(targets, weight.dtype, lambda linear: NativeLinear(linear, kernels, max_rows),
+                     f"native up to {max_rows} rows, {kernels.isa}")
     fp32 = weight.dtype == torch.float32
     if fp32 and setting not in ("1", "true", "on", "yes") and not fp32_packing_pays([t[2] for t in targets]):
         return 0
