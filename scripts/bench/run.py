@@ -400,7 +400,7 @@ class BenchRun:
                                f"continuousBatching, pid {ts.pid}")
 
     def _unemulated(self, what: str) -> str:
-        return (f"skipped: {what} is built for this host's instruction set ({self.results['machine']['emulated_on']}), "
+        return (f"{what} is built for this host's instruction set ({self.results['machine']['emulated_on']}), "
                 f"which no variable narrows to the emulated class {self.emulated}'s")
 
     def served(self, name: str, make_system, describe, after=None) -> None:
