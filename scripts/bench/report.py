@@ -727,7 +727,8 @@ figure, the machine, versions, config and plan), `results.md` (this section's ta
 `ttft_vs_input.png`, `throughput_vs_concurrency.png`, `latency_percentiles.png`, `poisson_latency.png`.
 Options: `--dtype float32`, `--threads N`, `--no-peers`, `--llama-gguf PATH`, `--max-minutes M`, `--out DIR`,
 `--docs PATH`/`--no-docs`, `--systems A,B`, `--scenarios A,B` (length, ttft, concurrency, paired, poisson, poisson-wide, poisson-steady),
-`--poisson-rate R`, `--poisson-duration S`, `--poisson-rounds N`. How far continuous batching can get
+`--poisson-rate R`, `--poisson-duration S`, `--poisson-rounds N`, `--cpu-class CLASS` (measure as a CPU of a
+lower class would, on this one: its own page, `benchmarks-CLASS-emulated.md`). How far continuous batching can get
 ahead of micro-batching on the Poisson load at all: `.venv/bin/python -m scripts.bench.continuous_bound`
 (see docs/continuous-batching.md).
 
@@ -879,7 +880,15 @@ def render_docs(results: dict, plots: List[Path], docs: Path) -> str:
     by_cpu_text = (f"## Ratios by CPU class\n\nThe latest run's ratios on each class of CPU measured (from "
                    f"`{os.path.relpath(by_cpu_file, docs.parent)}`, which each run updates for its own class). A ratio that holds on one "
                    f"class can flip on another.\n\n{by_cpu_table(by_cpu)}\n")
-    return (DOCS_HEAD + by_cpu_text + "## Latest results\n\n" + markdown(results, [Path(folder.name) / p.name for p in plots])
+    machine = results["machine"]
+    emulated = (f"**An emulated CPU class.** This run computed as an `{machine['cpu_class']}` CPU would, on an "
+                f"`{machine['emulated_on']}` one ({machine['cpu']}): its dtype, native kernels and torch's kernels were "
+                f"those of the class ({', '.join(f'`{k}={v}`' for k, v in machine.get('emulation_env', {}).items())}), "
+                f"llama-server was built for the class, and systems that cannot be narrowed were skipped. Memory, caches "
+                f"and clocks were the host's: it measures the instruction set, not a chip of that class.\n\n"
+                if machine.get("emulated_on") else "")
+    title, method = DOCS_HEAD.split("\n\n", 1)
+    return (title + "\n\n" + emulated + method + by_cpu_text + "## Latest results\n\n" + markdown(results, [Path(folder.name) / p.name for p in plots])
             + "\n" + images + "\n")
 
 

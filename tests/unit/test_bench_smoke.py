@@ -332,7 +332,8 @@ def test_smoke_as_an_avx2_cpu_serves_with_that_classs_dtype_and_kernels(tiny_mod
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
     env.pop("LLAMA_CPU_CLASS", None)
     proc = subprocess.run([sys.executable, "-m", "scripts.bench", "--smoke", "--cpu-class", "avx2", "--out", str(out),
-                           "--tiny", str(tiny_model_dir), "--systems", "inprocess,torchserve", "--scenarios", "concurrency"],
+                           "--tiny", str(tiny_model_dir), "--systems", "inprocess,torchserve", "--scenarios", "concurrency",
+                           "--docs", str(tmp_path / "page.md")],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=480, start_new_session=True)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     results = json.loads((out / "latest.json").read_text())
@@ -348,5 +349,9 @@ def test_smoke_as_an_avx2_cpu_serves_with_that_classs_dtype_and_kernels(tiny_mod
         assert machine["emulation_env"]["ONEDNN_MAX_CPU_ISA"] == "AVX2"
         assert "LLAMA_CPU_CLASS=avx2: choosing as a CPU of class avx2 would" in log
         assert f"(CPU class `avx2 (emulated on {host})`)" in (out / "results.md").read_text()
+        page = (tmp_path / "page.md").read_text()
+        assert page.startswith("# Benchmarks\n\n**An emulated CPU class.** This run computed as an `avx2` CPU would")
+        assert "`ONEDNN_MAX_CPU_ISA=AVX2`" in page
+        assert list(json.loads((tmp_path / "page-by-cpu.json").read_text())) == [f"avx2 (emulated on {host})"]
     else:
         assert "emulated_on" not in machine

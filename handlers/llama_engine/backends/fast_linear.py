@@ -33,7 +33,8 @@ the same plain weight. One pass over the bench model's weights for one row (Zen 
 threads, best of 6, four runs): 3.7-5.0 ms native against 4.7-6.7 ms oneDNN packed; 8 rows
 5.7-6.4 against 6.2-6.8. The plain weight costs oneDNN 3-5% on prompts of 256-768 rows (913-935
 against 959-961 GFLOP/s) and 10-25% on 16-64 rows (:data:`NATIVE_MAX_ROWS`): that is what a
-single copy of the weights costs there.
+single copy of the weights costs there. float32 weights do the same on an ``avx2`` CPU, where
+oneDNN has no wider instructions than the native kernel (:data:`FP32_NATIVE_MAX_ROWS`).
 """
 from __future__ import annotations
 
