@@ -32,10 +32,21 @@ RATIOS = ("serving_overhead", "batch1_decode_efficiency", "ttft_growth", "peer_r
 FIGURES = ("output_tokens_per_s", "decode_tokens_per_s_per_stream", "throughput_seq_tokens_per_s", "wall_s")
 
 
+def host_env() -> dict:
+    """This environment, with this venv's commands first and as this CPU (no emulated class from a
+    caller's ``--cpu-class`` environment: llama_engine.cpu.emulation_env)."""
+    from llama_engine.cpu import CLASS_ENV
+
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
+    for var in (CLASS_ENV, "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS"):
+        env.pop(var, None)
+    return env
+
+
 @pytest.fixture(scope="module")
 def smoke(tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
+    env = host_env()
     started = time.monotonic()
     # Its own session: on a hang the whole group goes (TorchServe included), not just the bench.
     proc = subprocess.Popen([sys.executable, "-m", "scripts.bench", "--smoke", "--out", str(out),
@@ -329,8 +340,7 @@ def test_smoke_as_an_avx2_cpu_serves_with_that_classs_dtype_and_kernels(tiny_mod
     if cpu.CLASSES.index(host) < cpu.CLASSES.index("avx2"):
         pytest.skip(f"this CPU ({host}) has no AVX2 to run an avx2 CPU's instructions")
     out = tmp_path / "bench"
-    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
-    env.pop("LLAMA_CPU_CLASS", None)
+    env = host_env()
     proc = subprocess.run([sys.executable, "-m", "scripts.bench", "--smoke", "--cpu-class", "avx2", "--out", str(out),
                            "--tiny", str(tiny_model_dir), "--systems", "inprocess,torchserve", "--scenarios", "concurrency",
                            "--docs", str(tmp_path / "page.md")],

@@ -81,6 +81,7 @@ def test_a_class_the_cpu_cannot_emulate_is_refused_by_name(target, message):
 
 
 def test_llama_cpu_class_narrows_this_machines_flags_and_so_the_auto_dtype(monkeypatch):
+    monkeypatch.delenv(cpu.CLASS_ENV, raising=False)
     monkeypatch.setattr(cpu, "host_cpu_flags", lambda: cpu.cpu_flags(SPR))
     assert cpu.auto_dtype("cpu") == "bfloat16" and cpu.is_amx()
     monkeypatch.setenv(cpu.CLASS_ENV, "avx2")
