@@ -137,7 +137,7 @@ build_llama() {
     dir=$LLAMA_TREE/build-$class
     what="for CPU class $class"
   fi
-  local bin=$dir/bin/llama-server log=$PEERS/llama-build${class:+-$class}.log
+  local bin=$dir/bin/llama-server log=$PEERS/llama-build${class:+-$class}.log cmake_log=$PEERS/llama-cmake${class:+-$class}.log
   if patch_amx_tile_config "$LLAMA_TREE"; then
     rm -f "$LLAMA_BIN" "$LLAMA_TREE"/build-*/bin/llama-server
   fi
@@ -154,8 +154,8 @@ build_llama() {
   cmake -S "$LLAMA_TREE" -B "$dir" -DCMAKE_BUILD_TYPE=Release \
     -DLLAMA_CURL=OFF $isa -DBUILD_SHARED_LIBS=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON \
-    $(command -v ninja >/dev/null && echo -G Ninja) >"$PEERS/llama-cmake${class:+-$class}.log" 2>&1 \
-    || die "cmake configure, see $PEERS/llama-cmake${class:+-$class}.log: $(tail -5 "$PEERS/llama-cmake${class:+-$class}.log")"
+    $(command -v ninja >/dev/null && echo -G Ninja) >"$cmake_log" 2>&1 \
+    || die "cmake configure, see $cmake_log: $(tail -5 "$cmake_log")"
   say "llama.cpp: building llama-server ($what) with $JOBS jobs (about 6 minutes on 2 idle cores, far longer on a busy machine); log $log"
   cmake --build "$dir" --config Release --target llama-server -j "$JOBS" >"$log" 2>&1 \
     || die "building llama-server, see $log: $(tail -5 "$log")"

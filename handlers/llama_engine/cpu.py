@@ -85,11 +85,16 @@ def restrict_flags(flags: FrozenSet[str], target: str) -> FrozenSet[str]:
     return frozenset(flag for flag in flags if not flag.startswith(above))
 
 
-#: What keeps torch's own kernels within a class: ATen's vectorized ops, oneDNN (bf16 and packed
-#: linears), MKL (float32 matrix products). A class absent from a table needs no limit there.
-_ATEN_CAPABILITY = {"other": "default", "avx2": "avx2"}
-_ONEDNN_MAX_ISA = {"other": "SSE41", "avx2": "AVX2", "avx512": "AVX512_CORE_VNNI", "avx512-bf16": "AVX512_CORE_BF16"}
-_MKL_INSTRUCTIONS = {"other": "SSE4_2", "avx2": "AVX2"}
+#: What keeps torch's own kernels within a class, by variable: ATen's vectorized ops, oneDNN (bf16 and
+#: packed linears), MKL (float32 matrix products). A class absent from a table needs no limit there.
+_TORCH_LIMITS = {
+    "ATEN_CPU_CAPABILITY": {"other": "default", "avx2": "avx2"},
+    "ONEDNN_MAX_CPU_ISA": {"other": "SSE41", "avx2": "AVX2", "avx512": "AVX512_CORE_VNNI",
+                           "avx512-bf16": "AVX512_CORE_BF16"},
+    "MKL_ENABLE_INSTRUCTIONS": {"other": "SSE4_2", "avx2": "AVX2"},
+}
+#: Every variable :func:`emulation_env` may set.
+EMULATION_VARS = (CLASS_ENV, *_TORCH_LIMITS)
 
 
 def emulation_env(target: str) -> Dict[str, str]:
@@ -100,12 +105,7 @@ def emulation_env(target: str) -> Dict[str, str]:
     clocks stay this machine's: an emulated class measures the instruction set, not the chip.
     """
     restrict_flags(host_cpu_flags(), target)  # raises for a class this machine cannot emulate
-    env = {CLASS_ENV: target}
-    for var, table in (("ATEN_CPU_CAPABILITY", _ATEN_CAPABILITY), ("ONEDNN_MAX_CPU_ISA", _ONEDNN_MAX_ISA),
-                       ("MKL_ENABLE_INSTRUCTIONS", _MKL_INSTRUCTIONS)):
-        if target in table:
-            env[var] = table[target]
-    return env
+    return {CLASS_ENV: target, **{var: table[target] for var, table in _TORCH_LIMITS.items() if target in table}}
 
 
 def has_native_bf16(flags: FrozenSet[str]) -> bool:

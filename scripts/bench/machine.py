@@ -56,8 +56,7 @@ def machine_info() -> dict:
             "platform": platform.platform()}
     if info["cpu_class"] != host_class:
         info["emulated_on"] = host_class
-        info["emulation_env"] = {k: os.environ[k] for k in cpu_features.emulation_env(info["cpu_class"])
-                                 if k in os.environ}
+        info["emulation_env"] = {k: os.environ[k] for k in cpu_features.EMULATION_VARS if k in os.environ}
     try:
         import psutil
 

@@ -35,10 +35,10 @@ FIGURES = ("output_tokens_per_s", "decode_tokens_per_s_per_stream", "throughput_
 def host_env() -> dict:
     """This environment, with this venv's commands first and as this CPU (no emulated class from a
     caller's ``--cpu-class`` environment: llama_engine.cpu.emulation_env)."""
-    from llama_engine.cpu import CLASS_ENV
+    from llama_engine.cpu import EMULATION_VARS
 
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
-    for var in (CLASS_ENV, "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS"):
+    for var in EMULATION_VARS:
         env.pop(var, None)
     return env
 
