@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -63,6 +64,19 @@ def ship_native_kernels(directory: Path) -> list:
     return built
 
 
+def archiver() -> str:
+    """``torch-model-archiver``: on PATH, else beside this interpreter (``.venv/bin/python scripts/...``
+    run without the venv on PATH)."""
+    found = shutil.which("torch-model-archiver")
+    beside = Path(sys.executable).parent / "torch-model-archiver"
+    if found:
+        return found
+    if beside.is_file():
+        return str(beside)
+    raise FileNotFoundError("torch-model-archiver is neither on PATH nor beside this Python "
+                            f"({sys.executable}); install requirements.txt into this environment (make venv)")
+
+
 def archive(name: str, config: Path, stage_dir: Path, export: Path, fmt: str, version: str) -> Path:
     export.mkdir(parents=True, exist_ok=True)
     target = export / (name + FORMATS[fmt])
@@ -71,7 +85,7 @@ def archive(name: str, config: Path, stage_dir: Path, export: Path, fmt: str, ve
     elif target.exists():
         target.unlink()
     cmd = [
-        "torch-model-archiver", "--model-name", name, "--version", version,
+        archiver(), "--model-name", name, "--version", version,
         "--handler", str(HANDLER), "--extra-files", str(stage_dir),
         "--config-file", str(config), "--requirements-file", str(MODEL_REQUIREMENTS),
         "--archive-format", fmt, "--export-path", str(export), "--force",

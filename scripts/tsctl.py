@@ -113,7 +113,10 @@ class TorchServe:
         return not (self.props.get("enable_envvars_config") == "true" and from_env)
 
     def env(self) -> Dict[str, str]:
+        """The server's environment. This interpreter's bin comes first on PATH, so that ``torchserve``
+        and the workers' ``python`` are its environment's even when that is not activated."""
         env = dict(os.environ)
+        env["PATH"] = os.pathsep.join(filter(None, [str(Path(sys.executable).parent), env.get("PATH")]))
         env.update(TMPDIR=str(self.tmpdir), LOG_LOCATION=str(self.workdir / "logs"),
                    METRICS_LOCATION=str(self.workdir / "logs"))
         env.setdefault("OMP_WAIT_POLICY", OMP_WAIT_POLICY)

@@ -56,3 +56,15 @@ def test_workers_get_passive_openmp_threads_that_spin_briefly_unless_the_caller_
     assert (env["OMP_WAIT_POLICY"], env["GOMP_SPINCOUNT"]) == ("PASSIVE", "20000")
     monkeypatch.setenv("GOMP_SPINCOUNT", "0")
     assert TorchServe(tmp_path, tmp_path).env()["GOMP_SPINCOUNT"] == "0"
+
+
+def test_the_server_runs_this_interpreters_torchserve_and_python(tmp_path, monkeypatch):
+    """``.venv/bin/python scripts/tsctl.py start`` without the venv on PATH still finds its torchserve."""
+    import sys
+    from pathlib import Path
+
+    from scripts.tsctl import TorchServe
+
+    monkeypatch.setenv("PATH", "/usr/bin")
+    path = TorchServe(tmp_path / "serve", tmp_path, base_config=None).env()["PATH"].split(":")
+    assert path == [str(Path(sys.executable).parent), "/usr/bin"]
