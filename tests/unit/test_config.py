@@ -271,3 +271,32 @@ def test_bad_kv_cache_dtype(extra, expected):
     data["handler"].update(extra)
     with pytest.raises(ConfigError, match=expected):
         load_model_config(data)
+
+
+def test_weight_dtype_is_auto_by_default_and_takes_float32_or_bfloat16():
+    assert load_model_config(base()).handler.weight_dtype == "auto"
+    for value in ("float32", "bfloat16"):
+        data = base()
+        data["handler"].update(dtype="float32", weight_dtype=value)
+        assert load_model_config(data).handler.weight_dtype == value
+
+
+@pytest.mark.parametrize("changes,expected", [
+    ({"weight_dtype": "int8"}, r"handler\.weight_dtype: must be one of auto, float32, bfloat16, got 'int8'"),
+    ({"weight_dtype": "float16"}, r"handler\.weight_dtype: must be one of"),
+    ({"dtype": "float16", "weight_dtype": "bfloat16"}, r"handler\.weight_dtype bfloat16 under dtype float16: .* set "
+                                                       r"weight_dtype: auto or float16"),
+    ({"compile": True, "weight_dtype": "bfloat16"}, r"handler\.weight_dtype: the compiled backend .* set compile: false"),
+])
+def test_bad_weight_dtype_names_the_key_and_the_fix(changes, expected):
+    data = base()
+    data["handler"].update(changes)
+    with pytest.raises(ConfigError, match=expected):
+        load_model_config(data)
+
+
+def test_weight_dtype_is_a_torch_key():
+    data = llamacpp_base()
+    data["handler"]["weight_dtype"] = "bfloat16"
+    with pytest.raises(ConfigError, match=r"handler\.weight_dtype: applies only to backend torch, but backend is llamacpp"):
+        load_model_config(data)

@@ -79,6 +79,27 @@ def test_linear_is_the_float64_product_to_the_dtype_rounding(kernels, dtype, row
 
 
 @pytest.mark.parametrize("kernels", ISAS, indirect=True)
+@pytest.mark.parametrize("rows, inner, outer", [(1, 768, 2304), (3, 768, 770), (5, 100, 9), (8, 3072, 96),
+                                                (16, 33, 64), (1, 17, 3), (7, 256, 257)])
+def test_linear_of_float32_rows_over_bf16_weights_is_their_float64_product(kernels, rows, inner, outer):
+    """A float32 model whose weights are kept in bf16: the weight is widened exactly, the product is float32's."""
+    gen = torch.Generator().manual_seed(rows * inner + outer)
+    x = torch.randn(rows, inner, generator=gen)
+    w = torch.randn(outer, inner, generator=gen).to(torch.bfloat16)
+    got = kernels.linear(x, w)
+    assert got.shape == (rows, outer) and got.dtype == torch.float32
+    assert_product(got, x, w)
+
+
+@pytest.mark.parametrize("kernels", ISAS, indirect=True)
+def test_linear_names_a_pair_of_dtypes_it_does_not_run(kernels):
+    with pytest.raises(ValueError, match=r"unsupported dtypes \(torch.bfloat16 activations, torch.float32 weight\)"):
+        kernels.linear(torch.randn(2, 8).to(torch.bfloat16), torch.randn(4, 8))
+    with pytest.raises(ValueError, match="torch.float16 weight"):
+        kernels.linear(torch.randn(2, 8), torch.randn(4, 8).to(torch.float16))
+
+
+@pytest.mark.parametrize("kernels", ISAS, indirect=True)
 def test_linear_reads_strided_rows_and_writes_into_a_given_tensor(kernels):
     gen = torch.Generator().manual_seed(1)
     wide = torch.randn(4, 200, generator=gen).to(torch.bfloat16)

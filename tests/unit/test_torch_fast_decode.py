@@ -485,3 +485,80 @@ def test_fused_small_ops_only_for_models_they_compute(tiny_model_dir, monkeypatc
     assert not TorchSlotBackend(model, max_slots=1, max_length=32)._fused_ops
     monkeypatch.setenv(cpu_kernels.ENV, "0")
     assert not TorchSlotBackend(load(tiny_model_dir, torch.float32), max_slots=1, max_length=32)._fused_ops
+
+
+@needs_native
+def test_native_linear_keeps_bf16_weights_for_float32_rows_on_either_side_of_its_row_limit(monkeypatch):
+    """``weight_dtype`` bfloat16 under float32 arithmetic: half the bytes kept, the product of the widened
+    weight in float32 (natively up to ``max_rows`` rows, over a float32 copy beyond)."""
+    torch.manual_seed(0)
+    calls = []
+    monkeypatch.setattr(NATIVE, "linear", lambda x, w, _f=NATIVE.linear: calls.append((x.dtype, w.dtype)) or _f(x, w))
+    linear = torch.nn.Linear(96, 80, bias=True)
+    native = NativeLinear(linear, NATIVE, max_rows=6, weight_dtype=torch.bfloat16)
+    assert native.weight.dtype == torch.bfloat16 and native.bias.dtype == torch.float32
+    widened = linear.weight.detach().to(torch.bfloat16).float()
+    for shape in ((1, 96), (3, 2, 96), (6, 96), (7, 96), (300, 96)):
+        x = torch.randn(shape)
+        calls.clear()
+        with torch.inference_mode():
+            got = native(x)
+        rows = x.numel() // 96
+        assert calls == ([(torch.float32, torch.bfloat16)] if rows <= 6 else [])
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, torch.nn.functional.linear(x, widened, linear.bias.detach()),
+                                   atol=1e-5, rtol=1e-5)
+
+
+def test_weight_dtype_auto_keeps_a_bf16_checkpoint_in_bf16_only_under_float32_on_the_native_kernels(monkeypatch):
+    from llama_engine.backends import torch_backend
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    kernels = object()
+    monkeypatch.setattr(fast_linear.cpu_kernels, "for_device", lambda device: kernels)
+    weight_dtype_for = torch_backend.weight_dtype_for
+    assert weight_dtype_for("auto", torch.float32, cpu, "bfloat16") == torch.bfloat16
+    assert weight_dtype_for("auto", torch.float32, cpu, "float32") == torch.float32
+    assert weight_dtype_for("auto", torch.float32, cpu, "float16") == torch.float32, "bf16 would round fp16 weights"
+    assert weight_dtype_for("auto", torch.float32, cpu, None) == torch.float32
+    assert weight_dtype_for("auto", torch.bfloat16, cpu, "bfloat16") == torch.bfloat16
+    assert weight_dtype_for("auto", torch.float32, gpu, "bfloat16") == torch.float32
+    assert weight_dtype_for("float32", torch.float32, cpu, "bfloat16") == torch.float32
+    assert weight_dtype_for("float32", torch.bfloat16, cpu, "bfloat16") == torch.bfloat16, "never wider than the arithmetic"
+    assert weight_dtype_for("bfloat16", torch.float32, cpu, "float32") == torch.bfloat16
+    assert weight_dtype_for("bfloat16", torch.bfloat16, gpu, None) == torch.bfloat16
+    with pytest.raises(ValueError, match=r"handler\.weight_dtype bfloat16 under float32 arithmetic on cuda"):
+        weight_dtype_for("bfloat16", torch.float32, gpu, "bfloat16")
+    monkeypatch.setattr(fast_linear.cpu_kernels, "for_device", lambda device: None)
+    assert weight_dtype_for("auto", torch.float32, cpu, "bfloat16") == torch.float32
+    with pytest.raises(ValueError, match="AVX2 and FMA"):
+        weight_dtype_for("bfloat16", torch.float32, cpu, "bfloat16")
+
+
+@pytest.fixture(scope="module")
+def bf16_checkpoint(tiny_model_dir, tmp_path_factory):
+    """The tiny model stored in bfloat16, as Llama 3's checkpoints are."""
+    path = tmp_path_factory.mktemp("bf16") / "tiny-llama-bf16"
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.bfloat16, use_safetensors=True)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@needs_native
+def test_a_bf16_checkpoint_under_float32_keeps_bf16_weights_and_the_float32_models_logits(bf16_checkpoint):
+    """``dtype: float32`` over a bf16 checkpoint: the linears keep its bf16 weights (``weight_dtype: auto``),
+    and prefill and decode give the logits of the same checkpoint widened to float32 at load."""
+    kept = TorchSlotBackend.from_pretrained(str(bf16_checkpoint), 2, 64, "float32", "cpu")
+    widened = TorchSlotBackend.from_pretrained(str(bf16_checkpoint), 2, 64, "float32", "cpu", weight_dtype="float32")
+    linears = [m for m in kept.model.modules() if isinstance(m, (NativeLinear, PackedLinear))]
+    linears += [m for fused in kept._fused if fused is not None for m in fused.modules() if isinstance(m, NativeLinear)]
+    assert linears and all(isinstance(m, NativeLinear) and m.weight.dtype == torch.bfloat16 for m in linears)
+    assert kept.weight_dtype == torch.bfloat16 and widened.weight_dtype is None and kept.dtype == torch.float32
+    with torch.inference_mode():
+        prompt = [1] + list(range(10, 40))
+        got, want = kept.prefill_slot(0, prompt), widened.prefill_slot(0, prompt)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        for _ in range(4):
+            token = [int(want.argmax())]
+            got, want = kept.decode_slots([0], token)[0], widened.decode_slots([0], token)[0]
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

@@ -80,7 +80,7 @@ def _load(cfg, model_dir: str, batch_size: int, session: Optional[compile_cache.
     from .torch_backend import TorchBackend
 
     return TorchBackend(model_path, dtype=cfg.dtype, device=cfg.device, max_length=cfg.max_length,
-                        batch_size=batch_size, kv_cache_dtype=cfg.kv_cache_dtype)
+                        batch_size=batch_size, kv_cache_dtype=cfg.kv_cache_dtype, weight_dtype=cfg.weight_dtype)
 
 
 def create_slot_backend(cfg, model_dir: str, max_slots: int, build_cache_dir: Optional[str] = None) -> SlotBackend:
@@ -104,7 +104,7 @@ def create_slot_backend(cfg, model_dir: str, max_slots: int, build_cache_dir: Op
 
         backend = TorchSlotBackend.from_pretrained(model_path, max_slots, max_length=cfg.max_length,
                                                    dtype=cfg.dtype, device=cfg.device,
-                                                   kv_cache_dtype=cfg.kv_cache_dtype)
+                                                   kv_cache_dtype=cfg.kv_cache_dtype, weight_dtype=cfg.weight_dtype)
     backend.compile_session = session
     return backend
 

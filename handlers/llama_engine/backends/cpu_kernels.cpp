@@ -313,8 +313,8 @@ inline void reduce_tile(const Vec::F *acc, float *out) {
     }
 }
 
-template <class T, int R, int MB>
-inline void linear_block(const T *x, long ldx, const T *w, long K, long pf, float *acc_out) {
+template <class TX, class TW, int R, int MB>
+inline void linear_block(const TX *x, long ldx, const TW *w, long K, long pf, float *acc_out) {
     Vec::F acc[MB][R];
     for (int m = 0; m < MB; m++)
         for (int r = 0; r < R; r++) acc[m][r] = Vec::zero();
@@ -397,28 +397,30 @@ inline void linear_block_dp(const bf16 *x, long ldx, const bf16 *w, long K, long
 }
 #endif
 
-template <class T, int R, int MB>
-inline void linear_tile(const T *x, long ldx, const T *w, long K, long pf, float *acc) {
+// TX: the activations' type (and the output's), TW: the weight's. bf16 weights against float32
+// activations are widened as they are loaded (a float32 model whose weights are kept in bf16).
+template <class TX, class TW, int R, int MB>
+inline void linear_tile(const TX *x, long ldx, const TW *w, long K, long pf, float *acc) {
 #if defined(LLK_AVX512BF16)
-    if constexpr (sizeof(T) == 2) {
+    if constexpr (sizeof(TX) == 2 && sizeof(TW) == 2) {
         linear_block_dp<R, MB>(x, ldx, w, K, pf, acc);
         return;
     }
 #endif
-    linear_block<T, R, MB>(x, ldx, w, K, pf, acc);
+    linear_block<TX, TW, R, MB>(x, ldx, w, K, pf, acc);
 }
 
-template <class T, int R, int MB>
-void linear_rows(const T *x, long ldx, const T *w, T *y, long ldy, long M, long K, long n0, long n1, long pf) {
+template <class TX, class TW, int R, int MB>
+void linear_rows(const TX *x, long ldx, const TW *w, TX *y, long ldy, long M, long K, long n0, long n1, long pf) {
     float acc[MB * R];
     long n = n0;
     for (; n + R <= n1; n += R) {
         for (long m = 0; m < M; m += MB) {
             long mb = M - m < MB ? M - m : MB;
             if (mb == MB) {
-                linear_tile<T, R, MB>(x + m * ldx, ldx, w + n * K, K, pf, acc);
+                linear_tile<TX, TW, R, MB>(x + m * ldx, ldx, w + n * K, K, pf, acc);
             } else {  // the last rows of x, one at a time
-                for (long i = 0; i < mb; i++) linear_tile<T, R, 1>(x + (m + i) * ldx, ldx, w + n * K, K, pf, acc + i * R);
+                for (long i = 0; i < mb; i++) linear_tile<TX, TW, R, 1>(x + (m + i) * ldx, ldx, w + n * K, K, pf, acc + i * R);
             }
             for (long i = 0; i < mb; i++)
                 for (int r = 0; r < R; r++) store_scalar(y + (m + i) * ldy + n + r, acc[i * R + r]);
@@ -426,7 +428,7 @@ void linear_rows(const T *x, long ldx, const T *w, T *y, long ldy, long M, long 
     }
     for (; n < n1; n++)
         for (long m = 0; m < M; m++) {
-            linear_tile<T, 1, 1>(x + m * ldx, ldx, w + n * K, K, pf, acc);
+            linear_tile<TX, TW, 1, 1>(x + m * ldx, ldx, w + n * K, K, pf, acc);
             store_scalar(y + m * ldy + n, acc[0]);
         }
 }
@@ -449,16 +451,16 @@ static constexpr int TILE_W = 2, TILE_X = 4;
 #endif
 static_assert(TILE_W * TILE_X == Vec::N, "a tile's sums are reduced a vector at a time");
 
-template <class T>
-void linear(const T *x, long ldx, const T *w, T *y, long ldy, long M, long K, long N, int threads) {
-    const long pf = (M == 1 ? PREFETCH_ONE_ROW : PREFETCH_ROWS) / (long)sizeof(T);
+template <class TX, class TW>
+void linear(const TX *x, long ldx, const TW *w, TX *y, long ldy, long M, long K, long N, int threads) {
+    const long pf = (M == 1 ? PREFETCH_ONE_ROW : PREFETCH_ROWS) / (long)sizeof(TW);
     const int R = M == 1 ? 1 : TILE_W;
     auto run = [&](long n0, long n1) {
-        if (M == 1) linear_rows<T, 1, 1>(x, ldx, w, y, ldy, M, K, n0, n1, pf);
-        else linear_rows<T, TILE_W, TILE_X>(x, ldx, w, y, ldy, M, K, n0, n1, pf);
+        if (M == 1) linear_rows<TX, TW, 1, 1>(x, ldx, w, y, ldy, M, K, n0, n1, pf);
+        else linear_rows<TX, TW, TILE_W, TILE_X>(x, ldx, w, y, ldy, M, K, n0, n1, pf);
     };
     // Rows of w go out in chunks of ~CHUNK_BYTES, each to whichever thread is free (see Pool).
-    const long row_bytes = K * (long)sizeof(T);
+    const long row_bytes = K * (long)sizeof(TW);
     long chunk = (CHUNK_BYTES / row_bytes) / R * R;
     if (chunk < R) chunk = R;
     const long chunks = (N + chunk - 1) / chunk;
@@ -821,15 +823,19 @@ void rope_store(T *qkv, long ldq, long tokens, long H, long Hkv, long D, const T
 
 LLK_API const char *llk_isa(void) { return ISA; }
 
-// 0 on success, -1 for an unsupported dtype.
-LLK_API int llk_linear(const void *x, long ldx, const void *w, void *y, long ldy, long M, long K, long N, int dtype,
-                       int threads) {
-    if (dtype == 0) {
-        linear<float>((const float *)x, ldx, (const float *)w, (float *)y, ldy, M, K, N, threads);
+// 0 on success, -1 for an unsupported pair of dtypes. y is in x's dtype.
+LLK_API int llk_linear(const void *x, long ldx, int x_dtype, const void *w, int w_dtype, void *y, long ldy, long M,
+                       long K, long N, int threads) {
+    if (x_dtype == 0 && w_dtype == 0) {
+        linear<float, float>((const float *)x, ldx, (const float *)w, (float *)y, ldy, M, K, N, threads);
         return 0;
     }
-    if (dtype == 1) {
-        linear<bf16>((const bf16 *)x, ldx, (const bf16 *)w, (bf16 *)y, ldy, M, K, N, threads);
+    if (x_dtype == 0 && w_dtype == 1) {
+        linear<float, bf16>((const float *)x, ldx, (const bf16 *)w, (float *)y, ldy, M, K, N, threads);
+        return 0;
+    }
+    if (x_dtype == 1 && w_dtype == 1) {
+        linear<bf16, bf16>((const bf16 *)x, ldx, (const bf16 *)w, (bf16 *)y, ldy, M, K, N, threads);
         return 0;
     }
     return -1;

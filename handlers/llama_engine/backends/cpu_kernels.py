@@ -10,7 +10,8 @@ streaming kernels that read their data in its plain layout, one sequential strea
 software prefetch ahead of it:
 
 * ``linear``: ``y = x @ W.T`` for a few rows of ``x``, bf16 or float32, accumulated in float32
-  (bf16 pairs through AVX512_BF16's dot product where the CPU has it);
+  (bf16 pairs through AVX512_BF16's dot product where the CPU has it), or float32 rows over bf16
+  weights (widened as they are loaded);
 * ``decode_attention``: one query per row and head over the row's cached positions, the heads
   of a GQA group sharing each key and value read, softmax in float32;
 
@@ -146,7 +147,7 @@ def build_all(directory: Path) -> list:
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
 #: The library's C functions: attribute -> (symbol, argument types, result type).
 _FUNCTIONS = {
-    "_linear": ("llk_linear", [_P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I32, _I32], _I32),
+    "_linear": ("llk_linear", [_P, _I64, _I32, _P, _I32, _P, _I64, _I64, _I64, _I64, _I32], _I32),
     "_attention": ("llk_decode_attention",
                    [_P, _I64, _I32, _P, _P, _I32, _P, _P, _I64, _I64, _I64, _I64, _I64, _F32, _P, _I32], _I32),
     "_add_rmsnorm": ("llk_add_rmsnorm", [_P, _P, _P, _P, _I64, _I64, _F32, _I32, _I32], _I32),
@@ -174,15 +175,17 @@ class CpuKernels:
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``x @ weight.T`` for ``x`` ``[M, K]`` (rows may be strided, elements contiguous) and a contiguous
-        ``weight`` ``[N, K]`` of the same dtype (float32 or bfloat16); returns ``[M, N]`` in that dtype."""
+        ``weight`` ``[N, K]``: both float32, both bfloat16, or float32 ``x`` over a bfloat16 ``weight``
+        (widened as it is read); returns ``[M, N]`` in ``x``'s dtype."""
         rows, k = x.shape
         n = weight.shape[0]
         if out is None:
             out = torch.empty((rows, n), dtype=x.dtype)
-        code = self._linear(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), out.stride(0), rows, k, n,
-                            DTYPE_CODES[x.dtype], torch.get_num_threads())
+        code = self._linear(x.data_ptr(), x.stride(0), DTYPE_CODES.get(x.dtype, -1), weight.data_ptr(),
+                            DTYPE_CODES.get(weight.dtype, -1), out.data_ptr(), out.stride(0), rows, k, n,
+                            torch.get_num_threads())
         if code:
-            raise ValueError(f"native linear: unsupported dtype {x.dtype}")
+            raise ValueError(f"native linear: unsupported dtypes ({x.dtype} activations, {weight.dtype} weight)")
         return out
 
     def decode_attention(self, q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, slots: torch.Tensor,

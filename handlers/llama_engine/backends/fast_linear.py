@@ -34,7 +34,10 @@ threads, best of 6, four runs): 3.7-5.0 ms native against 4.7-6.7 ms oneDNN pack
 5.7-6.4 against 6.2-6.8. The plain weight costs oneDNN 3-5% on prompts of 256-768 rows (913-935
 against 959-961 GFLOP/s) and 10-25% on 16-64 rows (:data:`NATIVE_MAX_ROWS`): that is what a
 single copy of the weights costs there. float32 weights do the same on an ``avx2`` CPU, where
-oneDNN has no wider instructions than the native kernel (:data:`FP32_NATIVE_MAX_ROWS`).
+oneDNN has no wider instructions than the native kernel (:data:`FP32_NATIVE_MAX_ROWS`). A float32
+model may keep its linears' weights in bf16 (``pack_linears(weight_dtype=torch.bfloat16)``, what
+``handler.weight_dtype: auto`` does for a bf16 checkpoint): the native kernel widens them as it
+streams them (:data:`BF16_WEIGHT_MAX_ROWS`).
 """
 from __future__ import annotations
 
@@ -67,6 +70,15 @@ NATIVE_MAX_ROWS = 48
 #: 40.5 / 47.0 / 61.6 / 244 at 8 / 12 / 16 / 24 / 32 / 48 / 256. So a decode step's rows stream
 #: 1.1-1.35x faster, and steps of 9-64 rows (prompt tails beside decodes) pay 5-15% for the single copy.
 FP32_NATIVE_MAX_ROWS = 24
+#: The same for bfloat16 weights under float32 arithmetic (:func:`bf16_weight_kernels`); more rows go to
+#: oneDNN over a float32 copy of the weight made for the call. One pass over the bench model's weights
+#: (Zen 5 EPYC computing as an AVX2 CPU, 2 threads, best of 5): native over bf16 7.2 / 8.0 / 12.9 / 25.0 /
+#: 34.3 / 65.2 / 87.2 / 355 ms at 1 / 4 / 8 / 16 / 24 / 48 / 64 / 256 rows, the float32 copy and oneDNN
+#: 15.4 / 28.2 / 29.2 / 47.8 / 51.9 / 76.9 / 93.0 / 276; float32 weights, native 12.4 / 15.1 / 17.2 / 29.2 /
+#: 38.8 / 70.4 / 92.3 / 370, oneDNN packed 14.0 / 17.5 / 17.9 / 26.6 / 32.0 / 54.0 / 70.2 / 250. So a decode
+#: step's products run 1.3-1.7x faster than float32's best, steps of 17-64 rows up to 1.25x slower, and a
+#: prompt's ~10% slower (the copy), against half the weights' memory.
+BF16_WEIGHT_MAX_ROWS = 64
 #: Row count oneDNN lays the packed weights out for (any row count still computes correctly).
 ONEDNN_BATCH_HINT = 8
 #: The same for float32. Laid out for 8 rows, oneDNN matched its 1-row layout at 1 row and ran 2 to 8
@@ -77,20 +89,27 @@ FP32_BATCH_HINT = ONEDNN_BATCH_HINT
 
 class NativeLinear(nn.Module):
     """``y = x @ W.T + b`` over the plain weight: the native kernel (:mod:`.cpu_kernels`) for up to
-    ``max_rows`` rows, oneDNN's inner product over the same weight for more (inference only)."""
+    ``max_rows`` rows, oneDNN's inner product over the same weight for more (inference only).
 
-    def __init__(self, linear: nn.Linear, kernels, max_rows: Optional[int] = None):
+    ``weight_dtype``: keep the weight in this dtype instead of the linear's (bfloat16 for a float32
+    model: the native kernel widens it as it streams it, half the bytes; more rows than ``max_rows``
+    multiply a float32 copy made for the call)."""
+
+    def __init__(self, linear: nn.Linear, kernels, max_rows: Optional[int] = None,
+                 weight_dtype: Optional[torch.dtype] = None):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.kernels, self.max_rows = kernels, NATIVE_MAX_ROWS if max_rows is None else max_rows
-        self.register_buffer("weight", linear.weight.detach().contiguous(), persistent=False)
+        weight = linear.weight.detach()
+        self.register_buffer("weight", weight.to(weight_dtype or weight.dtype).contiguous(), persistent=False)
         bias = None if linear.bias is None else linear.bias.detach().clone()
         self.register_buffer("bias", bias, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
         if rows > self.max_rows:
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+            weight = self.weight if self.weight.dtype == x.dtype else self.weight.to(x.dtype)
+            return torch.ops.mkldnn._linear_pointwise(x, weight, self.bias, "none", [], "")
         flat = x.reshape(rows, self.in_features)
         if flat.stride(-1) != 1:
             flat = flat.contiguous()
@@ -178,16 +197,26 @@ def native_kernels_for(dtype: torch.dtype, device: torch.device, flags: Optional
     return kernels if kernels is not None and kernels.isa == isa else None
 
 
+def bf16_weight_kernels(dtype: torch.dtype, weight_dtype: torch.dtype, device: torch.device):
+    """The native kernels that run ``dtype`` arithmetic over ``weight_dtype`` weights on ``device``, else None:
+    float32 over bfloat16 on an x86 CPU whose kernels load (either build)."""
+    if dtype != torch.float32 or weight_dtype != torch.bfloat16 or torch.device(device).type != "cpu":
+        return None
+    return cpu_kernels.for_device(device)
+
+
 def native_max_rows(dtype: torch.dtype) -> int:
     """The most rows :class:`NativeLinear` runs natively for ``dtype`` weights."""
     return FP32_NATIVE_MAX_ROWS if dtype == torch.float32 else NATIVE_MAX_ROWS
 
 
-def pack_linears(model: nn.Module, batch_hint: Optional[int] = None) -> int:
+def pack_linears(model: nn.Module, batch_hint: Optional[int] = None, weight_dtype: Optional[torch.dtype] = None) -> int:
     """Swap every CPU ``nn.Linear`` of ``model`` for a :class:`NativeLinear` or a :class:`PackedLinear`
     where that pays.
 
-    Returns how many layers were swapped (0 when the dtype, device or switch rules it out).
+    ``weight_dtype`` bfloat16 for a float32 model keeps the linears' weights in bf16 on the native
+    kernels (:func:`bf16_weight_kernels`): half the memory, and a decode step streams half the
+    bytes. Returns how many layers were swapped (0 when the dtype, device or switch rules it out).
     A weight shared by another module (tied embeddings) is packed as a copy; the other module
     keeps the original.
     """
@@ -199,6 +228,14 @@ def pack_linears(model: nn.Module, batch_hint: Optional[int] = None) -> int:
     if not targets:
         return 0
     weight = targets[0][2].weight
+    if weight_dtype not in (None, weight.dtype):
+        kernels = bf16_weight_kernels(weight.dtype, weight_dtype, weight.device)
+        if kernels is None:
+            raise ValueError(f"{weight_dtype} linear weights under {weight.dtype} arithmetic need the native CPU "
+                             "kernels with float32 arithmetic over bfloat16 weights (an x86 CPU with AVX2 and FMA)")
+        return _swap(targets, weight.dtype,
+                     lambda linear: NativeLinear(linear, kernels, BF16_WEIGHT_MAX_ROWS, weight_dtype),
+                     f"{weight_dtype} weights, native up to {BF16_WEIGHT_MAX_ROWS} rows, {kernels.isa}")
     if not packing_supported(weight.dtype, weight.device):
         return 0
     kernels = native_kernels_for(weight.dtype, weight.device)
@@ -306,22 +343,22 @@ class FusedLlamaProjections(nn.Module):
     PROJECTIONS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"),
                    ("mlp", "gate_proj"), ("mlp", "up_proj"))
 
-    def __init__(self, layer):
+    def __init__(self, layer, weight_dtype: Optional[torch.dtype] = None):
         super().__init__()
         attn, mlp = layer.self_attn, layer.mlp
         self.sizes = [attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features]
         self.intermediate = mlp.gate_proj.out_features
         self.qkv_proj = concat_linears([attn.q_proj, attn.k_proj, attn.v_proj])
         self.gate_up_proj = concat_linears([mlp.gate_proj, mlp.up_proj])
-        pack_linears(self)
+        pack_linears(self, weight_dtype=weight_dtype)
 
     @classmethod
-    def of(cls, layer) -> Optional["FusedLlamaProjections"]:
+    def of(cls, layer, weight_dtype: Optional[torch.dtype] = None) -> Optional["FusedLlamaProjections"]:
         plain = all(type(getattr(getattr(layer, owner, None), name, None)) is nn.Linear
                     for owner, name in cls.PROJECTIONS)
         if not plain or not hasattr(layer.mlp, "act_fn") or not hasattr(layer.mlp, "down_proj"):
             return None
-        return cls(layer)
+        return cls(layer, weight_dtype)
 
     def qkv(self, x: torch.Tensor):
         return self.qkv_proj(x).split(self.sizes, dim=-1)
