@@ -3,6 +3,7 @@
     python -m scripts.bench.ab_served model-config/bench-llama-llamacpp.yaml my-variant.yaml
     python -m scripts.bench.ab_served llama-server llama-server:t1 --streams 1
     python -m scripts.bench.ab_served model-config/bench-llama-continuous.yaml@HEAD model-config/bench-llama-continuous.yaml
+    python -m scripts.bench.ab_served model-config/bench-llama.yaml llama-server --dtype float32 --checkpoint bfloat16
 
 A variant is a model-config (built from the bench model into its own TorchServe, as the bench
 serves it), the same at a git revision (``CONFIG@REV``: the archive is built by that revision's
@@ -31,22 +32,26 @@ if str(ROOT / "handlers") not in sys.path:
     sys.path.insert(0, str(ROOT / "handlers"))
 
 
-def make_system(variant: str, index: int, work: Path, dtype: str, threads: int):
+def make_system(variant: str, index: int, work: Path, dtype: str, threads: int, checkpoint: str):
+    """``checkpoint``: the dtype of the bench checkpoint the variants serve (and of llama-server's GGUF)."""
+    from llama_engine.cpu import CLASS_ENV
     from scripts.bench.model import model_dir
     from scripts.bench.plan import derived_config
     from scripts.bench.systems import LlamaCppSystem, TorchServeSystem
 
     if variant.startswith("llama-server"):
         _, _, decode = variant.partition(":t")
-        system = LlamaCppSystem(work / f"peer{index}", dtype, threads, parallel=8, max_length=1024,
-                                decode_threads=int(decode) if decode else None)
+        # under an emulated CPU class (llama_engine.cpu.emulation_env), the llama-server built for it
+        system = LlamaCppSystem(work / f"peer{index}", checkpoint, threads, parallel=8, max_length=1024,
+                                decode_threads=int(decode) if decode else None,
+                                cpu_class=os.environ.get(CLASS_ENV) or None)
         ok, detail = system.detect()
         if not ok:
             raise SystemExit(f"llama-server: {detail}")
         return system
     variant, _, revision = variant.partition("@")
     config = derived_config(Path(variant).resolve(), work / f"variant{index}.yaml", dtype, threads, {})
-    system = TorchServeSystem(work / f"variant{index}", config, model_dir(dtype), model_name=f"variant{index}")
+    system = TorchServeSystem(work / f"variant{index}", config, model_dir(checkpoint), model_name=f"variant{index}")
     if revision:
         build_at_revision(system, revision, work / f"tree{index}")
     else:
@@ -77,6 +82,10 @@ def main(argv=None) -> int:
     parser.add_argument("--output", type=int, default=128, help="generated tokens per request (default 128)")
     parser.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
                         help="the bench model's dtype (default: what handler.dtype auto picks here)")
+    parser.add_argument("--checkpoint", choices=("bfloat16", "float32"),
+                        help="serve the bench checkpoint stored in this dtype (and llama-server its GGUF) whatever "
+                             "--dtype computes in; e.g. --dtype float32 --checkpoint bfloat16: a bf16 checkpoint on a "
+                             "CPU without native bf16 (default: the --dtype one)")
     parser.add_argument("--threads", type=int, default=2, help="model threads of every variant (default 2)")
     args = parser.parse_args(argv)
 
@@ -89,10 +98,11 @@ def main(argv=None) -> int:
     from scripts.streaming_client import run_wave
 
     dtype = auto_dtype("cpu") if args.dtype == "auto" else args.dtype
-    prompts = PromptFactory(AutoTokenizer.from_pretrained(model_dir(dtype)))
+    checkpoint = args.checkpoint or dtype
+    prompts = PromptFactory(AutoTokenizer.from_pretrained(model_dir(checkpoint)))
     work = Path(tempfile.mkdtemp(prefix="ab-served-"))
     names = [f"A {args.a}", f"B {args.b}"]
-    systems = [make_system(v, i, work, dtype, args.threads) for i, v in enumerate((args.a, args.b))]
+    systems = [make_system(v, i, work, dtype, args.threads, checkpoint) for i, v in enumerate((args.a, args.b))]
     try:
         adapters = [system.start(600) for system in systems]
         for adapter in adapters:  # warm both up alike
