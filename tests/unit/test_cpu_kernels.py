@@ -271,6 +271,10 @@ def test_the_switch_turns_the_kernels_off_or_names_what_this_cpu_runs(isolated, 
 def test_isa_for_picks_the_best_instruction_set_the_cpu_runs():
     assert cpu_kernels.isa_for(cpu_kernels.ISA_NEEDS["avx512bf16"] | {"amx_bf16"}) == "avx512bf16"
     assert cpu_kernels.isa_for(frozenset({"avx2", "fma", "f16c", "avx512f"})) == "avx2"
+    skylake_sp = frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"})
+    assert cpu_kernels.isa_for(skylake_sp) == "avx512"
+    assert cpu_kernels.isa_for(skylake_sp | {"avx512_vnni"}) == "avx512"
+    assert cpu_kernels.isa_for(skylake_sp | {"avx512_bf16"}) == "avx512bf16"
     assert cpu_kernels.isa_for(frozenset({"avx", "sse4_2"})) is None
 
 

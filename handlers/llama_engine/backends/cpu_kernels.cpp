@@ -1,5 +1,5 @@
 // Decode-step kernels for the torch backend on x86 CPUs: see cpu_kernels.py for why and how
-// this file is built (once per instruction set, -DLLK_AVX512BF16 or -DLLK_AVX2) and called.
+// this file is built (once per instruction set, -DLLK_AVX512BF16, -DLLK_AVX512 or -DLLK_AVX2) and called.
 //
 // A decode step reads every weight once for a handful of rows, and every cached key and value
 // of every row once: both are streams from memory with little arithmetic per byte, and what
@@ -48,8 +48,13 @@ inline float to_f32(bf16 x) { return bf16_to_f32(x); }
 inline void store_scalar(float *p, float v) { *p = v; }
 inline void store_scalar(bf16 *p, float v) { *p = f32_to_bf16(v); }
 
+#if defined(LLK_AVX512BF16) || defined(LLK_AVX512)
+#define LLK_VEC512 1
 #if defined(LLK_AVX512BF16)
 static const char ISA[] = "avx512bf16";
+#else
+static const char ISA[] = "avx512";
+#endif
 struct Vec {
     typedef __m512 F;
     static const int N = 16;
@@ -70,12 +75,24 @@ struct Vec {
     static float hsum(F a) { return _mm512_reduce_add_ps(a); }
     static float hmax(F a) { return _mm512_reduce_max_ps(a); }
     static void store(float *p, F v) { _mm512_storeu_ps(p, v); }
+#if defined(LLK_AVX512BF16)
     static void store(bf16 *p, F v) { _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh(v)); }
     // v rounded to bf16 (to nearest even), kept as float32
     static F round_bf16(F v) {
         __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
         return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
     }
+#else
+    static F round_bf16(F v) {  // to nearest even; NaN is not kept NaN (no NaN reaches here)
+        __m512i u = _mm512_castps_si512(v);
+        __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+        u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
+        return _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32((int)0xffff0000u)));
+    }
+    static void store(bf16 *p, F v) {
+        _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(round_bf16(v)), 16)));
+    }
+#endif
     // 2^n for integer-valued n in float32's exponent range
     static F pow2(F n) {
         __m512i e = _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127));
@@ -163,7 +180,7 @@ struct Vec {
     }
 };
 #else
-#error "build with -DLLK_AVX512BF16 or -DLLK_AVX2"
+#error "build with -DLLK_AVX512BF16, -DLLK_AVX512 or -DLLK_AVX2"
 #endif
 
 // exp(x) for x in [-87, 88] (clamped there): 2^n e^f with n the nearest integer to x log2 e and
@@ -444,7 +461,7 @@ static const long CHUNK_BYTES = 256 << 10;
 // accumulators beside TILE_W vectors of w and one of x. AVX-512's 32 registers hold 4 x 4; AVX2's 16
 // hold 2 x 4, which streamed the bench model's float32 weights for 8 rows in 15.5 ms against 19.3
 // with 4 x 2 (16 rows 26.1 against 29.9; Zen 5 EPYC computing as an AVX2 CPU, 2 threads).
-#if defined(LLK_AVX512BF16)
+#if defined(LLK_VEC512)
 static constexpr int TILE_W = 4, TILE_X = 4;
 #else
 static constexpr int TILE_W = 2, TILE_X = 4;

@@ -19,7 +19,8 @@ and the small ops of a step fused, rounding as the torch ops they replace: ``add
 ``silu_mul`` and ``rope_store`` (the rotary embedding and the cache write).
 
 The source is compiled once per instruction set (``avx512bf16``: AVX-512 with BF16, which AMX
-CPUs have as well; ``avx2``: AVX2 + FMA) into a shared library with no dependency on torch's
+CPUs have as well; ``avx512``: AVX-512 without it, Skylake-SP to Ice Lake, where bf16 is widened
+and rounded in software; ``avx2``: AVX2 + FMA) into a shared library with no dependency on torch's
 headers (a C ABI called through ctypes, which releases the GIL). Its threads are its own, not
 OpenMP's: the caller and ``torch.get_num_threads() - 1`` helpers claim chunks of a job, and the
 caller waits only for chunks a helper has started. An OpenMP region ends at a barrier that
@@ -33,7 +34,7 @@ directory (``LLAMA_CPU_KERNELS_CACHE``, default ``~/.cache/llama-torchserve``), 
 compiled there with ``$CXX`` or ``g++`` (~3 s). Its file name carries a digest of the source
 and flags, so a stale build is never loaded. Without a compiler or a supported CPU, the
 backend keeps torch's kernels and says so in its log. ``LLAMA_CPU_KERNELS=0`` turns the
-kernels off (an A/B baseline); ``=avx2`` or ``=avx512bf16`` picks an instruction set the CPU
+kernels off (an A/B baseline); ``=avx2``, ``=avx512`` or ``=avx512bf16`` picks an instruction set the CPU
 supports instead of the best one.
 """
 from __future__ import annotations
@@ -62,14 +63,16 @@ CACHE_ENV = "LLAMA_CPU_KERNELS_CACHE"
 ISA_FLAGS = {
     "avx512bf16": ["-DLLK_AVX512BF16", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16",
                    "-mavx2", "-mfma", "-mf16c"],
+    "avx512": ["-DLLK_AVX512", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
     "avx2": ["-DLLK_AVX2", "-mavx2", "-mfma", "-mf16c"],
 }
 ISA_NEEDS = {
     "avx512bf16": frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx2", "fma", "f16c"}),
+    "avx512": frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c"}),
     "avx2": frozenset({"avx2", "fma", "f16c"}),
 }
 #: Best first.
-ISAS = ("avx512bf16", "avx2")
+ISAS = ("avx512bf16", "avx512", "avx2")
 #: ``-ffp-contract=off``: a product and a sum written apart stay apart (rounded as torch rounds them), where
 #: GCC's default would fuse them into one FMA.
 COMMON_FLAGS = ["-O3", "-std=c++20", "-fPIC", "-shared", "-pthread", "-fvisibility=hidden", "-fno-math-errno",
