@@ -26,20 +26,24 @@ class ServerMetrics:
         """Figures between ``before`` and now. With ``requests``, wait (up to ``timeout`` s) until the
         server has counted that many more and an outcome for each: the frontend parses the worker's
         metric lines a moment after the responses went out, and a request is counted when it
-        arrives, its outcome and tokens when the handler next flushes its counters."""
+        arrives, its outcome and tokens when the handler next flushes its counters; a server that counts
+        its forward passes has also counted the prefill of every prompt token it counted."""
         deadline = time.monotonic() + timeout
         while True:
             after = self.snapshot()
             got = summary(delta(after, before), self.model)
-            if requests is None or _settled(got, requests) or time.monotonic() > deadline:
+            counts_passes = value(after, "llama_forward_passes_total", self.model) > 0
+            if requests is None or _settled(got, requests, counts_passes) or time.monotonic() > deadline:
                 return figures(got, value(after, "llama_batch_capacity", self.model))
             time.sleep(0.1)
 
 
-def _settled(got: dict, requests: int) -> bool:
+def _settled(got: dict, requests: int, counts_passes: bool = False) -> bool:
     outcomes = (sum(got["success_by_finish_reason"].values()) + sum(got["errors_by_status"].values())
                 + got["cancelled"])
-    return got["requests"] >= requests and outcomes >= requests
+    prefilled = sum(shape.get("prefill_tokens", 0.0) for shapes in got["forward"].values() for shape in shapes.values())
+    return (got["requests"] >= requests and outcomes >= requests
+            and (not counts_passes or prefilled >= got["prompt_tokens"]))
 
 
 def figures(got: dict, capacity: float) -> dict:

@@ -387,3 +387,25 @@ llama_generation_tokens_total{{ModelName="m"}} {tokens}
     monkeypatch.setattr("scripts.bench.server_metrics.time.sleep", lambda s: None)
     got = server.since(parse(""), requests=2)
     assert got["generation_tokens"] == 20 and got["finish_reasons"] == {"length": 2}
+
+
+def test_the_bench_waits_for_the_forward_passes_of_every_counted_prompt_token(monkeypatch):
+    """The outcomes may be flushed before the passes that prefilled their prompts: the round's pass figures
+    (``server_forward_rounds``) would then miss a prompt."""
+    from scripts.bench.server_metrics import ServerMetrics
+
+    def scrape(prefilled):
+        return parse(f"""llama_requests_total{{ModelName="m"}} 1
+llama_request_success_total{{ModelName="m",finish_reason="length"}} 1
+llama_prompt_tokens_total{{ModelName="m"}} 96
+llama_forward_passes_total{{ModelName="m",kind="prefill",rows="1"}} {1 if prefilled else 0}
+llama_forward_prefill_tokens_total{{ModelName="m",kind="prefill",rows="1"}} {prefilled}
+llama_forward_passes_total{{ModelName="m",kind="decode",rows="1"}} 5
+""")
+
+    scrapes = iter([scrape(0), scrape(0), scrape(96)])
+    server = ServerMetrics("http://127.0.0.1:1/metrics", "m")
+    monkeypatch.setattr(server, "snapshot", lambda: next(scrapes))
+    monkeypatch.setattr("scripts.bench.server_metrics.time.sleep", lambda s: None)
+    got = server.since(parse(""), requests=1)
+    assert got["forward"]["prefill"]["1"]["prefill_tokens"] == 96
