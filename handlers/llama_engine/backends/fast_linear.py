@@ -233,22 +233,25 @@ def pack_linears(model: nn.Module, batch_hint: Optional[int] = None, weight_dtyp
         if kernels is None:
             raise ValueError(f"{weight_dtype} linear weights under {weight.dtype} arithmetic need the native CPU "
                              "kernels with float32 arithmetic over bfloat16 weights (an x86 CPU with AVX2 and FMA)")
-        return _swap(targets, weight.dtype,
-                     lambda linear: NativeLinear(linear, kernels, BF16_WEIGHT_MAX_ROWS, weight_dtype),
-                     f"{weight_dtype} weights, native up to {BF16_WEIGHT_MAX_ROWS} rows, {kernels.isa}")
+        return _swap_native(targets, weight.dtype, kernels, BF16_WEIGHT_MAX_ROWS, weight_dtype)
     if not packing_supported(weight.dtype, weight.device):
         return 0
     kernels = native_kernels_for(weight.dtype, weight.device)
     if kernels is not None:
-        max_rows = native_max_rows(weight.dtype)
-        return _swap(targets, weight.dtype, lambda linear: NativeLinear(linear, kernels, max_rows),
-                     f"native up to {max_rows} rows, {kernels.isa}")
+        return _swap_native(targets, weight.dtype, kernels, native_max_rows(weight.dtype))
     fp32 = weight.dtype == torch.float32
     if fp32 and setting not in ("1", "true", "on", "yes") and not fp32_packing_pays([t[2] for t in targets]):
         return 0
     return _swap(targets, weight.dtype,
                  lambda linear: PackedLinear(linear, batch_hint or (FP32_BATCH_HINT if fp32 else ONEDNN_BATCH_HINT)),
                  "onednn", check=fp32)
+
+
+def _swap_native(targets, dtype: torch.dtype, kernels, max_rows: int, weight_dtype: Optional[torch.dtype] = None) -> int:
+    """:func:`_swap` for :class:`NativeLinear` (its weights kept in ``weight_dtype`` when given)."""
+    stored = f"{weight_dtype} weights, " if weight_dtype is not None else ""
+    return _swap(targets, dtype, lambda linear: NativeLinear(linear, kernels, max_rows, weight_dtype),
+                 f"{stored}native up to {max_rows} rows, {kernels.isa}")
 
 
 def _swap(targets, dtype: torch.dtype, make, kind: str, check: bool = False) -> int:
