@@ -37,8 +37,8 @@ def sweep(system: str, runner, prompts: Prompts, plan: dict, budget: Budget, run
     """
     def measure(what, fn, **labels):
         quiet = monitor.wait_quiet(plan["quiet_wait"]) if plan["quiet_wait"] else None
+        scraped = server.snapshot() if server is not None else None  # waits for the server to rest
         snap = monitor.snapshot()
-        scraped = server.snapshot() if server is not None else None
         records = fn()
         run = summarize(records, system=system, **labels)
         run.update(monitor.since(snap))

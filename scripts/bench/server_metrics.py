@@ -19,8 +19,22 @@ class ServerMetrics:
         self.metrics_url = metrics_url
         self.model = model
 
-    def snapshot(self) -> Samples:
+    def scrape(self) -> Samples:
         return scrape(self.metrics_url)
+
+    def snapshot(self, settle: float = 0.15, timeout: float = 5.0) -> Samples:
+        """A scrape of the server at rest, to count a run from: the frontend parses a flush's metric
+        lines one by one, a moment after the responses went out, so a scrape taken right after the
+        previous run can hold half of its last flush (its prompt tokens, not yet the passes that
+        prefilled them), and the next run would be counted the rest. At rest, two scrapes ``settle`` s
+        apart agree and every counted prompt token was prefilled (up to ``timeout`` s)."""
+        deadline, last = time.monotonic() + timeout, self.scrape()
+        while True:
+            time.sleep(settle)
+            now = self.scrape()
+            if (_llama(now) == _llama(last) and _prefilled_all(now, self.model)) or time.monotonic() > deadline:
+                return now
+            last = now
 
     def since(self, before: Samples, requests: Optional[int] = None, timeout: float = 10.0) -> dict:
         """Figures between ``before`` and now. With ``requests``, wait (up to ``timeout`` s) until the
@@ -30,12 +44,23 @@ class ServerMetrics:
         its forward passes has also counted the prefill of every prompt token it counted."""
         deadline = time.monotonic() + timeout
         while True:
-            after = self.snapshot()
+            after = self.scrape()
             got = summary(delta(after, before), self.model)
             counts_passes = value(after, "llama_forward_passes_total", self.model) > 0
             if requests is None or _settled(got, requests, counts_passes) or time.monotonic() > deadline:
                 return figures(got, value(after, "llama_batch_capacity", self.model))
             time.sleep(0.1)
+
+
+def _llama(samples: Samples) -> Samples:
+    return {key: v for key, v in samples.items() if key[0].startswith("llama_")}
+
+
+def _prefilled_all(samples: Samples, model: str) -> bool:
+    """Whether the forward passes counted (where the server counts them) prefilled every prompt token counted."""
+    if value(samples, "llama_forward_passes_total", model) == 0:
+        return True
+    return value(samples, "llama_forward_prefill_tokens_total", model) >= value(samples, "llama_prompt_tokens_total", model)
 
 
 def _settled(got: dict, requests: int, counts_passes: bool = False) -> bool:
