@@ -19,6 +19,7 @@ import contextlib
 import json
 import time
 from pathlib import Path
+from typing import Optional
 
 
 def layer_shapes(config: dict) -> list:
@@ -56,11 +57,19 @@ def _torch_threads(threads: int):
 
 def _kernels(weights: list, torch_dtype, native: bool = False) -> dict:
     """The products each kernel the torch backend may run computes, by kernel name (``native``: with the
-    native kernel that :class:`NativeLinear` runs for a decode step's rows, where it serves this dtype)."""
+    native kernel that :class:`NativeLinear` runs for a decode step's rows, where it serves this dtype).
+    Weights of another dtype than ``torch_dtype`` (bf16 under float32) run on the native kernel alone,
+    as :class:`NativeLinear` runs them for a decode step's rows."""
     import torch
 
-    from llama_engine.backends.fast_linear import PackedLinear, native_kernels_for, packing_supported
+    from llama_engine.backends.fast_linear import (PackedLinear, bf16_weight_kernels, native_kernels_for,
+                                                   packing_supported)
 
+    if weights and weights[0].dtype != torch_dtype:
+        library = bf16_weight_kernels(torch_dtype, weights[0].dtype, torch.device("cpu"))
+        if library is None:
+            raise ValueError(f"no native kernels run {torch_dtype} over {weights[0].dtype} weights on this CPU")
+        return {"native, bf16 weights": [lambda x, w=w: library.linear(x, w) for w in weights]}
     kernels = {"nn.Linear": [lambda x, w=w: torch.nn.functional.linear(x, w) for w in weights]}
     library = native_kernels_for(torch_dtype, torch.device("cpu")) if native else None
     if library is not None:
@@ -104,7 +113,8 @@ def prefill_bound(model: Path, dtype: str = "float32", threads: int = 2, tokens:
             "by_kernel_tokens_per_s": {name: round(tokens / (layers * sum(times)), 1) for name, times in best.items()}}
 
 
-def decode_products(model: Path, dtype: str = "float32", threads: int = 2, repeats: int = 5) -> dict:
+def decode_products(model: Path, dtype: str = "float32", threads: int = 2, repeats: int = 5,
+                    weight_dtype: Optional[str] = None) -> dict:
     """Batch-1 decode tokens/s of the model's linear products alone, and the GB/s they stream at.
 
     One row through every layer's products (the backend's fused shapes) and the LM head, each
@@ -113,7 +123,8 @@ def decode_products(model: Path, dtype: str = "float32", threads: int = 2, repea
     runs it), best of ``repeats`` after a
     warm-up, the faster kernel counts. Against the memory bandwidth this is the batch-1 decode
     efficiency of an implementation that spent nothing besides its products on this CPU;
-    against the decode, the share of a step that norms, attention and sampling take.
+    against the decode, the share of a step that norms, attention and sampling take. ``weight_dtype``:
+    the weights' dtype as served, where it differs from ``dtype`` (bf16 weights under float32).
     """
     import torch
 
@@ -121,6 +132,8 @@ def decode_products(model: Path, dtype: str = "float32", threads: int = 2, repea
     torch_dtype = getattr(torch, dtype)
     shapes = layer_shapes(config) * config["num_hidden_layers"] + [(config["hidden_size"], config["vocab_size"])]
     weights, inputs = _random_products(shapes, 1, torch_dtype)
+    if weight_dtype and weight_dtype != dtype:
+        weights = [w.to(getattr(torch, weight_dtype)) for w in weights]
     with _torch_threads(threads):
         kernels = _kernels(weights, torch_dtype, native=True)
         best = dict.fromkeys(kernels, float("inf"))
@@ -134,5 +147,5 @@ def decode_products(model: Path, dtype: str = "float32", threads: int = 2, repea
     fastest = min(best, key=best.get)
     nbytes = sum(w.numel() * w.element_size() for w in weights)
     return {"tokens_per_s": round(1 / best[fastest], 2), "gb_per_s": round(nbytes / best[fastest] / 1e9, 2),
-            "bytes": nbytes, "dtype": dtype, "threads": threads, "repeats": repeats, "kernel": fastest,
+            "bytes": nbytes, "dtype": dtype, "weight_dtype": weight_dtype or dtype, "threads": threads, "repeats": repeats, "kernel": fastest,
             "by_kernel_tokens_per_s": {name: round(1 / t, 2) for name, t in best.items()}}

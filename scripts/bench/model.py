@@ -18,7 +18,7 @@ import os
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Dict
+from typing import Dict, Optional
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "build" / "tiny-llama"
@@ -139,8 +139,22 @@ def no_eos_copy(src: Path, out: Path) -> Path:
     return out
 
 
-def describe(path: Path, dtype: str, random_weights: bool = True) -> dict:
-    """Parameter counts and the bytes of weights a batch-1 decode step reads."""
+def served_weight_dtype(handler, checkpoint: Path) -> str:
+    """The dtype the torch backend keeps ``checkpoint``'s linear weights in under ``handler`` (a
+    :class:`~llama_engine.config.HandlerConfig` whose ``dtype`` is resolved): bfloat16 for a bf16
+    checkpoint computed in float32 where ``weight_dtype: auto`` keeps it, else the arithmetic's."""
+    import torch
+
+    from llama_engine.backends.torch_backend import DTYPES, checkpoint_dtype, weight_dtype_for
+
+    chosen = weight_dtype_for(handler.weight_dtype, DTYPES[handler.dtype], torch.device("cpu"),
+                              checkpoint_dtype(str(checkpoint)))
+    return str(chosen).replace("torch.", "")
+
+
+def describe(path: Path, dtype: str, weight_dtype: Optional[str] = None, random_weights: bool = True) -> dict:
+    """Parameter counts and the bytes of weights a batch-1 decode step reads: ``weight_dtype``'s
+    width (the linears' dtype as served; default ``dtype``, the arithmetic's)."""
     import torch
     from safetensors import safe_open
 
@@ -156,7 +170,8 @@ def describe(path: Path, dtype: str, random_weights: bool = True) -> dict:
             total += n
             if name.endswith("embed_tokens.weight"):
                 embed += n
-    width = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
+    weight_dtype = weight_dtype or dtype
+    width = {"float32": 4, "bfloat16": 2, "float16": 2}[weight_dtype]
     hidden = config["hidden_size"]
     kv_heads = config.get("num_key_value_heads") or config["num_attention_heads"]
     head_dim = hidden // config["num_attention_heads"]
@@ -165,7 +180,8 @@ def describe(path: Path, dtype: str, random_weights: bool = True) -> dict:
     kv_width = torch.finfo(kv_cache_dtype_for("auto", getattr(torch, dtype), torch.device("cpu"))).bits // 8
     kv_bytes_per_position = 2 * config["num_hidden_layers"] * kv_heads * head_dim * kv_width
     return {
-        "path": str(path), "dtype": dtype, "parameters": total, "embedding_parameters": embed,
+        "path": str(path), "dtype": dtype, "weight_dtype": weight_dtype,
+        "checkpoint_dtype": config.get("torch_dtype"), "parameters": total, "embedding_parameters": embed,
         "hidden_size": hidden, "intermediate_size": config["intermediate_size"],
         "num_hidden_layers": config["num_hidden_layers"], "num_attention_heads": config["num_attention_heads"],
         "num_key_value_heads": kv_heads, "vocab_size": config["vocab_size"],

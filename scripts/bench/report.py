@@ -464,6 +464,12 @@ def prefill_bound_line(results: dict) -> str:
             f"best of the samples{on}): {parts}.\n")
 
 
+def dtype_label(described: dict) -> str:
+    """``float32``, or ``float32, bfloat16 weights`` where the linears keep another dtype than the arithmetic."""
+    dtype, weights = described["dtype"], described.get("weight_dtype")
+    return dtype if not weights or weights == dtype else f"{dtype}, {weights} weights"
+
+
 def decode_products_line(results: dict) -> str:
     """The linear products' batch-1 decode tokens/s alone (``gemm.decode_products``), when the run measured it."""
     products = results.get("decode_products")
@@ -471,7 +477,7 @@ def decode_products_line(results: dict) -> str:
         return ""
     kernels = ", ".join(f"{name} {rate:.1f}" for name, rate in products["by_kernel_tokens_per_s"].items())
     return (f"**Decode products** (one row through every layer's linear products and the LM head, each its own "
-            f"random weights, {products['dtype']}, best of the samples): **{products['tokens_per_s']:.1f} tok/s**, "
+            f"random weights, {dtype_label(products)}, best of the samples): **{products['tokens_per_s']:.1f} tok/s**, "
             f"{products['bytes'] / 1e6:.1f} MB streamed at {products['gb_per_s']:.1f} GB/s (tok/s by kernel: {kernels}).\n")
 
 
@@ -517,19 +523,19 @@ def markdown(results: dict, plots: List[Path]) -> str:
 {merged_text}
 **Machine**: {m['cpu']} (CPU class `{cpu_label(m)}`), {m['logical_cpus']} logical CPUs, {m.get('memory_gb', '?')} GB, {m.get('virtualization', 'bare metal or unknown')}; {m['platform']}; CPU features {', '.join(m.get('cpu_flags', []))}.
 **Versions**: Python {v['python']}, torch {v['torch']}, transformers {v['transformers']}, TorchServe {v['torchserve']}, {v.get('java')}, git {v.get('git')}.
-**Model**: {model['name']}: {model['parameters']:,} parameters ({model['hidden_size']} hidden, {model['num_hidden_layers']} layers, {model['num_attention_heads']} heads, {model['num_key_value_heads']} KV heads, intermediate {model['intermediate_size']}, vocab {model['vocab_size']}), {model['dtype']}; EOS suppressed (its tokenizer declares no EOS token).
+**Model**: {model['name']}: {model['parameters']:,} parameters ({model['hidden_size']} hidden, {model['num_hidden_layers']} layers, {model['num_attention_heads']} heads, {model['num_key_value_heads']} KV heads, intermediate {model['intermediate_size']}, vocab {model['vocab_size']}), {dtype_label(model)}; EOS suppressed (its tokenizer declares no EOS token).
 **Config**: `{_rel(results['config']['base'])}` with dtype {model['dtype']}: batchSize {results['config']['frontend']['batchSize']}, maxBatchDelay {results['config']['frontend']['maxBatchDelay']} ms, micro_batch_size {results['config']['micro_batching']['micro_batch_size']}, max_length {results['config']['handler']['max_length']}, torch_threads {results['config']['threads']}.
 
 **Memory bandwidth** (`x.sum()` over {list(bw.values())[0]['bytes'] / 1e9:.2f} GB of float32, best of 5 passes and of the samples at the start and the end): {bw_text}.
 Batch-1 decode bound = {bound['bandwidth_gb_per_s']:.1f} GB/s / {bound['weight_bytes_per_token'] / 1e6:.1f} MB of weights per token = **{bound['tokens_per_s']:.1f} tok/s** (the KV cache adds {model['kv_cache_bytes_per_position'] / 1e3:.1f} kB per position of context).
 {prefill_bound_line(results)}{decode_products_line(results)}{fp32_line}
-### Ratios (CPU class `{cpu_label(m)}`, {model['dtype']})
+### Ratios (CPU class `{cpu_label(m)}`, {dtype_label(model)})
 
 {ratios_table(results['ratios'])}
 ### Systems (CPU class `{cpu_label(m)}`)
 
 {systems_table(results)}
-### Results (CPU class `{cpu_label(m)}`, {model['dtype']})
+### Results (CPU class `{cpu_label(m)}`, {dtype_label(model)})
 
 {results_table(results)}
 "other CPU": the share of the machine's CPU time that processes outside this benchmark used while the
@@ -564,7 +570,7 @@ def update_by_cpu(results: dict, path: Path) -> dict:
     m = results["machine"]
     table[cpu_label(m)] = {
         "timestamp": results["timestamp"], "mode": results["mode"], "cpu": m["cpu"], "logical_cpus": m["logical_cpus"],
-        "dtype": results["model"]["dtype"], "git": results["versions"].get("git"),
+        "dtype": dtype_label(results["model"]), "git": results["versions"].get("git"),
         "ratios": {name: r["value"] for name, r in results["ratios"].items()},
         "goals": {name: r["goal"] for name, r in results["ratios"].items()},
     }
@@ -621,7 +627,7 @@ def plot_all(results: dict, out: Path) -> List[Path]:
 
     runs, systems = results["runs"], _systems(results)
     colors = {s: f"C{i}" for i, s in enumerate(results["systems"])}
-    title = f"{results['model']['name']}, {results['model']['dtype']}, {results['machine']['logical_cpus']} CPUs"
+    title = f"{results['model']['name']}, {dtype_label(results['model'])}, {results['machine']['logical_cpus']} CPUs"
     paths = []
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -725,7 +731,7 @@ Needs `build/tiny-llama` (its tokenizer; `make build` or `python scripts/build_t
 and matplotlib. Outputs go to `build/bench/`: `results-<timestamp>.json` and `latest.json` (every
 figure, the machine, versions, config and plan), `results.md` (this section's tables), and
 `ttft_vs_input.png`, `throughput_vs_concurrency.png`, `latency_percentiles.png`, `poisson_latency.png`.
-Options: `--dtype float32`, `--threads N`, `--no-peers`, `--llama-gguf PATH`, `--max-minutes M`, `--out DIR`,
+Options: `--dtype float32`, `--checkpoint float32`, `--threads N`, `--no-peers`, `--llama-gguf PATH`, `--max-minutes M`, `--out DIR`,
 `--docs PATH`/`--no-docs`, `--systems A,B`, `--scenarios A,B` (length, ttft, concurrency, paired, poisson, poisson-wide, poisson-steady),
 `--poisson-rate R`, `--poisson-duration S`, `--poisson-rounds N`, `--cpu-class CLASS` (measure as a CPU of a
 lower class would, on this one: its own page, `benchmarks-CLASS-emulated.md`). How far continuous batching can get
@@ -738,7 +744,10 @@ ahead of micro-batching on the Poisson load at all: `.venv/bin/python -m scripts
    a Llama with **random weights**, 116M parameters (hidden 768, 12 layers, 12 heads, intermediate 3072),
    the tokenizer of `build/tiny-llama` (2048 tokens), safetensors in bfloat16 and float32. Its config is
    `model-config/bench-llama.yaml` (torch backend, batchSize 8, micro_batch_size 8, max_length 1024,
-   torch_threads 2), with `handler.dtype` set to the variant served.
+   torch_threads 2), with `handler.dtype` set to the variant served. The bf16 checkpoint is served, as
+   Llama checkpoints ship (`--checkpoint float32` serves the float32 copy): computed in float32 (classes
+   `avx2` and `avx512`), its linears keep their bf16 weights (`handler.weight_dtype: auto`), and the
+   decode bound counts the bytes they stream, two a weight; the heading's dtype says `float32, bfloat16 weights`.
 2. **EOS is suppressed without touching the handler**: the bench model's tokenizer declares no EOS token
    (`eos_token: null`; `</s>` stays in the vocabulary as an ordinary token) and its `config.json` and
    `generation_config.json` have no `eos_token_id`. The engine stops a row only on the tokenizer's
@@ -764,7 +773,8 @@ ahead of micro-batching on the Poisson load at all: `.venv/bin/python -m scripts
    `stream: true`, `n_predict`, `ignore_eos: true`; built from the llama.cpp tree in the llama-cpp-python
    0.3.36 sdist, the bench model converted to GGUF by that tree's `convert_hf_to_gguf.py`) and vLLM for CPU
    0.32.0's OpenAI server (`POST /v1/completions`, `stream: true`, `ignore_eos: true`; it serves
-   `build/bench-model-<dtype>` itself). They run with the same batch and thread budget:
+   the checkpoint served itself). llama-server's GGUF is in the linears' dtype as served (bf16 for the bf16
+   checkpoint, computed in float32 or not). They run with the same batch and thread budget:
    `llama-server -np 8 -t 2 -c 8192`, vLLM `--max-num-seqs 8 --max-model-len 1024` (vLLM's CPU defaults
    reserve one of the two cores for its scheduler). Prompts go to peers as token ids.
 6. **Sweeps**: input length at concurrency 1 (full run: 256/512/768 input tokens with output to 1024 in all,

@@ -80,6 +80,10 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
                         help="the llamacpp-backend variant served as torchserve-llamacpp (when llama-cpp-python is installed)")
     parser.add_argument("--dtype", choices=["auto", "bfloat16", "float32"],
                         help="variant to serve (default: the mode's; auto is what handler.dtype: auto picks on this CPU)")
+    parser.add_argument("--checkpoint", choices=["bfloat16", "float32"], default="bfloat16",
+                        help="the bench model's stored dtype (default bfloat16, as Llama checkpoints ship: computed in "
+                             "float32, its linears keep bf16 weights where handler.weight_dtype auto does); float32: "
+                             "the float32 copy, as the avx2 and avx512 rows before this option")
     parser.add_argument("--threads", type=int, help="torch threads (default: the config's handler.torch_threads)")
     parser.add_argument("--tiny", type=Path, default=ROOT / "build" / "tiny-llama",
                         help="the embedded tiny model: the tokenizer source, and the model of --smoke")
@@ -195,13 +199,9 @@ class BenchRun:
         if self.plan["model"] == "tiny":
             self.checkpoint = bench_model.no_eos_copy(args.tiny.resolve(), self.work / "models" / "tiny-llama-noeos")
             self.fp32_checkpoint = None
-            results["model"] = bench_model.describe(self.checkpoint, self.dtype, random_weights=False)
-            results["model"]["name"] = "tiny-llama (trained, 4.2M; EOS removed from its tokenizer)"
         else:
             paths = bench_model.ensure_bench_models(("bfloat16", "float32"), tokenizer_src=args.tiny.resolve(), log=log)
-            self.checkpoint, self.fp32_checkpoint = paths[self.dtype], paths["float32"]
-            results["model"] = bench_model.describe(self.checkpoint, self.dtype)
-            results["model"]["name"] = f"bench-llama ({results['model']['parameters'] / 1e6:.0f}M, random weights)"
+            self.checkpoint, self.fp32_checkpoint = paths[args.checkpoint], paths["float32"]
         self.phases["model_s"] = time.perf_counter() - t
         self.config = derived_config(args.config.resolve(), self.work / "bench-llama.yaml", self.dtype, args.threads, {})
         self.cb_config = derived_config(args.continuous_config.resolve(), self.work / "bench-llama-continuous.yaml",
@@ -209,6 +209,13 @@ class BenchRun:
         from llama_engine import load_model_config_file
 
         self.cfg = cfg = load_model_config_file(str(self.config))
+        self.weight_dtype = bench_model.served_weight_dtype(cfg.handler, self.checkpoint)
+        if self.plan["model"] == "tiny":
+            results["model"] = bench_model.describe(self.checkpoint, self.dtype, self.weight_dtype, random_weights=False)
+            results["model"]["name"] = "tiny-llama (trained, 4.2M; EOS removed from its tokenizer)"
+        else:
+            results["model"] = bench_model.describe(self.checkpoint, self.dtype, self.weight_dtype)
+            results["model"]["name"] = f"bench-llama ({results['model']['parameters'] / 1e6:.0f}M, random weights)"
         self.threads = cfg.handler.torch_threads or os.cpu_count() or 1
         self.micro = cfg.micro_batching.micro_batch_size
         results["config"] = {"path": str(self.config), "base": str(args.config), "threads": self.threads,
@@ -266,7 +273,7 @@ class BenchRun:
         """The linear products' batch-1 decode tokens/s alone (``gemm.decode_products``; best of the samples)."""
         from scripts.bench.gemm import decode_products
 
-        sample = decode_products(self.checkpoint, self.dtype, self.threads)
+        sample = decode_products(self.checkpoint, self.dtype, self.threads, weight_dtype=self.weight_dtype)
         self.results.setdefault("decode_products_samples", []).append({"when": when, **sample})
         self.results["decode_products"] = max(self.results["decode_products_samples"],
                                               key=lambda x: x["tokens_per_s"])
@@ -294,7 +301,7 @@ class BenchRun:
                                           warmup=cfg.handler.warmup)
             status["timings"] = {"load_s": round(self.engine.load_s, 2), "warmup_s": round(self.engine.warmup_s, 2)}
             sweep("inprocess", self.engine.run_wave, self.prompts, plan, self.budget, self.runs, self.monitor)
-            if (plan["fp32_decode"] and self.fp32_checkpoint is not None and self.dtype != "float32"
+            if (plan["fp32_decode"] and self.fp32_checkpoint is not None and self.weight_dtype != "float32"
                     and self.budget.ok("fp32 decode", 60)):
                 self.results["extra"]["fp32_batch1"] = self._fp32_batch1(InProcessEngine)
         except _NotSelected:
@@ -566,7 +573,7 @@ class BenchRun:
 
         args, plan, budget, results = self.args, self.plan, self.budget, self.results
         max_length = self.cfg.handler.max_length
-        peers = [LlamaCppSystem(self.work / "llama.cpp", self.dtype, self.threads, self.micro, max_length, args.llama_gguf,
+        peers = [LlamaCppSystem(self.work / "llama.cpp", self.weight_dtype, self.threads, self.micro, max_length, args.llama_gguf,
                                 cpu_class=self.emulated),
                  LlamaCppSystem(self.work / "llama.cpp-q8_0", self.dtype, self.threads, self.micro, max_length, quant="q8_0",
                                 cpu_class=self.emulated),

@@ -56,6 +56,51 @@ def test_decode_products_stream_every_layers_weights_and_the_lm_head_once(tmp_pa
     assert got["gb_per_s"] == pytest.approx(got["bytes"] * got["tokens_per_s"] / 1e9, rel=0.01)
 
 
+def test_decode_products_of_bf16_weights_under_float32_stream_two_bytes_a_weight_on_the_native_kernel(tmp_path):
+    """A bf16 checkpoint computed in float32 keeps bf16 weights (handler.weight_dtype auto): the bound
+    times what NativeLinear runs for a decode step's row, the native kernel widening each weight as it reads it."""
+    from llama_engine.backends.cpu_kernels import for_device
+
+    if for_device("cpu") is None:
+        pytest.skip("the native kernels do not load on this CPU (no AVX2/FMA)")
+    (tmp_path / "config.json").write_text(json.dumps(dict(LLAMA_GQA, vocab_size=100)))
+    got = decode_products(tmp_path, "float32", threads=1, repeats=2, weight_dtype="bfloat16")
+    assert got["bytes"] == 2 * (3 * (64 * 96 + 64 * 64 + 64 * 320 + 160 * 64) + 64 * 100)
+    assert list(got["by_kernel_tokens_per_s"]) == ["native, bf16 weights"] == [got["kernel"]]
+    assert (got["dtype"], got["weight_dtype"]) == ("float32", "bfloat16")
+
+
+def test_the_bench_describes_the_weights_as_served(tmp_path):
+    """The decode bound's bytes per token are the linears' as served: a bf16 checkpoint under float32
+    arithmetic streams two bytes a weight where the handler keeps them bf16, four where it widens them."""
+    import dataclasses
+
+    import torch
+    from safetensors.torch import save_file
+
+    from llama_engine.backends.cpu_kernels import for_device
+    from llama_engine.config import HandlerConfig
+    from scripts.bench.model import describe, served_weight_dtype
+    from scripts.bench.report import dtype_label
+
+    config = dict(LLAMA_GQA, vocab_size=100, torch_dtype="bfloat16")
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    save_file({"model.embed_tokens.weight": torch.zeros(100, 64, dtype=torch.bfloat16),
+               "model.layers.0.mlp.down_proj.weight": torch.zeros(64, 160, dtype=torch.bfloat16)},
+              str(tmp_path / "model.safetensors"))
+    handler = dataclasses.replace(HandlerConfig(), dtype="float32")
+    widened = served_weight_dtype(dataclasses.replace(handler, weight_dtype="float32"), tmp_path)
+    assert widened == "float32"
+    assert describe(tmp_path, "float32", widened)["weight_bytes_per_token"] == 4 * (64 * 160 + 64)
+    kept = served_weight_dtype(handler, tmp_path)
+    assert kept == ("bfloat16" if for_device("cpu") is not None else "float32")
+    got = describe(tmp_path, "float32", "bfloat16")
+    assert got["weight_bytes_per_token"] == 2 * (64 * 160 + 64) and got["checkpoint_dtype"] == "bfloat16"
+    assert dtype_label(got) == "float32, bfloat16 weights"
+    assert dtype_label(describe(tmp_path, "bfloat16")) == "bfloat16"
+    assert dtype_label({"dtype": "float32"}) == "float32"  # a results file from before the weights' dtype
+
+
 def test_decode_floor_ratios_hold_the_products_to_the_bandwidth_and_the_decode_to_the_products():
     results = {"decode_products": {"tokens_per_s": 80.0, "gb_per_s": 20.0, "kernel": "oneDNN packed"},
                "decode_bound": {"bandwidth_gb_per_s": 25.0, "weight_bytes_per_token": 250e6}}
@@ -92,3 +137,35 @@ def test_ttft_probes_take_the_lengths_in_turn_and_make_a_row_per_length():
     assert [(r["scenario"], r["input_tokens"], r["requests"]) for r in runs] == [("ttft", 256, 2), ("ttft", 768, 2)]
     assert all(r["foreign_cpu_share"] == 0.03 and r["quiet_wait"] == 1.5 for r in runs)  # the machine's figures
     assert runs[1]["ttft_ms"]["p50"] == pytest.approx(768, abs=1)  # ms from the start to the first token
+
+
+@pytest.mark.parametrize("stored", ["bfloat16", "float32"])
+def test_the_bench_serves_the_checkpoint_asked_for_and_counts_its_weights_as_served(stored, tiny_model_dir, tmp_path,
+                                                                                     monkeypatch):
+    """``--checkpoint`` picks the bench model's stored dtype (bf16 by default, as Llama ships); computed in
+    float32, the bf16 one keeps bf16 linears where the native kernels run, and the decode bound counts that."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from llama_engine.backends.cpu_kernels import for_device
+    from scripts.bench import model as bench_model
+    from scripts.bench.run import BenchRun, parse_args
+
+    paths = {}
+    for dtype in ("bfloat16", "float32"):
+        paths[dtype] = tmp_path / dtype
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=getattr(torch, dtype))
+        model.save_pretrained(paths[dtype], safe_serialization=True)
+        AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(paths[dtype])
+    monkeypatch.setattr(bench_model, "ensure_bench_models", lambda *a, **k: paths)
+    argv = ["--quick", "--dtype", "float32", "--out", str(tmp_path / "out"), "--tiny", str(tiny_model_dir)]
+    args = parse_args(argv + ([] if stored == "bfloat16" else ["--checkpoint", stored]))
+    assert args.checkpoint == stored
+    run = BenchRun(args, argv)
+    run.model_and_configs()
+    described = run.results["model"]
+    assert run.checkpoint == paths[stored] and described["checkpoint_dtype"] == stored
+    kept = stored == "bfloat16" and for_device("cpu") is not None
+    assert described["weight_dtype"] == run.weight_dtype == ("bfloat16" if kept else "float32")
+    widened = bench_model.describe(paths["float32"], "float32")["weight_bytes_per_token"]
+    assert described["weight_bytes_per_token"] == (widened // 2 if kept else widened)
