@@ -62,8 +62,12 @@ def _kernels(weights: list, torch_dtype, native: bool = False) -> dict:
     as :class:`NativeLinear` runs them for a decode step's rows."""
     import torch
 
-    from llama_engine.backends.fast_linear import (PackedLinear, bf16_weight_kernels, native_kernels_for,
-                                                   packing_supported)
+    from llama_engine.backends.fast_linear import (
+        PackedLinear,
+        bf16_weight_kernels,
+        native_kernels_for,
+        packing_supported,
+    )
 
     if weights and weights[0].dtype != torch_dtype:
         library = bf16_weight_kernels(torch_dtype, weights[0].dtype, torch.device("cpu"))
@@ -147,5 +151,6 @@ def decode_products(model: Path, dtype: str = "float32", threads: int = 2, repea
     fastest = min(best, key=best.get)
     nbytes = sum(w.numel() * w.element_size() for w in weights)
     return {"tokens_per_s": round(1 / best[fastest], 2), "gb_per_s": round(nbytes / best[fastest] / 1e9, 2),
-            "bytes": nbytes, "dtype": dtype, "weight_dtype": weight_dtype or dtype, "threads": threads, "repeats": repeats, "kernel": fastest,
+            "bytes": nbytes, "dtype": dtype, "weight_dtype": weight_dtype or dtype, "threads": threads, "repeats": repeats,
+            "kernel": fastest,
             "by_kernel_tokens_per_s": {name: round(1 / t, 2) for name, t in best.items()}}
