@@ -67,6 +67,15 @@ OMP_WAIT_POLICY = "PASSIVE"
 GOMP_SPINCOUNT = "20000"
 
 
+def _absolute_log_config(vmarg: str, base_dir: Path) -> str:
+    """``-Dlog4j.configurationFile=PATH`` with PATH made absolute against ``base_dir`` (TorchServe
+    starts in its work directory, where a path relative to the config would not resolve)."""
+    prefix = "-Dlog4j.configurationFile="
+    if not vmarg.startswith(prefix) or "://" in vmarg:
+        return vmarg
+    return prefix + str(base_dir / vmarg[len(prefix):])
+
+
 class TorchServe:
     def __init__(self, workdir: Path, model_store: Path, models: Optional[str] = None,
                  ports: Optional[Dict[str, int]] = None, base_config: Path = ROOT / "config.properties",
@@ -87,7 +96,9 @@ class TorchServe:
             self.props.setdefault("grpc_management_port", str(free_port()))
         self.props.update(extra or {})
         self.tmpdir = self.workdir / "tmp"
-        self.props["vmargs"] = f"-Djava.io.tmpdir={self.tmpdir}"
+        base_dir = Path(base_config).resolve().parent if base_config is not None else ROOT
+        self.props["vmargs"] = " ".join([_absolute_log_config(arg, base_dir) for arg in self.props.get("vmargs", "").split()]
+                                        + [f"-Djava.io.tmpdir={self.tmpdir}"])
         self.extra_env = dict(env or {})
         self.process: Optional[subprocess.Popen] = None
 

@@ -84,6 +84,17 @@ def test_curl_stream_is_chunked_ndjson(server, client):
     assert final["details"]["generated_tokens"] == len(lines) == 64
 
 
+def test_streamed_tokens_leave_no_log_line_each_and_the_frontend_logs_each_line_once(server, client):
+    """log4j2.xml (config.properties: vmargs): TorchServe's default logs "Sending response" for every
+    streamed token, and writes every frontend line to ts_log.log twice."""
+    assert len(generate(client, "Once upon a time", 32)) == 32
+    log = (server.workdir / "logs" / "ts_log.log").read_text(errors="replace")
+    assert "Sending response" not in log
+    assert "Flushing req.cmd PREDICT" in log  # the frontend's debug lines are still there
+    loaded = [line for line in log.splitlines() if "Successfully loaded metrics configuration" in line]
+    assert len(loaded) == 1, loaded
+
+
 def test_concurrent_requests_each_get_their_own_stream(client, references, server):
     results, errors = {}, []
     barrier = threading.Barrier(len(PROMPTS))

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from scripts.tsctl import load_models_value, main
+from scripts.tsctl import ROOT, TorchServe, load_models_value, main
 
 
 def test_each_name_is_served_from_its_directory_or_archive(tmp_path):
@@ -68,3 +68,16 @@ def test_the_server_runs_this_interpreters_torchserve_and_python(tmp_path, monke
     monkeypatch.setenv("PATH", "/usr/bin")
     path = TorchServe(tmp_path / "serve", tmp_path, base_config=None).env()["PATH"].split(":")
     assert path == [str(Path(sys.executable).parent), "/usr/bin"]
+
+
+def test_the_log_config_of_config_properties_is_found_from_the_servers_work_directory(tmp_path):
+    """TorchServe starts in its work directory: config.properties' relative log4j2.xml is made absolute,
+    a URI or another JVM argument is kept, and the temp directory is added."""
+    vmargs = TorchServe(tmp_path / "serve", tmp_path).props["vmargs"].split()
+    assert vmargs == [f"-Dlog4j.configurationFile={ROOT / 'log4j2.xml'}", f"-Djava.io.tmpdir={tmp_path / 'serve' / 'tmp'}"]
+    assert (ROOT / "log4j2.xml").is_file()
+    custom = tmp_path / "custom.properties"
+    custom.write_text("vmargs=-Xmx2g -Dlog4j.configurationFile=file:///etc/ts/log4j2.xml\n")
+    vmargs = TorchServe(tmp_path / "serve", tmp_path, base_config=custom).props["vmargs"].split()
+    assert vmargs[:2] == ["-Xmx2g", "-Dlog4j.configurationFile=file:///etc/ts/log4j2.xml"]
+    assert TorchServe(tmp_path / "serve", tmp_path, base_config=None).props["vmargs"].startswith("-Djava.io.tmpdir=")
