@@ -41,6 +41,8 @@ class TorchServeSystem:
         self.checkpoint = Path(checkpoint)
         self.model_name = model_name
         self.store = self.work / "model_store"
+        #: the server's properties (None: this repository's config.properties)
+        self.base_config: Optional[Path] = None
         self.server = None
         self.timings: Dict[str, float] = {}
 
@@ -62,7 +64,8 @@ class TorchServeSystem:
         shutil.rmtree(workdir, ignore_errors=True)
         workdir.mkdir(parents=True)
         ports = {"inference": free_port(), "management": free_port(), "metrics": free_port()}
-        self.server = TorchServe(workdir, self.store, models=self.model_name, ports=ports)
+        base = {} if self.base_config is None else {"base_config": self.base_config}
+        self.server = TorchServe(workdir, self.store, models=self.model_name, ports=ports, **base)
         started = time.perf_counter()
         self.server.start()
         self.timings["ready_s"] = round(self.server.wait_ready(timeout), 2)

@@ -81,3 +81,23 @@ def test_the_log_config_of_config_properties_is_found_from_the_servers_work_dire
     vmargs = TorchServe(tmp_path / "serve", tmp_path, base_config=custom).props["vmargs"].split()
     assert vmargs[:2] == ["-Xmx2g", "-Dlog4j.configurationFile=file:///etc/ts/log4j2.xml"]
     assert TorchServe(tmp_path / "serve", tmp_path, base_config=None).props["vmargs"].startswith("-Djava.io.tmpdir=")
+
+
+def test_the_frontend_cpu_bench_reads_process_cpu_and_serves_torchserves_default_logging_beside(tmp_path):
+    """scripts/bench/frontend_cpu.py: /proc CPU seconds, and the properties that drop log4j2.xml only."""
+    import os
+    import time
+
+    from scripts.bench.frontend_cpu import children, cpu_seconds, default_logging_config
+    from scripts.tsctl import read_properties
+
+    before, deadline = cpu_seconds(os.getpid()), time.process_time() + 0.2
+    while time.process_time() < deadline:
+        pass
+    assert cpu_seconds(os.getpid()) - before >= 0.1
+    assert os.getpid() in children(os.getppid())
+    path = default_logging_config(tmp_path / "default")
+    props, ours = read_properties(path), read_properties(ROOT / "config.properties")
+    assert "vmargs" in ours and "vmargs" not in props and {**props, "vmargs": ours["vmargs"]} == ours
+    vmargs = TorchServe(tmp_path / "serve", tmp_path, base_config=path).props["vmargs"]
+    assert "log4j" not in vmargs and (tmp_path / "default" / "metrics.yaml").is_file()
