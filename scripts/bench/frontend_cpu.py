@@ -13,7 +13,6 @@ The first round of each server is a warm-up (the JIT compiles the frontend's pat
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import sys
 import tempfile
@@ -26,35 +25,30 @@ for _path in (ROOT, ROOT / "handlers"):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
-TICK = os.sysconf("SC_CLK_TCK")
-
-
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process so far (``/proc/PID/stat``)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
+    """User + system CPU seconds of a process so far."""
+    import psutil
+
+    times = psutil.Process(pid).cpu_times()
+    return times.user + times.system
 
 
 def children(pid: int) -> List[int]:
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if (entry / "stat").read_text().rsplit(")", 1)[1].split()[1] == str(pid):
-                    out.append(int(entry.name))
-            except OSError:
-                continue
-    return out
+    import psutil
+
+    return [child.pid for child in psutil.Process(pid).children()]
 
 
 def server_processes(launcher_pid: int) -> Dict[str, int]:
     """``{"frontend": java's pid, "worker": its Python worker's}`` under the ``torchserve`` launcher."""
-    pids = [launcher_pid] + children(launcher_pid)
-    java = next(p for p in pids if Path(f"/proc/{p}/comm").read_text().strip() == "java")
-    workers = children(java)
+    import psutil
+
+    launcher = psutil.Process(launcher_pid)
+    java = next(p for p in [launcher, *launcher.children()] if p.name() == "java")
+    workers = java.children()
     if len(workers) != 1:
-        raise RuntimeError(f"expected one worker under the frontend (pid {java}), found {workers}")
-    return {"frontend": java, "worker": workers[0]}
+        raise RuntimeError(f"expected one worker under the frontend (pid {java.pid}), found {[w.pid for w in workers]}")
+    return {"frontend": java.pid, "worker": workers[0].pid}
 
 
 def default_logging_config(work: Path) -> Path:

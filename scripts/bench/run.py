@@ -210,12 +210,10 @@ class BenchRun:
 
         self.cfg = cfg = load_model_config_file(str(self.config))
         self.weight_dtype = bench_model.served_weight_dtype(cfg.handler, self.checkpoint)
-        if self.plan["model"] == "tiny":
-            results["model"] = bench_model.describe(self.checkpoint, self.dtype, self.weight_dtype, random_weights=False)
-            results["model"]["name"] = "tiny-llama (trained, 4.2M; EOS removed from its tokenizer)"
-        else:
-            results["model"] = bench_model.describe(self.checkpoint, self.dtype, self.weight_dtype)
-            results["model"]["name"] = f"bench-llama ({results['model']['parameters'] / 1e6:.0f}M, random weights)"
+        tiny = self.plan["model"] == "tiny"
+        model = results["model"] = bench_model.describe(self.checkpoint, self.dtype, self.weight_dtype, random_weights=not tiny)
+        model["name"] = ("tiny-llama (trained, 4.2M; EOS removed from its tokenizer)" if tiny
+                         else f"bench-llama ({model['parameters'] / 1e6:.0f}M, random weights)")
         self.threads = cfg.handler.torch_threads or os.cpu_count() or 1
         self.micro = cfg.micro_batching.micro_batch_size
         results["config"] = {"path": str(self.config), "base": str(args.config), "threads": self.threads,

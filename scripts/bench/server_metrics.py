@@ -32,7 +32,9 @@ class ServerMetrics:
         while True:
             time.sleep(settle)
             now = self.scrape()
-            if (_llama(now) == _llama(last) and _prefilled_all(now, self.model)) or time.monotonic() > deadline:
+            counts_passes = value(now, "llama_forward_passes_total", self.model) > 0
+            at_rest = _llama(now) == _llama(last) and _prefilled_every_prompt(summary(now, self.model), counts_passes)
+            if at_rest or time.monotonic() > deadline:
                 return now
             last = now
 
@@ -56,19 +58,18 @@ def _llama(samples: Samples) -> Samples:
     return {key: v for key, v in samples.items() if key[0].startswith("llama_")}
 
 
-def _prefilled_all(samples: Samples, model: str) -> bool:
-    """Whether the forward passes counted (where the server counts them) prefilled every prompt token counted."""
-    if value(samples, "llama_forward_passes_total", model) == 0:
-        return True
-    return value(samples, "llama_forward_prefill_tokens_total", model) >= value(samples, "llama_prompt_tokens_total", model)
+def _prefilled_every_prompt(got: dict, counts_passes: bool) -> bool:
+    """Whether the forward passes of a :func:`summary` prefilled every prompt token it counted (true of a
+    server that does not count its passes)."""
+    prefilled = sum(shape.get("prefill_tokens", 0.0) for shapes in got["forward"].values() for shape in shapes.values())
+    return not counts_passes or prefilled >= got["prompt_tokens"]
 
 
 def _settled(got: dict, requests: int, counts_passes: bool = False) -> bool:
     outcomes = (sum(got["success_by_finish_reason"].values()) + sum(got["errors_by_status"].values())
                 + got["cancelled"])
-    prefilled = sum(shape.get("prefill_tokens", 0.0) for shapes in got["forward"].values() for shape in shapes.values())
     return (got["requests"] >= requests and outcomes >= requests
-            and (not counts_passes or prefilled >= got["prompt_tokens"]))
+            and _prefilled_every_prompt(got, counts_passes))
 
 
 def figures(got: dict, capacity: float) -> dict:
