@@ -878,6 +878,32 @@ def by_cpu_path(docs: Path) -> Path:
     return docs.parent / f"{docs.stem}-by-cpu.json"
 
 
+BY_CPU_HEADING = "## Ratios by CPU class\n"
+
+
+def by_cpu_section(by_cpu: dict, by_cpu_file: Path, docs: Path) -> str:
+    return (f"{BY_CPU_HEADING}\nThe latest run's ratios on each class of CPU measured (from "
+            f"`{os.path.relpath(by_cpu_file, docs.parent)}`, which each run updates for its own class). A ratio that holds on one "
+            f"class can flip on another.\n\n{by_cpu_table(by_cpu)}\n")
+
+
+def refresh_by_cpu_section(page: Path, by_cpu_file: Path) -> bool:
+    """Rewrite ``page``'s table of ratios by class from ``by_cpu_file``, leaving the rest of it as it was.
+
+    An emulated class's run writes its own page, but its column also belongs in the main page's
+    table, which would otherwise show that class's previous run until the measured CPU's next."""
+    if not (page.exists() and by_cpu_file.exists()):
+        return False
+    text = page.read_text()
+    start = text.find(BY_CPU_HEADING)
+    end = text.find("\n## ", start + len(BY_CPU_HEADING)) + 1 if start >= 0 else 0
+    if start < 0 or end <= 0:
+        return False
+    section = by_cpu_section(json.loads(by_cpu_file.read_text()), by_cpu_file, page)
+    page.write_text(text[:start] + section + text[end:])
+    return True
+
+
 def render_docs(results: dict, plots: List[Path], docs: Path) -> str:
     """The docs page, with the plots copied beside it (``<page>-plots/``) so that the page shows them."""
     folder = docs.parent / f"{docs.stem}-plots"
@@ -887,9 +913,7 @@ def render_docs(results: dict, plots: List[Path], docs: Path) -> str:
     images = "\n".join(f"![{p.stem}]({folder.name}/{p.name})" for p in plots)
     by_cpu_file = by_cpu_path(docs)
     by_cpu = update_by_cpu(results, by_cpu_file)
-    by_cpu_text = (f"## Ratios by CPU class\n\nThe latest run's ratios on each class of CPU measured (from "
-                   f"`{os.path.relpath(by_cpu_file, docs.parent)}`, which each run updates for its own class). A ratio that holds on one "
-                   f"class can flip on another.\n\n{by_cpu_table(by_cpu)}\n")
+    by_cpu_text = by_cpu_section(by_cpu, by_cpu_file, docs)
     machine = results["machine"]
     emulated = (f"**An emulated CPU class.** This run computed as an `{machine['cpu_class']}` CPU would, on an "
                 f"`{machine['emulated_on']}` one ({machine['cpu']}): its dtype, native kernels and torch's kernels were "
@@ -917,4 +941,7 @@ def write_all(results: dict, out: Path, docs: Optional[Path]) -> List[Path]:
         docs.parent.mkdir(parents=True, exist_ok=True)
         docs.write_text(render_docs(results, plots, docs))
         written.append(docs)
+        if docs != DOCS_PAGE and by_cpu_path(docs) == by_cpu_path(DOCS_PAGE) and refresh_by_cpu_section(
+                DOCS_PAGE, by_cpu_path(DOCS_PAGE)):
+            written.append(DOCS_PAGE)
     return written

@@ -143,6 +143,32 @@ def test_an_emulated_class_is_labelled_apart_and_never_rewrites_the_measured_cpu
     assert sorted(json.loads(by_cpu.read_text())) == ["avx2", "avx2 (emulated on avx512-bf16)"]
 
 
+def test_an_emulated_run_refreshes_its_column_on_the_measured_cpus_page(tmp_path, monkeypatch):
+    """The main page's table of ratios by class follows the JSON after an emulated class's run,
+    and nothing else on that page changes."""
+    monkeypatch.setattr(report, "DOCS_PAGE", tmp_path / "docs" / "benchmarks.md")
+    monkeypatch.setattr(report, "plot_all", lambda results, out: [])
+    monkeypatch.setattr(report, "markdown", lambda results, plots: f"{results['machine']['cpu_class']} results\n")
+    (tmp_path / "docs").mkdir()
+    runs = [_run("torchserve", "concurrency", 100.0, concurrency=8), _run("llama.cpp", "concurrency", 80.0, concurrency=8)]
+    measured = _results(runs, "avx512-bf16")
+    measured["ratios"] = report.ratios(measured)
+    report.write_all(measured, tmp_path / "out-measured", report.DOCS_PAGE)
+    before = report.DOCS_PAGE.read_text()
+    assert "`avx2 (emulated" not in before
+    emulated = _results([runs[0], _run("llama.cpp", "concurrency", 40.0, concurrency=8)], "avx2")
+    emulated["machine"]["emulated_on"] = "avx512-bf16"
+    emulated["ratios"] = report.ratios(emulated)
+    written = report.write_all(emulated, tmp_path / "out-emulated", report.default_docs(emulated["machine"]))
+    assert report.DOCS_PAGE in written
+    after = report.DOCS_PAGE.read_text()
+    assert "| ratio | goal | `avx2 (emulated on avx512-bf16)` | `avx512-bf16` |" in after
+    assert "| peer_ratio_llama.cpp | >= 1.0 | 2.500 | 1.250 |" in after
+    head, tail = before.split(report.BY_CPU_HEADING)
+    assert after.startswith(head) and after.endswith(tail[tail.index("\n## "):])
+    assert report.refresh_by_cpu_section(tmp_path / "missing.md", tmp_path / "docs" / "benchmarks-by-cpu.json") is False
+
+
 def test_old_runs_without_a_class_are_classed_from_their_flags():
     assert report.cpu_label({"cpu_flags": ["amx_bf16", "avx2", "avx512_bf16"]}) == "amx"
     assert report.cpu_label({"cpu_flags": ["avx2"]}) == "avx2"
