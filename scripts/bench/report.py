@@ -790,7 +790,7 @@ ahead of micro-batching on the Poisson load at all: `.venv/bin/python -m scripts
    in round 1, continuous first in round 2), both servers up and the idle one waiting; their Poisson row
    gathers every round's requests, its tok/s is the mean of the rounds' and `round_ratios` holds
    continuous / micro per round. Two more loads run the same way, on the two variants only: the wide
-   load (128 short prompts, seven answers in eight of 8 tokens and one of 512, paced as the mixed load:
+   load (128 short prompts, fifteen answers in sixteen of 8 tokens and one of 960, paced as the mixed load:
    where continuous batching's refilled rows count most) and the steady load (30 requests of the mixed
    load's lengths, paced at 60% of the requests/s that micro-batching serves in the same replay;
    `extra.steady_load` holds its pace): a load both servers keep up with, so that TTFT measures the
