@@ -317,13 +317,16 @@ class BenchRun:
         quiet = monitor.wait_quiet(plan["quiet_wait"]) if plan["quiet_wait"] else None
         snap = monitor.snapshot()
         waves = self.prompts.waves
+        bracket = [self._bandwidth_now()]
         records = fp32_engine.run_wave(waves[(1, 0)], plan["conc_output"]) if (1, 0) in waves else []
+        bracket.append(self._bandwidth_now())
         fp32_engine.close()
         fp32_run = summarize(records, system="inprocess-fp32", scenario="concurrency",
                              input_tokens=plan["conc_input"], output_tokens=plan["conc_output"], concurrency=1)
         fp32_run.update(monitor.since(snap), quiet_wait=quiet)
         fp32_model = bench_model.describe(self.fp32_checkpoint, "float32")
         fp32_run["weight_bytes_per_token"] = fp32_model["weight_bytes_per_token"]
+        fp32_run["bandwidth_gb_per_s_bracket"] = bracket
         log(f"inprocess fp32 batch 1: {brief(fp32_run)}")
         return fp32_run
 
