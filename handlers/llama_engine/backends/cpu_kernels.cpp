@@ -330,8 +330,36 @@ inline void reduce_tile(const Vec::F *acc, float *out) {
     }
 }
 
+// One row of x against one row of w over four accumulators: with one, each multiply-add waits
+// for the last (4 cycles on most x86 cores), which held the AVX2 class's stream of bf16 weights
+// for one row to 8 weights per 4 cycles, 37 GB/s on two Zen 5 cores where x.sum() read 45.
+template <class TX, class TW>
+inline float dot_unrolled(const TX *x, const TW *w, long K, long pf) {
+    constexpr long STEP = 4 * Vec::N, LINE = 64 / (long)sizeof(TW);
+    Vec::F a0 = Vec::zero(), a1 = a0, a2 = a0, a3 = a0;
+    long k = 0;
+    for (; k + STEP <= K; k += STEP) {
+        for (long i = 0; i < STEP; i += LINE) prefetch(w + k + i + pf);
+        a0 = Vec::fma(Vec::load(w + k), Vec::load(x + k), a0);
+        a1 = Vec::fma(Vec::load(w + k + Vec::N), Vec::load(x + k + Vec::N), a1);
+        a2 = Vec::fma(Vec::load(w + k + 2 * Vec::N), Vec::load(x + k + 2 * Vec::N), a2);
+        a3 = Vec::fma(Vec::load(w + k + 3 * Vec::N), Vec::load(x + k + 3 * Vec::N), a3);
+    }
+    for (; k + Vec::N <= K; k += Vec::N) {
+        prefetch(w + k + pf);
+        a0 = Vec::fma(Vec::load(w + k), Vec::load(x + k), a0);
+    }
+    float sum = Vec::hsum(Vec::add(Vec::add(a0, a1), Vec::add(a2, a3)));
+    for (; k < K; k++) sum += to_f32(x[k]) * to_f32(w[k]);
+    return sum;
+}
+
 template <class TX, class TW, int R, int MB>
 inline void linear_block(const TX *x, long ldx, const TW *w, long K, long pf, float *acc_out) {
+    if constexpr (R == 1 && MB == 1) {
+        acc_out[0] = dot_unrolled(x, w, K, pf);
+        return;
+    }
     Vec::F acc[MB][R];
     for (int m = 0; m < MB; m++)
         for (int r = 0; r < R; r++) acc[m][r] = Vec::zero();
