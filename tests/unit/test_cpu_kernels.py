@@ -69,7 +69,7 @@ def assert_product(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("rows, inner, outer", [(1, 768, 2304), (3, 768, 770), (5, 100, 9), (8, 3072, 96),
                                                 (16, 33, 64), (1, 17, 3), (7, 256, 257), (12, 64, 1), (2, 768, 300),
-                                                (6, 40, 77), (14, 96, 10)])
+                                                (6, 40, 77), (14, 96, 10), (1, 104, 5)])
 def test_linear_is_the_float64_product_to_the_dtype_rounding(kernels, dtype, rows, inner, outer):
     gen = torch.Generator().manual_seed(rows * inner + outer)
     x = torch.randn(rows, inner, generator=gen).to(dtype)
@@ -82,7 +82,7 @@ def test_linear_is_the_float64_product_to_the_dtype_rounding(kernels, dtype, row
 @pytest.mark.parametrize("kernels", ISAS, indirect=True)
 @pytest.mark.parametrize("rows, inner, outer", [(1, 768, 2304), (3, 768, 770), (5, 100, 9), (8, 3072, 96),
                                                 (16, 33, 64), (1, 17, 3), (7, 256, 257), (2, 768, 300), (6, 40, 77),
-                                                (14, 96, 10)])
+                                                (14, 96, 10), (1, 104, 5)])
 def test_linear_of_float32_rows_over_bf16_weights_is_their_float64_product(kernels, rows, inner, outer):
     """A float32 model whose weights are kept in bf16: the weight is widened exactly, the product is float32's."""
     gen = torch.Generator().manual_seed(rows * inner + outer)
