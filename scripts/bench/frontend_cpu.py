@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -24,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 for _path in (ROOT, ROOT / "handlers"):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
+
 
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of a process so far."""
@@ -45,17 +47,17 @@ def server_processes(launcher_pid: int) -> Dict[str, int]:
 
     launcher = psutil.Process(launcher_pid)
     java = next(p for p in [launcher, *launcher.children()] if p.name() == "java")
-    workers = java.children()
+    workers = children(java.pid)
     if len(workers) != 1:
-        raise RuntimeError(f"expected one worker under the frontend (pid {java.pid}), found {[w.pid for w in workers]}")
-    return {"frontend": java.pid, "worker": workers[0].pid}
+        raise RuntimeError(f"expected one worker under the frontend (pid {java.pid}), found {workers}")
+    return {"frontend": java.pid, "worker": workers[0]}
 
 
 def default_logging_config(work: Path) -> Path:
     """config.properties without its ``vmargs`` (TorchServe's own log4j2.xml), beside a copy of metrics.yaml."""
     work.mkdir(parents=True, exist_ok=True)
     text = re.sub(r"(?m)^vmargs=.*\n?", "", (ROOT / "config.properties").read_text())
-    (work / "metrics.yaml").write_text((ROOT / "metrics.yaml").read_text())
+    shutil.copyfile(ROOT / "metrics.yaml", work / "metrics.yaml")
     path = work / "config.properties"
     path.write_text(text)
     return path

@@ -126,6 +126,14 @@ def decode_floor_ratios(runs, results: dict) -> dict:
     return out
 
 
+def _bracketed_or_best(key: str, bracketed: Optional[dict], against_best: dict) -> dict:
+    """``key`` held to the bandwidth read around its measurement, with the run's best beside it as
+    ``<key>_vs_best_bandwidth``; against the best alone where there is no bracketed figure."""
+    if bracketed is None:
+        return {key: against_best}
+    return {key: bracketed, f"{key}_vs_best_bandwidth": _as_report(against_best)}
+
+
 def fp32_decode_efficiency(fp32: dict, best_bw: float) -> dict:
     """``batch1_decode_efficiency_fp32``: against the bandwidth sampled right before and after its wave
     (``bandwidth_gb_per_s_bracket``), as the main variant's paired rounds are, with the run's best
@@ -139,15 +147,12 @@ def fp32_decode_efficiency(fp32: dict, best_bw: float) -> dict:
                           "the float32 variant, in-process: batch-1 decode tok/s x its weight bytes per token / the "
                           "best memory bandwidth of the run", decode_tokens_per_s=rate, weight_bytes_per_token=nbytes)
     bracket = fp32.get("bandwidth_gb_per_s_bracket")
-    if not (bracket and rate):
-        return {"batch1_decode_efficiency_fp32": against_best}
-    gb_per_s = sum(bracket) / len(bracket)
-    return {"batch1_decode_efficiency_fp32": _ratio(
-        rate * nbytes / (gb_per_s * 1e9), goal, met,
+    bracketed = _ratio(
+        rate * nbytes / (sum(bracket) / len(bracket) * 1e9), goal, met,
         "the float32 variant, in-process: batch-1 decode tok/s x its weight bytes per token / the memory bandwidth "
         "measured right before and after its wave", decode_tokens_per_s=rate, weight_bytes_per_token=nbytes,
-        bandwidth_gb_per_s_samples=bracket),
-        "batch1_decode_efficiency_fp32_vs_best_bandwidth": _as_report(against_best)}
+        bandwidth_gb_per_s_samples=bracket) if bracket and rate else None
+    return _bracketed_or_best("batch1_decode_efficiency_fp32", bracketed, against_best)
 
 
 def ratios(results: dict) -> dict:
@@ -191,17 +196,14 @@ def ratios(results: dict) -> dict:
         if system == LLAMACPP and not run:
             continue
         pair = find(runs, system, "paired", concurrency=1)
-        if pair and pair.get("decode_efficiency_median"):
-            out[key] = _ratio(
-                pair["decode_efficiency_median"], ">= 0.50", lambda v: v >= 0.50,
-                f"{system} batch-1 decode tok/s x weight bytes per token / the memory bandwidth measured right before "
-                f"and after it (median of {len(pair['decode_efficiency_rounds'])} paired rounds, "
-                f"{results['decode_bound']['threads']} threads)",
-                rounds=pair["decode_efficiency_rounds"], bandwidth_gb_per_s_samples=pair["bandwidth_gb_per_s_rounds"],
-                weight_bytes_per_token=nbytes)
-            out[f"{key}_vs_best_bandwidth"] = _as_report(against_best)
-        else:
-            out[key] = against_best
+        bracketed = _ratio(
+            pair["decode_efficiency_median"], ">= 0.50", lambda v: v >= 0.50,
+            f"{system} batch-1 decode tok/s x weight bytes per token / the memory bandwidth measured right before "
+            f"and after it (median of {len(pair['decode_efficiency_rounds'])} paired rounds, "
+            f"{results['decode_bound']['threads']} threads)",
+            rounds=pair["decode_efficiency_rounds"], bandwidth_gb_per_s_samples=pair["bandwidth_gb_per_s_rounds"],
+            weight_bytes_per_token=nbytes) if pair and pair.get("decode_efficiency_median") else None
+        out.update(_bracketed_or_best(key, bracketed, against_best))
     out.update(decode_floor_ratios(runs, results))
     fp32 = results.get("extra", {}).get("fp32_batch1")
     if fp32 and fp32.get("ok"):
@@ -518,13 +520,14 @@ def markdown(results: dict, plots: List[Path]) -> str:
     extra = results.get("extra", {}).get("fp32_batch1")
     fp32_line = ""
     if extra and extra.get("ok"):
+        bracket = extra.get("bandwidth_gb_per_s_bracket")
+        around = (f", the bandwidth read {' and '.join(f'{b:.1f}' for b in bracket)} GB/s right before and after its wave"
+                  if bracket else "")
         fp32_line = (f"\nThe float32 variant in-process at batch 1 ({extra['input_tokens']} + {extra['output_tokens']} "
                      f"tokens): {_f(extra['decode_tokens_per_s_per_stream'])} decode tok/s, "
                      f"{extra['weight_bytes_per_token'] / 1e6:.0f} MB of weights per token, bound "
                      f"{bound['bandwidth_gb_per_s'] * 1e9 / extra['weight_bytes_per_token']:.1f} tok/s at the run's best "
-                     f"bandwidth" + (f", the bandwidth read {' and '.join(f'{b:.1f}' for b in extra['bandwidth_gb_per_s_bracket'])} "
-                                     f"GB/s right before and after its wave"
-                                     if extra.get("bandwidth_gb_per_s_bracket") else "") + ".\n")
+                     f"bandwidth{around}.\n")
     served_text = server_metrics_text(results)
     c = 8 if 8 in results["plan"]["concurrency"] else max(results["plan"]["concurrency"])
     cpu_lines = []
@@ -919,9 +922,10 @@ def refresh_by_cpu_section(page: Path, by_cpu_file: Path) -> bool:
         return False
     text = page.read_text()
     start = text.find(BY_CPU_HEADING)
-    end = text.find("\n## ", start + len(BY_CPU_HEADING)) + 1 if start >= 0 else 0
-    if start < 0 or end <= 0:
+    end = text.find("\n## ", start + len(BY_CPU_HEADING)) if start >= 0 else -1
+    if end < 0:
         return False
+    end += 1
     section = by_cpu_section(json.loads(by_cpu_file.read_text()), by_cpu_file, page)
     page.write_text(text[:start] + section + text[end:])
     return True
