@@ -94,6 +94,63 @@ def test_linear_of_float32_rows_over_bf16_weights_is_their_float64_product(kerne
 
 
 @pytest.mark.parametrize("kernels", ISAS, indirect=True)
+@pytest.mark.parametrize("x_dtype, w_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32),
+                                              (torch.float32, torch.bfloat16)])
+def test_linear_computes_the_same_bits_at_every_prefetch_distance(kernels, x_dtype, w_dtype):
+    """The one-row prefetch distance only moves reads ahead: every distance, the default (0) among them,
+    gives the same bits, for one row (where it applies) and for several (where it does not)."""
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(300, 768, generator=gen).to(w_dtype)
+    for rows in (1, 3):
+        x = torch.randn(rows, 768, generator=gen).to(x_dtype)
+        results = []
+        for distance in (0, *cpu_kernels.PREFETCH_CANDIDATES, 64, 1 << 16):
+            kernels.one_row_prefetch[(x_dtype, w_dtype)] = distance
+            results.append(kernels.linear(x, w))
+        assert all(torch.equal(results[0], got) for got in results[1:])
+        assert_product(results[0], x, w)
+
+
+def test_the_prefetch_distance_chosen_is_the_fastest_only_where_it_clearly_beats_the_default():
+    default = cpu_kernels.PREFETCH_CANDIDATES[0]
+    assert cpu_kernels.choose_prefetch({default: [10.0, 10.2, 11.0], 1024: [8.0, 8.1, 9.5]}) == 1024
+    # within the margin (a 2% gain) the default stays
+    assert cpu_kernels.choose_prefetch({default: [10.0, 10.0], 1024: [9.8, 9.8]}) == default
+    # one lucky pass does not decide: each side's two fastest passes count
+    assert cpu_kernels.choose_prefetch({default: [10.0, 10.0, 10.1], 512: [8.0, 12.5, 13.0]}) == default
+    assert cpu_kernels.choose_prefetch({default: [10.0, 10.0], 2048: [9.0, 9.0], 1024: [8.0, 8.0]}) == 1024
+
+
+@pytest.mark.parametrize("kernels", ISAS, indirect=True)
+def test_the_one_row_prefetch_is_measured_once_per_dtype_pair_unless_the_environment_sets_it(kernels, monkeypatch):
+    weights = [torch.randn(64, 256).to(torch.bfloat16) for _ in range(3)]
+    measured = []
+    real_choose = cpu_kernels.choose_prefetch
+
+    def spy(passes, *args, **kwargs):
+        measured.append(passes)
+        return real_choose(passes, *args, **kwargs)
+
+    monkeypatch.setattr(cpu_kernels, "choose_prefetch", spy)
+    monkeypatch.delenv(cpu_kernels.PREFETCH_ENV, raising=False)
+    chosen = cpu_kernels.tune_one_row_prefetch(kernels, weights, torch.float32, rounds=2)
+    assert chosen in cpu_kernels.PREFETCH_CANDIDATES
+    assert kernels.one_row_prefetch[(torch.float32, torch.bfloat16)] == chosen
+    assert len(measured) == 1 and set(measured[0]) == set(cpu_kernels.PREFETCH_CANDIDATES)
+    assert all(len(times) == 2 for times in measured[0].values())  # the warm-up round is not scored
+    assert cpu_kernels.tune_one_row_prefetch(kernels, weights, torch.float32) == chosen and len(measured) == 1
+
+    monkeypatch.setenv(cpu_kernels.PREFETCH_ENV, "1536")
+    assert cpu_kernels.tune_one_row_prefetch(kernels, weights, torch.float32) == 1536
+    assert kernels.one_row_prefetch[(torch.float32, torch.bfloat16)] == 1536 and len(measured) == 1
+    assert kernels.linear(torch.randn(1, 256), weights[0]).shape == (1, 64)
+    for bad in ("-1", "far", "4k"):
+        monkeypatch.setenv(cpu_kernels.PREFETCH_ENV, bad)
+        with pytest.raises(ValueError, match=f"{cpu_kernels.PREFETCH_ENV}=.*distance in bytes"):
+            cpu_kernels.tune_one_row_prefetch(kernels, weights, torch.float32)
+
+
+@pytest.mark.parametrize("kernels", ISAS, indirect=True)
 def test_linear_names_a_pair_of_dtypes_it_does_not_run(kernels):
     with pytest.raises(ValueError, match=r"unsupported dtypes \(torch.bfloat16 activations, torch.float32 weight\)"):
         kernels.linear(torch.randn(2, 8).to(torch.bfloat16), torch.randn(4, 8))

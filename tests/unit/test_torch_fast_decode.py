@@ -388,6 +388,23 @@ def test_torch_backend_prefill_that_fails_leaves_every_slot_free(tiny_model_dir)
     assert backend.prefill(ok_ids, ok_mask).shape[0] == 2
 
 
+@needs_native
+def test_the_slot_backend_measures_the_prefetch_over_every_native_linear_of_the_model(tiny_model_dir, monkeypatch):
+    """Once, after every linear is swapped: one layer's weights could sit in a cache and mislead it."""
+    monkeypatch.setenv(cpu_kernels.ENV, "auto")
+    calls = []
+    monkeypatch.setattr(cpu_kernels, "tune_one_row_prefetch",
+                        lambda kernels, weights, x_dtype: calls.append((kernels, weights, x_dtype)) or 1024)
+    backend = TorchSlotBackend.from_pretrained(str(tiny_model_dir), max_slots=2, max_length=64, dtype="float32",
+                                               weight_dtype="bfloat16")
+    native = [m for module in (backend.model, *backend._fused) for m in module.modules() if isinstance(m, NativeLinear)]
+    assert len(calls) == 1 and len(native) > 2
+    kernels, weights, x_dtype = calls[0]
+    assert kernels is NATIVE and x_dtype == torch.float32
+    assert {w.data_ptr() for w in weights} == {m.weight.data_ptr() for m in native}
+    assert all(w.dtype == torch.bfloat16 for w in weights)
+
+
 def test_slot_backend_fuses_projections_and_frees_the_originals_of_its_own_model(tiny_model_dir):
     backend = TorchSlotBackend.from_pretrained(str(tiny_model_dir), max_slots=2, max_length=64, dtype="float32",
                                                device="cpu")

@@ -491,7 +491,10 @@ void linear_rows(const TX *x, long ldx, const TW *w, TX *y, long ldy, long M, lo
 // the rows of w a thread takes at a time. One pass over the bench model's bf16 weights for one row
 // (Zen 5 EPYC, 2 threads, alternated within one process, x.sum at 40-49 GB/s): 64 KB chunks and 1 KB
 // ahead streamed 39-43 GB/s, 256 KB and 4 KB 41-45, 256 KB and 1 KB 36-39, 256 KB and 8 KB 42-44;
-// eight rows 30.5 against 32.1 GB/s (oneDNN packed 30.5).
+// eight rows 30.5 against 32.1 GB/s (oneDNN packed 30.5). On a Zen 3 EPYC (AVX2, x.sum at 28 GB/s)
+// one row ran 1 KB ahead faster in each of 8 alternated rounds, by 15-25% (best 7.9 against 10.6
+// ms, bf16 weights under float32), and several rows ran 1-2 KB ahead 5-20% slower than 4 KB. So
+// the one-row distance is the caller's (the Python side measures it at load; 0: this default).
 static const long PREFETCH_ONE_ROW = 4096, PREFETCH_ROWS = 4096;
 static const long CHUNK_BYTES = 256 << 10;
 // A tile of a product of several rows: TILE_W rows of w against TILE_X rows of x, in TILE_W x TILE_X
@@ -506,8 +509,10 @@ static constexpr int TILE_W = 2, TILE_X = 4;
 static_assert(TILE_W * TILE_X == Vec::N, "a tile's sums are reduced a vector at a time");
 
 template <class TX, class TW>
-void linear(const TX *x, long ldx, const TW *w, TX *y, long ldy, long M, long K, long N, int threads) {
-    const long pf = (M == 1 ? PREFETCH_ONE_ROW : PREFETCH_ROWS) / (long)sizeof(TW);
+void linear(const TX *x, long ldx, const TW *w, TX *y, long ldy, long M, long K, long N, int threads,
+            long one_row_prefetch) {
+    const long one_row = one_row_prefetch > 0 ? one_row_prefetch : PREFETCH_ONE_ROW;
+    const long pf = (M == 1 ? one_row : PREFETCH_ROWS) / (long)sizeof(TW);
     const int R = M == 1 ? 1 : TILE_W;
     auto run = [&](long n0, long n1) {
         if (M == 1) linear_rows<TX, TW, 1, 1>(x, ldx, w, y, ldy, M, K, n0, n1, pf);
@@ -878,18 +883,19 @@ void rope_store(T *qkv, long ldq, long tokens, long H, long Hkv, long D, const T
 LLK_API const char *llk_isa(void) { return ISA; }
 
 // 0 on success, -1 for an unsupported pair of dtypes. y is in x's dtype.
+// one_row_prefetch: how far ahead (bytes) a product of one row of x prefetches w; 0 for the default.
 LLK_API int llk_linear(const void *x, long ldx, int x_dtype, const void *w, int w_dtype, void *y, long ldy, long M,
-                       long K, long N, int threads) {
+                       long K, long N, int threads, long one_row_prefetch) {
     if (x_dtype == 0 && w_dtype == 0) {
-        linear<float, float>((const float *)x, ldx, (const float *)w, (float *)y, ldy, M, K, N, threads);
+        linear<float, float>((const float *)x, ldx, (const float *)w, (float *)y, ldy, M, K, N, threads, one_row_prefetch);
         return 0;
     }
     if (x_dtype == 0 && w_dtype == 1) {
-        linear<float, bf16>((const float *)x, ldx, (const bf16 *)w, (float *)y, ldy, M, K, N, threads);
+        linear<float, bf16>((const float *)x, ldx, (const bf16 *)w, (float *)y, ldy, M, K, N, threads, one_row_prefetch);
         return 0;
     }
     if (x_dtype == 1 && w_dtype == 1) {
-        linear<bf16, bf16>((const bf16 *)x, ldx, (const bf16 *)w, (bf16 *)y, ldy, M, K, N, threads);
+        linear<bf16, bf16>((const bf16 *)x, ldx, (const bf16 *)w, (bf16 *)y, ldy, M, K, N, threads, one_row_prefetch);
         return 0;
     }
     return -1;

@@ -101,6 +101,7 @@ class NativeLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.kernels, self.max_rows = kernels, NATIVE_MAX_ROWS if max_rows is None else max_rows
         weight = linear.weight.detach()
+        self.compute_dtype = weight.dtype
         self.register_buffer("weight", weight.to(weight_dtype or weight.dtype).contiguous(), persistent=False)
         bias = None if linear.bias is None else linear.bias.detach().clone()
         self.register_buffer("bias", bias, persistent=False)
@@ -252,6 +253,18 @@ def _swap_native(targets, dtype: torch.dtype, kernels, max_rows: int, weight_dty
     stored = f"{weight_dtype} weights, " if weight_dtype is not None else ""
     return _swap(targets, dtype, lambda linear: NativeLinear(linear, kernels, max_rows, weight_dtype),
                  f"{stored}native up to {max_rows} rows, {kernels.isa}")
+
+
+def tune_native_prefetch(modules: Sequence[Optional[nn.Module]]) -> Optional[int]:
+    """The one-row prefetch distance of the native kernels, measured over the weights of every
+    :class:`NativeLinear` in ``modules`` (:func:`cpu_kernels.tune_one_row_prefetch`); None where there are
+    none. Called once the model's linears are all swapped, so that the sample is the model's weights as a
+    decode step streams them, not one layer's, which a cache could hold."""
+    layers = [m for module in modules if module is not None for m in module.modules() if isinstance(m, NativeLinear)]
+    if not layers:
+        return None
+    return cpu_kernels.tune_one_row_prefetch(layers[0].kernels, [layer.weight for layer in layers],
+                                             layers[0].compute_dtype)
 
 
 def _swap(targets, dtype: torch.dtype, make, kind: str, check: bool = False) -> int:

@@ -11,7 +11,7 @@ import torch
 from ..cpu import auto_dtype, is_amx, keep_freed_memory
 from . import cpu_kernels
 from .base import Backend, OnePassSlotBackend, PrefillChunk, SlotBatchBackend
-from .fast_linear import FusedLlamaProjections, bf16_weight_kernels, pack_linears
+from .fast_linear import FusedLlamaProjections, bf16_weight_kernels, pack_linears, tune_native_prefetch
 
 logger = logging.getLogger(__name__)
 
@@ -313,6 +313,7 @@ class TorchSlotBackend(OnePassSlotBackend):
                 FusedLlamaProjections.drop_originals(layer)
         if owns_model:
             pack_linears(self.model, weight_dtype=self.weight_dtype)
+        tune_native_prefetch([self.model, *fused])
         return fused
 
     @torch.inference_mode()
