@@ -62,6 +62,7 @@ def _kernels(weights: list, torch_dtype, native: bool = False) -> dict:
     as :class:`NativeLinear` runs them for a decode step's rows."""
     import torch
 
+    from llama_engine.backends.cpu_kernels import tune_one_row_prefetch
     from llama_engine.backends.fast_linear import (
         PackedLinear,
         bf16_weight_kernels,
@@ -73,10 +74,12 @@ def _kernels(weights: list, torch_dtype, native: bool = False) -> dict:
         library = bf16_weight_kernels(torch_dtype, weights[0].dtype, torch.device("cpu"))
         if library is None:
             raise ValueError(f"no native kernels run {torch_dtype} over {weights[0].dtype} weights on this CPU")
+        tune_one_row_prefetch(library, weights, torch_dtype)
         return {"native, bf16 weights": [lambda x, w=w: library.linear(x, w) for w in weights]}
     kernels = {"nn.Linear": [lambda x, w=w: torch.nn.functional.linear(x, w) for w in weights]}
     library = native_kernels_for(torch_dtype, torch.device("cpu")) if native else None
     if library is not None:
+        tune_one_row_prefetch(library, weights, torch_dtype)
         kernels["native"] = [lambda x, w=w: library.linear(x, w) for w in weights]
     if packing_supported(torch_dtype, torch.device("cpu")):
         packed = []
@@ -125,7 +128,8 @@ def decode_products(model: Path, dtype: str = "float32", threads: int = 2, repea
     with its own random weights, so that a pass reads them all from memory as a decode step
     does; a whole pass per kernel (``nn.Linear``, oneDNN packed, the native kernel where the backend
     runs it), best of ``repeats`` after a
-    warm-up, the faster kernel counts. Against the memory bandwidth this is the batch-1 decode
+    warm-up, the faster kernel counts; the native kernel one row ahead as far as the backend has it read
+    (:func:`cpu_kernels.tune_one_row_prefetch`). Against the memory bandwidth this is the batch-1 decode
     efficiency of an implementation that spent nothing besides its products on this CPU;
     against the decode, the share of a step that norms, attention and sampling take. ``weight_dtype``:
     the weights' dtype as served, where it differs from ``dtype`` (bf16 weights under float32).

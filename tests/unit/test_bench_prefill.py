@@ -59,7 +59,7 @@ def test_decode_products_stream_every_layers_weights_and_the_lm_head_once(tmp_pa
 def test_decode_products_of_bf16_weights_under_float32_stream_two_bytes_a_weight_on_the_native_kernel(tmp_path):
     """A bf16 checkpoint computed in float32 keeps bf16 weights (handler.weight_dtype auto): the bound
     times what NativeLinear runs for a decode step's row, the native kernel widening each weight as it reads it."""
-    from llama_engine.backends.cpu_kernels import for_device
+    from llama_engine.backends.cpu_kernels import PREFETCH_CANDIDATES, for_device
 
     if for_device("cpu") is None:
         pytest.skip("the native kernels do not load on this CPU (no AVX2/FMA)")
@@ -68,6 +68,10 @@ def test_decode_products_of_bf16_weights_under_float32_stream_two_bytes_a_weight
     assert got["bytes"] == 2 * (3 * (64 * 96 + 64 * 64 + 64 * 320 + 160 * 64) + 64 * 100)
     assert list(got["by_kernel_tokens_per_s"]) == ["native, bf16 weights"] == [got["kernel"]]
     assert (got["dtype"], got["weight_dtype"]) == ("float32", "bfloat16")
+    # one row read as far ahead as the served backend reads it (measured once per process, as it is)
+    import torch
+
+    assert for_device("cpu").one_row_prefetch[(torch.float32, torch.bfloat16)] in PREFETCH_CANDIDATES
 
 
 def test_the_bench_describes_the_weights_as_served(tmp_path):
