@@ -742,8 +742,9 @@ def _save(fig, path: Path, plt) -> Path:
 
 DOCS_HEAD = """# Benchmarks
 
-This page is rewritten by the benchmark suite on every full or quick run; edit
-`scripts/bench/report.py`, not this file. Speeds are reported, never asserted.
+These pages are rewritten by the benchmark suite: a full or quick run rewrites its CPU class's page
+(`benchmarks-<class>.md`) and the index (`benchmarks.md`); edit `scripts/bench/report.py`, not these
+files. Speeds are reported, never asserted.
 
 ## How to run
 
@@ -756,7 +757,8 @@ This page is rewritten by the benchmark suite on every full or quick run; edit
 Needs `build/tiny-llama` (its tokenizer; `make build` or `python scripts/build_tiny_llama.py --out build/tiny-llama`)
 and matplotlib. Outputs go to `build/bench/`: `results-<timestamp>.json` and `latest.json` (every
 figure, the machine, versions, config and plan), `results.md` (this section's tables), and
-`ttft_vs_input.png`, `throughput_vs_concurrency.png`, `latency_percentiles.png`, `poisson_latency.png`.
+`ttft_vs_input.png`, `throughput_vs_concurrency.png`, `latency_percentiles.png`, `poisson_latency.png`;
+then `docs/benchmarks-<class>.md` (its plots in `docs/benchmarks-<class>-plots/`) and this index.
 Options: `--dtype float32`, `--checkpoint float32`, `--threads N`, `--no-peers`, `--llama-gguf PATH`, `--max-minutes M`, `--out DIR`,
 `--docs PATH`/`--no-docs`, `--systems A,B`, `--scenarios A,B` (length, ttft, concurrency, paired, poisson, poisson-wide, poisson-steady),
 `--poisson-rate R`, `--poisson-duration S`, `--poisson-rounds N`, `--cpu-class CLASS` (measure as a CPU of a
@@ -890,16 +892,22 @@ ahead of micro-batching on the Poisson load at all: `.venv/bin/python -m scripts
 
 
 def default_docs(machine: dict) -> Path:
-    """The page a full run rewrites: ``docs/benchmarks.md``, or for a run on an emulated CPU class its own
-    page (``docs/benchmarks-avx2-emulated.md``), so that it never stands in for a measured CPU's."""
+    """The page a full run rewrites: its CPU class's own (``docs/benchmarks-avx2.md``; for a run on an
+    emulated class ``docs/benchmarks-avx2-emulated.md``), so that a run on one class never replaces
+    another's. ``docs/benchmarks.md`` is their index (:func:`render_index`)."""
     if machine.get("emulated_on"):
         return DOCS_PAGE.with_name(f"{DOCS_PAGE.stem}-{machine['cpu_class']}-emulated.md")
-    return DOCS_PAGE
+    return DOCS_PAGE.with_name(f"{DOCS_PAGE.stem}-{cpu_label(machine)}.md")
+
+
+def is_class_page(docs: Path) -> bool:
+    """Whether ``docs`` is one of the pages by CPU class beside the index (``docs/benchmarks-*.md``)."""
+    return docs.parent == DOCS_PAGE.parent and docs.suffix == ".md" and docs.stem.startswith(DOCS_PAGE.stem + "-")
 
 
 def by_cpu_path(docs: Path) -> Path:
-    """The JSON of ratios by CPU class beside ``docs``: the main page's for the pages runs write by default."""
-    if docs.parent == DOCS_PAGE.parent and docs.stem.startswith(DOCS_PAGE.stem + "-") and docs.stem.endswith("-emulated"):
+    """The JSON of ratios by CPU class beside ``docs``: the index's for the index and every class page."""
+    if docs == DOCS_PAGE or is_class_page(docs):
         docs = DOCS_PAGE
     return docs.parent / f"{docs.stem}-by-cpu.json"
 
@@ -913,22 +921,22 @@ def by_cpu_section(by_cpu: dict, by_cpu_file: Path, docs: Path) -> str:
             f"class can flip on another.\n\n{by_cpu_table(by_cpu)}\n")
 
 
-def refresh_by_cpu_section(page: Path, by_cpu_file: Path) -> bool:
-    """Rewrite ``page``'s table of ratios by class from ``by_cpu_file``, leaving the rest of it as it was.
+def class_pages() -> List[Path]:
+    """The pages by CPU class beside the index, measured classes before emulated ones."""
+    pages = [p for p in DOCS_PAGE.parent.glob(f"{DOCS_PAGE.stem}-*.md") if is_class_page(p)]
+    return sorted(pages, key=lambda p: (p.stem.endswith("-emulated"), p.stem))
 
-    An emulated class's run writes its own page, but its column also belongs in the main page's
-    table, which would otherwise show that class's previous run until the measured CPU's next."""
-    if not (page.exists() and by_cpu_file.exists()):
-        return False
-    text = page.read_text()
-    start = text.find(BY_CPU_HEADING)
-    end = text.find("\n## ", start + len(BY_CPU_HEADING)) if start >= 0 else -1
-    if end < 0:
-        return False
-    end += 1
-    section = by_cpu_section(json.loads(by_cpu_file.read_text()), by_cpu_file, page)
-    page.write_text(text[:start] + section + text[end:])
-    return True
+
+def render_index(by_cpu_file: Path) -> str:
+    """``docs/benchmarks.md``: how a run works, the ratios by CPU class, and a link to each class's page."""
+    title, method = DOCS_HEAD.split("\n\n", 1)
+    prefix = DOCS_PAGE.stem + "-"
+    links = "\n".join(f"- [`{p.stem[len(prefix):].replace('-emulated', ' (emulated)')}`]({p.name})" for p in class_pages())
+    by_cpu = json.loads(by_cpu_file.read_text()) if by_cpu_file.exists() else {}
+    return (f"{title}\n\nEach CPU class's latest full run has a page of its own, which `python -m scripts.bench` rewrites "
+            f"when it runs on (or, with `--cpu-class`, as) that class: its machine, every system's rows, the ratios and the "
+            f"plots. This page is their index, rewritten with them.\n\n## Pages by CPU class\n\n{links}\n\n"
+            + by_cpu_section(by_cpu, by_cpu_file, DOCS_PAGE) + "\n" + method)
 
 
 def render_docs(results: dict, plots: List[Path], docs: Path) -> str:
@@ -949,6 +957,12 @@ def render_docs(results: dict, plots: List[Path], docs: Path) -> str:
                 f"and clocks were the host's: it measures the instruction set, not a chip of that class.\n\n"
                 if machine.get("emulated_on") else "")
     title, method = DOCS_HEAD.split("\n\n", 1)
+    if is_class_page(docs):  # how a run works and the ratios of every class are on the index
+        title = f"# Benchmarks on the `{cpu_label(machine)}` CPU class"
+        method = (f"The latest full run on this class of CPU, rewritten by `python -m scripts.bench` when it runs on "
+                  f"(or, with `--cpu-class`, as) it. How a run works, what each figure means, and the ratios of every "
+                  f"class measured: [{DOCS_PAGE.name}]({DOCS_PAGE.name}).\n\n")
+        by_cpu_text = ""
     return (title + "\n\n" + emulated + method + by_cpu_text + "## Latest results\n\n" + markdown(results, [Path(folder.name) / p.name for p in plots])
             + "\n" + images + "\n")
 
@@ -965,10 +979,13 @@ def write_all(results: dict, out: Path, docs: Optional[Path]) -> List[Path]:
     shutil.copyfile(json_path, out / "latest.json")
     written = [json_path, out / "latest.json", md_path, *plots]
     if docs is not None:
+        if docs == DOCS_PAGE:
+            raise ValueError(f"{DOCS_PAGE} is the index of the pages by CPU class; name another page, or none for "
+                             f"this class's own ({DOCS_PAGE.stem}-<class>.md)")
         docs.parent.mkdir(parents=True, exist_ok=True)
         docs.write_text(render_docs(results, plots, docs))
         written.append(docs)
-        if docs != DOCS_PAGE and by_cpu_path(docs) == by_cpu_path(DOCS_PAGE) and refresh_by_cpu_section(
-                DOCS_PAGE, by_cpu_path(DOCS_PAGE)):
+        if is_class_page(docs):
+            DOCS_PAGE.write_text(render_index(by_cpu_path(DOCS_PAGE)))
             written.append(DOCS_PAGE)
     return written

@@ -12,7 +12,8 @@ One run: build (or reuse) the benchmark model, measure the memory bandwidth, run
 engine in-process, then through TorchServe, then on each installed peer, each alone on the
 machine, with the same prompts and the same client. Writes ``results-<timestamp>.json``,
 ``latest.json``, ``results.md`` and PNG plots to ``--out`` (default ``build/bench``), and
-rewrites ``docs/benchmarks.md`` (not in ``--smoke``). Speeds are reported, never asserted.
+rewrites this CPU class's page, ``docs/benchmarks-<class>.md``, and their index ``docs/benchmarks.md``
+(not in ``--smoke``). Speeds are reported, never asserted.
 """
 from __future__ import annotations
 
@@ -87,7 +88,8 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, help="torch threads (default: the config's handler.torch_threads)")
     parser.add_argument("--tiny", type=Path, default=ROOT / "build" / "tiny-llama",
                         help="the embedded tiny model: the tokenizer source, and the model of --smoke")
-    parser.add_argument("--docs", type=Path, help="Markdown page to rewrite (default docs/benchmarks.md, not in --smoke)")
+    parser.add_argument("--docs", type=Path, help="Markdown page to rewrite (default this CPU class's, "
+                             "docs/benchmarks-<class>.md, not in --smoke)")
     parser.add_argument("--no-docs", action="store_true", help="do not rewrite any docs page")
     parser.add_argument("--no-peers", action="store_true", help="do not start installed peers")
     parser.add_argument("--systems", type=parse_systems, default=list(SYSTEMS), metavar="A,B",
@@ -109,7 +111,11 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
                              "the docs page docs/benchmarks-CLASS-emulated.md")
     parser.add_argument("--render", type=Path, metavar="JSON",
                         help="measure nothing: rewrite the Markdown, plots (and --docs) from a results JSON")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.docs is not None and args.docs.resolve() == report.DOCS_PAGE:
+        parser.error(f"--docs {args.docs}: that page is the index of the pages by CPU class, rewritten with them; "
+                     "leave --docs out for this class's own page, or name another")
+    return args
 
 
 def main(argv=None) -> int:

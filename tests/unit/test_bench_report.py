@@ -138,20 +138,22 @@ def test_each_cpu_class_keeps_its_latest_ratios(tmp_path):
     assert "| peer_ratio_llama.cpp | >= 1.0 | 1.000 | 2.500 |" in text
 
 
-def test_an_emulated_class_is_labelled_apart_and_never_rewrites_the_measured_cpus_page(tmp_path, monkeypatch):
-    """A run with --cpu-class avx2 on an avx512-bf16 host is its own column, its own page, and the
-    table of ratios by class stays the one beside docs/benchmarks.md."""
+def test_each_class_has_its_own_page_and_one_table_of_ratios_by_class(tmp_path, monkeypatch):
+    """A run on an avx2 CPU and one with --cpu-class avx2 on an avx512-bf16 host are two columns and two
+    pages, and every class page shares the table of ratios by class beside docs/benchmarks.md."""
     monkeypatch.setattr(report, "DOCS_PAGE", tmp_path / "docs" / "benchmarks.md")
     (tmp_path / "docs").mkdir()
     runs = [_run("torchserve", "concurrency", 100.0, concurrency=8), _run("llama.cpp", "concurrency", 80.0, concurrency=8)]
     measured, emulated = _results(runs, "avx2"), _results(runs, "avx2")
     emulated["machine"]["emulated_on"] = "avx512-bf16"
     assert report.cpu_label(emulated["machine"]) == "avx2 (emulated on avx512-bf16)"
-    assert report.default_docs(measured["machine"]) == tmp_path / "docs" / "benchmarks.md"
+    assert report.default_docs(measured["machine"]) == tmp_path / "docs" / "benchmarks-avx2.md"
+    assert report.default_docs({"cpu_flags": ["avx2", "avx512f"]}) == tmp_path / "docs" / "benchmarks-avx512.md"
     page = report.default_docs(emulated["machine"])
     assert page == tmp_path / "docs" / "benchmarks-avx2-emulated.md"
     by_cpu = tmp_path / "docs" / "benchmarks-by-cpu.json"
     assert report.by_cpu_path(page) == by_cpu == report.by_cpu_path(report.DOCS_PAGE)
+    assert report.by_cpu_path(report.default_docs(measured["machine"])) == by_cpu
     assert report.by_cpu_path(tmp_path / "mine.md") == tmp_path / "mine-by-cpu.json"
     for results in (measured, emulated):
         results["ratios"] = report.ratios(results)
@@ -159,9 +161,9 @@ def test_an_emulated_class_is_labelled_apart_and_never_rewrites_the_measured_cpu
     assert sorted(json.loads(by_cpu.read_text())) == ["avx2", "avx2 (emulated on avx512-bf16)"]
 
 
-def test_an_emulated_run_refreshes_its_column_on_the_measured_cpus_page(tmp_path, monkeypatch):
-    """The main page's table of ratios by class follows the JSON after an emulated class's run,
-    and nothing else on that page changes."""
+def test_a_run_writes_its_class_page_and_the_index_leaving_other_classes_pages_alone(tmp_path, monkeypatch):
+    """docs/benchmarks.md lists every class page and the ratios by class; a run on one class rewrites its
+    own page and the index, and another class's page stays byte for byte."""
     monkeypatch.setattr(report, "DOCS_PAGE", tmp_path / "docs" / "benchmarks.md")
     monkeypatch.setattr(report, "plot_all", lambda results, out: [])
     monkeypatch.setattr(report, "markdown", lambda results, plots: f"{results['machine']['cpu_class']} results\n")
@@ -169,20 +171,33 @@ def test_an_emulated_run_refreshes_its_column_on_the_measured_cpus_page(tmp_path
     runs = [_run("torchserve", "concurrency", 100.0, concurrency=8), _run("llama.cpp", "concurrency", 80.0, concurrency=8)]
     measured = _results(runs, "avx512-bf16")
     measured["ratios"] = report.ratios(measured)
-    report.write_all(measured, tmp_path / "out-measured", report.DOCS_PAGE)
-    before = report.DOCS_PAGE.read_text()
-    assert "`avx2 (emulated" not in before
+    written = report.write_all(measured, tmp_path / "out-measured", report.default_docs(measured["machine"]))
+    bf16_page = tmp_path / "docs" / "benchmarks-avx512-bf16.md"
+    assert bf16_page in written and report.DOCS_PAGE in written
+    before = bf16_page.read_text()
+    assert "avx512-bf16 results" in before
     emulated = _results([runs[0], _run("llama.cpp", "concurrency", 40.0, concurrency=8)], "avx2")
     emulated["machine"]["emulated_on"] = "avx512-bf16"
     emulated["ratios"] = report.ratios(emulated)
-    written = report.write_all(emulated, tmp_path / "out-emulated", report.default_docs(emulated["machine"]))
-    assert report.DOCS_PAGE in written
-    after = report.DOCS_PAGE.read_text()
-    assert "| ratio | goal | `avx2 (emulated on avx512-bf16)` | `avx512-bf16` |" in after
-    assert "| peer_ratio_llama.cpp | >= 1.0 | 2.500 | 1.250 |" in after
-    head, tail = before.split(report.BY_CPU_HEADING)
-    assert after.startswith(head) and after.endswith(tail[tail.index("\n## "):])
-    assert report.refresh_by_cpu_section(tmp_path / "missing.md", tmp_path / "docs" / "benchmarks-by-cpu.json") is False
+    real_avx2 = _results([runs[0], _run("llama.cpp", "concurrency", 50.0, concurrency=8)], "avx2")
+    real_avx2["ratios"] = report.ratios(real_avx2)
+    report.write_all(emulated, tmp_path / "out-emulated", report.default_docs(emulated["machine"]))
+    report.write_all(real_avx2, tmp_path / "out-avx2", report.default_docs(real_avx2["machine"]))
+    assert bf16_page.read_text() == before
+    avx2_page = (tmp_path / "docs" / "benchmarks-avx2.md").read_text()
+    assert avx2_page.startswith("# Benchmarks on the `avx2` CPU class\n") and avx2_page.count("avx2 results") == 1
+    assert "[benchmarks.md](benchmarks.md)" in avx2_page and report.BY_CPU_HEADING not in avx2_page
+    assert "**An emulated CPU class.**" in (tmp_path / "docs" / "benchmarks-avx2-emulated.md").read_text()
+    index = report.DOCS_PAGE.read_text()
+    assert "## Latest results" not in index and "results\n" not in index
+    links = [line for line in index.splitlines() if line.startswith("- [`")]
+    assert links == ["- [`avx2`](benchmarks-avx2.md)", "- [`avx512-bf16`](benchmarks-avx512-bf16.md)",
+                     "- [`avx2 (emulated)`](benchmarks-avx2-emulated.md)"]
+    assert "| ratio | goal | `avx2` | `avx2 (emulated on avx512-bf16)` | `avx512-bf16` |" in index
+    assert "| peer_ratio_llama.cpp | >= 1.0 | 2.000 | 2.500 | 1.250 |" in index
+    assert "## How to run" in index
+    with pytest.raises(ValueError, match="index of the pages by CPU class"):
+        report.write_all(real_avx2, tmp_path / "out-again", report.DOCS_PAGE)
 
 
 def test_old_runs_without_a_class_are_classed_from_their_flags():
@@ -458,3 +473,11 @@ def test_the_cpu_model_carries_its_family_and_model_numbers(tmp_path):
     assert _cpu_model(cpuinfo) == "AMD EPYC (family 25, model 17)"
     cpuinfo.write_text("processor\t: 0\nmodel name\t: ARMv8 Processor rev 1 (v8l)\n\n")
     assert _cpu_model(cpuinfo) == "ARMv8 Processor rev 1 (v8l)"
+
+
+def test_the_bench_refuses_to_write_its_results_over_the_index():
+    from scripts.bench.run import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--docs", str(report.DOCS_PAGE)])
+    assert parse_args(["--docs", str(report.DOCS_PAGE.with_name("benchmarks-mine.md"))]).docs.name == "benchmarks-mine.md"
