@@ -34,6 +34,8 @@ if str(ROOT / "handlers") not in sys.path:
 
 def make_system(variant: str, index: int, work: Path, dtype: str, threads: int, checkpoint: str):
     """``checkpoint``: the dtype of the bench checkpoint the variants serve (and of llama-server's GGUF)."""
+    import yaml
+
     from llama_engine.cpu import CLASS_ENV
     from scripts.bench.model import model_dir
     from scripts.bench.plan import derived_config
@@ -50,7 +52,11 @@ def make_system(variant: str, index: int, work: Path, dtype: str, threads: int, 
             raise SystemExit(f"llama-server: {detail}")
         return system
     variant, _, revision = variant.partition("@")
-    config = derived_config(Path(variant).resolve(), work / f"variant{index}.yaml", dtype, threads, {})
+    # a llamacpp config's GGUF as a user's build makes it (gguf_type auto: the checkpoint's bf16, say), not
+    # the arithmetic's type that the bench's derived configs set for the torch variants
+    llamacpp = yaml.safe_load(Path(variant).read_text())["handler"].get("backend") == "llamacpp"
+    config = derived_config(Path(variant).resolve(), work / f"variant{index}.yaml", "auto" if llamacpp else dtype,
+                            threads, {})
     system = TorchServeSystem(work / f"variant{index}", config, model_dir(checkpoint), model_name=f"variant{index}")
     if revision:
         build_at_revision(system, revision, work / f"tree{index}")

@@ -794,8 +794,9 @@ ahead of micro-batching on the Poisson load at all: `.venv/bin/python -m scripts
    with continuous batching (`torchserve-continuous`, `model-config/bench-llama-continuous.yaml`: TorchServe's
    `continuousBatching`, 8 slots, the same prompts and the same Poisson schedule), (4) the same handler with
    continuous batching on the llamacpp backend (`torchserve-llamacpp`, `model-config/bench-llama-llamacpp.yaml`:
-   the forward pass on llama.cpp through llama-cpp-python, over a GGUF the build converts in the type of the
-   dtype served; when `make llamacpp` has built it; its concurrency sweep and the llama-server pairs only),
+   the forward pass on llama.cpp through llama-cpp-python, over a GGUF the build converts in the linears' dtype
+   as served, as llama-server's (bf16 for the bf16 checkpoint under float32 too); when `make llamacpp` has built
+   it; its concurrency sweep and the llama-server pairs only),
    (5) peers when installed
    (`make bench-peers` builds them under `build/peers/`): llama.cpp's `llama-server` (`POST /completion`,
    `stream: true`, `n_predict`, `ignore_eos: true`; built from the llama.cpp tree in the llama-cpp-python

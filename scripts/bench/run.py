@@ -406,8 +406,9 @@ class BenchRun:
                 "status": "not installed", "detail": "llama-cpp-python does not import (make llamacpp builds it)"}
             log(f"{report.LLAMACPP}: llama-cpp-python not installed (make llamacpp)")
             return
+        # its GGUF in the linears' dtype as served, as llama-server's (bf16 for the bf16 checkpoint under float32)
         config = derived_config(self.args.llamacpp_config.resolve(), self.work / "bench-llama-llamacpp.yaml",
-                                self.dtype, self.args.threads, {})
+                                self.weight_dtype, self.args.threads, {})
         self.served(report.LLAMACPP,
                     lambda: TorchServeSystem(self.work / "llamacpp", config, self.checkpoint, model_name="bench-llama-llamacpp"),
                     lambda ts: f"backend llamacpp ({load_model_config_file(str(config)).handler.gguf_type} GGUF), "

@@ -61,14 +61,23 @@ def test_conversion_keeps_the_tokenizer_and_drops_the_safetensors(tiny_gguf):
     assert not list(folder.glob("*.safetensors"))
 
 
-def test_gguf_type_auto_follows_the_dtype_auto_picks(monkeypatch):
+def test_gguf_type_auto_keeps_a_16_bit_checkpoints_type_and_else_follows_the_dtype_auto_picks(monkeypatch, tmp_path):
     from llama_engine import cpu
 
-    monkeypatch.setattr(cpu, "auto_dtype", lambda device: "bfloat16")
-    assert build_model.gguf_outtype("auto") == "bf16"
-    monkeypatch.setattr(cpu, "auto_dtype", lambda device: "float32")
-    assert build_model.gguf_outtype("auto") == "f32"
-    assert build_model.gguf_outtype("q8_0") == "q8_0"
+    checkpoints = {}
+    for stored in ("bfloat16", "float16", "float32", None):
+        folder = checkpoints[stored] = tmp_path / str(stored)
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({"torch_dtype": stored} if stored else {}))
+    for auto, fallback in (("bfloat16", "bf16"), ("float32", "f32")):
+        monkeypatch.setattr(cpu, "auto_dtype", lambda device, auto=auto: auto)
+        assert build_model.gguf_outtype("auto", checkpoints["bfloat16"]) == "bf16"  # on an AVX2 CPU too
+        assert build_model.gguf_outtype("auto", checkpoints["float16"]) == "f16"
+        assert build_model.gguf_outtype("auto", checkpoints["float32"]) == fallback
+        assert build_model.gguf_outtype("auto", checkpoints[None]) == fallback
+        assert build_model.gguf_outtype("auto") == fallback
+        assert build_model.gguf_outtype("q8_0", checkpoints["bfloat16"]) == "q8_0"
+        assert build_model.gguf_outtype("f32", checkpoints["bfloat16"]) == "f32"
 
 
 def test_prefill_and_decode_match_torch(backend, reference):
