@@ -949,7 +949,6 @@ def render_docs(results: dict, plots: List[Path], docs: Path) -> str:
     images = "\n".join(f"![{p.stem}]({folder.name}/{p.name})" for p in plots)
     by_cpu_file = by_cpu_path(docs)
     by_cpu = update_by_cpu(results, by_cpu_file)
-    by_cpu_text = by_cpu_section(by_cpu, by_cpu_file, docs)
     machine = results["machine"]
     emulated = (f"**An emulated CPU class.** This run computed as an `{machine['cpu_class']}` CPU would, on an "
                 f"`{machine['emulated_on']}` one ({machine['cpu']}): its dtype, native kernels and torch's kernels were "
@@ -957,13 +956,15 @@ def render_docs(results: dict, plots: List[Path], docs: Path) -> str:
                 f"llama-server was built for the class, and systems that cannot be narrowed were skipped. Memory, caches "
                 f"and clocks were the host's: it measures the instruction set, not a chip of that class.\n\n"
                 if machine.get("emulated_on") else "")
-    title, method = DOCS_HEAD.split("\n\n", 1)
     if is_class_page(docs):  # how a run works and the ratios of every class are on the index
         title = f"# Benchmarks on the `{cpu_label(machine)}` CPU class"
         method = (f"The latest full run on this class of CPU, rewritten by `python -m scripts.bench` when it runs on "
                   f"(or, with `--cpu-class`, as) it. How a run works, what each figure means, and the ratios of every "
                   f"class measured: [{DOCS_PAGE.name}]({DOCS_PAGE.name}).\n\n")
         by_cpu_text = ""
+    else:  # a page of its own elsewhere: whole
+        title, method = DOCS_HEAD.split("\n\n", 1)
+        by_cpu_text = by_cpu_section(by_cpu, by_cpu_file, docs)
     return (title + "\n\n" + emulated + method + by_cpu_text + "## Latest results\n\n" + markdown(results, [Path(folder.name) / p.name for p in plots])
             + "\n" + images + "\n")
 

@@ -276,6 +276,17 @@ class CpuKernels:
                 and kv_heads >= 1 and heads % kv_heads == 0 and heads // kv_heads <= 64)
 
 
+def leading_bytes(weights: Sequence[torch.Tensor], limit: int) -> tuple:
+    """How many of the first ``weights`` a load-time measurement streams, and their bytes: enough to
+    pass ``limit``, so that they come from memory as a decode step's do, not from a cache."""
+    size = 0
+    for count, weight in enumerate(weights, 1):
+        size += weight.numel() * weight.element_size()
+        if size >= limit:
+            return count, size
+    return len(weights), size
+
+
 def choose_prefetch(passes: Dict[int, Sequence[float]], default: int = PREFETCH_CANDIDATES[0],
                     margin: float = PREFETCH_MARGIN) -> int:
     """The distance whose passes were fastest, scored as the sum of its two fastest (a busy machine slows
@@ -304,12 +315,8 @@ def tune_one_row_prefetch(kernels: CpuKernels, weights: Sequence[torch.Tensor], 
         return distance
     if key in kernels.one_row_prefetch:
         return kernels.one_row_prefetch[key]
-    sample, size = [], 0
-    for weight in weights:
-        sample.append(weight)
-        size += weight.numel() * weight.element_size()
-        if size >= PREFETCH_SAMPLE_BYTES:
-            break
+    count, size = leading_bytes(weights, PREFETCH_SAMPLE_BYTES)
+    sample = list(weights[:count])
     inputs = [torch.randn(1, w.shape[1]).to(x_dtype) for w in sample]
     passes: Dict[int, list] = {distance: [] for distance in PREFETCH_CANDIDATES}
     with torch.inference_mode():

@@ -301,12 +301,8 @@ def fp32_packing_pays(linears: Sequence[nn.Linear], repeats: int = 9) -> bool:
     threads = torch.get_num_threads()
     if threads in _FP32_DECISIONS:
         return _FP32_DECISIONS[threads]
-    sample, size = [], 0
-    for linear in linears:
-        sample.append(linear)
-        size += linear.weight.numel() * 4
-        if size >= SAMPLE_BYTES:
-            break
+    count, size = cpu_kernels.leading_bytes([linear.weight for linear in linears], SAMPLE_BYTES)
+    sample = list(linears[:count])
     packed = [PackedLinear(linear, FP32_BATCH_HINT) for linear in sample]
     best = {"plain": {}, "packed": {}}
     with torch.inference_mode():
