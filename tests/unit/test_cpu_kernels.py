@@ -5,7 +5,8 @@
   ``decode_attention`` for every dtype pair, head size and GQA group, rows of different lengths
   in slots out of order, a one-position row, and strided queries.
 * The fused small ops (``add_rmsnorm``, ``silu_mul``, ``rope_store``) round as the torch ops they
-  replace; the thread pool runs every chunk of every job once, whoever calls.
+  replace; a decode step's layers in one call (``DecodeLayers``) compute what those kernels called one by
+  one compute, bit for bit, for every dtype combination it runs; the thread pool runs every chunk of every job once, whoever calls.
 * Building and loading: the file name follows the source, a build is atomic, a shipped library
   is preferred to the cache and rebuilt where it does not load, the kernels' own code needs no
   newer glibc than torch, no compiler means torch's kernels (with the reason logged), the
@@ -428,6 +429,73 @@ def test_rope_store_rotates_like_the_backend_and_writes_each_tokens_kv_at_its_sl
         assert torch.equal(k_layer[slots[t], :, positions[t]], want[t, heads:].to(kv_dtype))
         assert torch.equal(v_layer[slots[t], :, positions[t]], per_head[t, heads + kv_heads:].to(kv_dtype))
     assert int((k_layer != 0).any(-1).sum()) == 4 * kv_heads  # nothing else written
+
+
+def layer_by_layer(kernels, hidden, layers, k_cache, v_cache, cos, ssin, positions, slots, lengths, heads, kv_heads,
+                   eps):
+    """What the torch backend's fused forward does for a decode pass: each kernel called from Python."""
+    dim = k_cache.shape[-1]
+    delta = None
+    for index, layer in enumerate(layers):
+        normed = kernels.add_rmsnorm(hidden, delta, layer["input_norm"], eps)
+        qkv = kernels.linear(normed, layer["qkv"])
+        kernels.rope_store(qkv, heads, kv_heads, cos, ssin, positions, slots, k_cache[index], v_cache[index])
+        q = qkv[:, :heads * dim].reshape(-1, heads, dim)
+        attended = kernels.decode_attention(q, k_cache[index], v_cache[index], slots, lengths, dim ** -0.5)
+        delta = kernels.linear(attended.reshape(len(hidden), -1), layer["o"])
+        normed = kernels.add_rmsnorm(hidden, delta, layer["post_norm"], eps)
+        delta = kernels.linear(kernels.silu_mul(kernels.linear(normed, layer["gate_up"])), layer["down"])
+    return delta
+
+
+@pytest.mark.parametrize("kernels", ISAS, indirect=True)
+@pytest.mark.parametrize("dtype, weight_dtype, kv_dtype", sorted(cpu_kernels.DECODE_LAYERS_DTYPES, key=str))
+@pytest.mark.parametrize("threads", [1, 2])
+def test_decode_layers_in_one_call_compute_the_kernels_called_one_by_one_bit_for_bit(kernels, dtype, weight_dtype,
+                                                                                      kv_dtype, threads):
+    """Three rows in slots out of order, of different lengths (one at position 0), GQA heads: the same hidden
+    state, last residual and K/V cache, bit for bit, as the kernels called one by one from Python."""
+    gen = torch.Generator().manual_seed(7)
+    heads, kv_heads, dim, width, inner, n_layers, max_length = 4, 2, 32, 64, 96, 3, 16
+    rand = lambda *shape, dt=dtype: (torch.randn(*shape, generator=gen) * 0.5).to(dt)  # noqa: E731
+    layers = [{"input_norm": 1 + rand(width) * 0.1, "qkv": rand((heads + 2 * kv_heads) * dim, width, dt=weight_dtype),
+               "o": rand(width, heads * dim, dt=weight_dtype), "post_norm": 1 + rand(width) * 0.1,
+               "gate_up": rand(2 * inner, width, dt=weight_dtype), "down": rand(width, inner, dt=weight_dtype)}
+              for _ in range(n_layers)]
+    angles = torch.randn(max_length, dim // 2, generator=gen)
+    cos = torch.cat([angles.cos()] * 2, -1).to(dtype)
+    ssin = torch.cat([-angles.sin(), angles.sin()], -1).to(dtype)
+    cache = rand(n_layers, 4, kv_heads, max_length, dim, dt=kv_dtype)
+    positions, slots = torch.tensor([5, 0, 11]), torch.tensor([2, 0, 3])
+    hidden = rand(3, width)
+    step = cpu_kernels.DecodeLayers(kernels, layers, heads, kv_heads, dim, 1e-5)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        want_hidden, want_k, want_v = hidden.clone(), cache.clone(), cache.clone()
+        want = layer_by_layer(kernels, want_hidden, layers, want_k, want_v, cos, ssin, positions, slots, positions + 1,
+                              heads, kv_heads, 1e-5)
+        got_k, got_v = cache.clone(), cache.clone()
+        got = step(hidden, got_k, got_v, cos, ssin, positions, slots, positions + 1)
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(got, want) and torch.equal(hidden, want_hidden)
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+    assert not torch.equal(got_k, cache)  # the step wrote its keys
+
+
+@pytest.mark.parametrize("kernels", ISAS[-1:], indirect=True)
+def test_decode_layers_refuse_weights_they_cannot_point_at_and_name_dtypes_they_do_not_run(kernels):
+    width, dim = 64, 32
+    layer = {"input_norm": torch.ones(width), "qkv": torch.zeros(3 * dim * 2, width), "o": torch.zeros(width, 2 * dim),
+             "post_norm": torch.ones(width), "gate_up": torch.zeros(64, width), "down": torch.zeros(width, 32)}
+    with pytest.raises(ValueError, match="contiguous"):
+        cpu_kernels.DecodeLayers(kernels, [dict(layer, o=layer["o"].T)], 2, 2, dim, 1e-5)
+    step = cpu_kernels.DecodeLayers(kernels, [dict(layer, qkv=layer["qkv"].half())], 2, 2, dim, 1e-5)
+    cache = torch.zeros(1, 1, 2, 8, dim)
+    one = torch.tensor([0])
+    with pytest.raises(ValueError, match="torch.float16 weights"):
+        step(torch.zeros(1, width), cache, cache.clone(), torch.ones(8, dim), torch.zeros(8, dim), one, one, one + 1)
 
 
 @pytest.mark.parametrize("kernels", ISAS[:1], indirect=True)

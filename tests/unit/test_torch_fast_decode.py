@@ -504,6 +504,66 @@ def test_fused_small_ops_only_for_models_they_compute(tiny_model_dir, monkeypatc
     assert not TorchSlotBackend(load(tiny_model_dir, torch.float32), max_slots=1, max_length=32)._fused_ops
 
 
+class CountedCalls:
+    """Wraps a callable and counts the calls (the backend's native decode layers, here)."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.inner(*args, **kwargs)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype, weight_dtype", [("float32", None), ("float32", torch.bfloat16),
+                                                 pytest.param("bfloat16", None, marks=BF16)])
+def test_decode_steps_run_their_layers_in_one_native_call_with_the_python_loops_numbers(tiny_model_dir, dtype,
+                                                                                        weight_dtype):
+    """Decode-only passes (one row, rows of different lengths in slots out of order) through
+    ``DecodeLayers``: the logits and K/V cache of the Python layer loop, bit for bit; a mixed pass and a
+    pass of more rows than the call runs keep the Python loop."""
+    backends = [TorchSlotBackend(load(tiny_model_dir, getattr(torch, dtype)), max_slots=4, max_length=96,
+                                 owns_model=True, weight_dtype=weight_dtype) for _ in range(2)]
+    native, python = backends
+    if native._decode_layers is None:  # bf16 where the native kernels leave bf16 products to oneDNN
+        assert fast_linear.native_kernels_for(torch.bfloat16, torch.device("cpu")) is None
+        return
+    python._decode_layers_rows = 0
+    native._decode_layers = counted = CountedCalls(native._decode_layers)
+    prompts_ = [prompts(batch=1, length=n, seed=n)[0][0].tolist() for n in (30, 5, 17, 12)]
+    logits = []
+    with torch.inference_mode():
+        for backend in backends:
+            got = [backend.prefill_slot(slot, prompts_[slot]) for slot in (3, 1, 0)]
+            got += list(backend.decode_slots([1], [int(got[1].argmax())]))
+            for _ in range(3):
+                got += list(backend.decode_slots([3, 0, 1], [int(g.argmax()) for g in got[-3:]]))
+            step = backend.step_slots([0, 3], [4, 5], [PrefillChunk(2, prompts_[2], 0)])  # mixed: the Python loop
+            got += list(step.decode) + step.prefills
+            backend._decode_layers_rows = min(backend._decode_layers_rows, 2)
+            got += list(backend.decode_slots([0, 1, 2], [6, 7, 8]))  # more rows than it runs: the Python loop
+            logits.append(torch.stack(got))
+    assert counted.calls == 4
+    assert torch.equal(logits[0], logits[1])
+    assert torch.equal(native.k_cache, python.k_cache) and torch.equal(native.v_cache, python.v_cache)
+
+
+@needs_native
+def test_decode_layers_only_where_every_product_is_native_without_a_bias_or_unless_switched_off(tiny_model_dir,
+                                                                                                monkeypatch):
+    backend = TorchSlotBackend(load(tiny_model_dir, torch.float32), max_slots=1, max_length=32, owns_model=True)
+    assert backend._decode_layers is not None and backend._decode_layers_rows == fast_linear.FP32_NATIVE_MAX_ROWS
+    shared = TorchSlotBackend(load(tiny_model_dir, torch.float32), max_slots=1, max_length=32)  # o/down not swapped
+    assert shared._fused_ops and shared._decode_layers is None and shared._decode_layers_rows == 0
+    model = load(tiny_model_dir, torch.float32)
+    model.model.layers[1].self_attn.o_proj.bias = torch.nn.Parameter(torch.zeros(model.config.hidden_size))
+    assert TorchSlotBackend(model, max_slots=1, max_length=32, owns_model=True)._decode_layers is None
+    monkeypatch.setenv("LLAMA_DECODE_LAYERS", "0")
+    assert TorchSlotBackend(load(tiny_model_dir, torch.float32), max_slots=1, max_length=32,
+                            owns_model=True)._decode_layers is None
+
+
 @needs_native
 def test_native_linear_keeps_bf16_weights_for_float32_rows_on_either_side_of_its_row_limit(monkeypatch):
     """``weight_dtype`` bfloat16 under float32 arithmetic: half the bytes kept, the product of the widened

@@ -171,6 +171,7 @@ _FUNCTIONS = {
     "_silu_mul": ("llk_silu_mul", [_P, _P, _I64, _I64, _I32, _I32], _I32),
     "_rope_store": ("llk_rope_store",
                     [_P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _I64, _I32, _I32, _I32], _I32),
+    "_decode_layers": ("llk_decode_layers", [_P] * 11 + [_F32, _F32, _I32, _I32, _I32, _I32, _I64], _I32),
     "_pool_check": ("llk_pool_check", [_I64, _I64, _I32], _I64),
     "_isa": ("llk_isa", [], ctypes.c_char_p),
 }
@@ -274,6 +275,78 @@ class CpuKernels:
                            head_dim: int) -> bool:
         return (q_dtype in DTYPE_CODES and kv_dtype in DTYPE_CODES and head_dim in HEAD_DIMS
                 and kv_heads >= 1 and heads % kv_heads == 0 and heads // kv_heads <= 64)
+
+
+#: (activations, weights, cache) dtypes :class:`DecodeLayers` runs: those its kernels serve together.
+DECODE_LAYERS_DTYPES = frozenset({(torch.float32, torch.float32, torch.float32),
+                                  (torch.float32, torch.bfloat16, torch.float32),
+                                  (torch.bfloat16, torch.bfloat16, torch.bfloat16),
+                                  (torch.bfloat16, torch.bfloat16, torch.float32)})
+#: A layer's tensors :class:`DecodeLayers` reads, in the order the native call takes them.
+LAYER_TENSORS = ("input_norm", "qkv", "o", "post_norm", "gate_up", "down")
+
+
+class DecodeLayers:
+    """A decode step's decoder layers in one native call (``llk_decode_layers``): each row one token at its
+    own position in its own slot, every layer the ops the torch backend's fused forward calls from Python
+    one by one, with the same kernels in the same order (so the same numbers), and no Python between them.
+
+    ``layers``: per layer, a dict of :data:`LAYER_TENSORS` (contiguous; norms in the activations' dtype,
+    products' weights ``[out, in]`` in one dtype). The pointers are taken once here, so the tensors must
+    stay where they are: this object keeps them alive.
+    """
+
+    def __init__(self, kernels: CpuKernels, layers: Sequence[Dict[str, torch.Tensor]], heads: int, kv_heads: int,
+                 head_dim: int, eps: float):
+        first = layers[0]
+        self.kernels, self.dtype, self.weight_dtype = kernels, first["input_norm"].dtype, first["qkv"].dtype
+        self.hidden, self.intermediate = first["qkv"].shape[1], first["gate_up"].shape[0] // 2
+        self.heads, self.kv_heads, self.head_dim, self.eps = heads, kv_heads, head_dim, eps
+        self.scale = head_dim ** -0.5
+        tensors = [layer[name] for layer in layers for name in LAYER_TENSORS]
+        if any(not t.is_contiguous() or t.device.type != "cpu" for t in tensors):
+            raise ValueError("native decode layers: every weight must be a contiguous CPU tensor")
+        self._tensors = tensors
+        self._weights = (ctypes.c_void_p * len(tensors))(*[t.data_ptr() for t in tensors])
+        self._layers = len(layers)
+        self._caches, self._cache_key = None, None
+
+    def _cache_pointers(self, k_cache: torch.Tensor, v_cache: torch.Tensor):
+        """Each layer's k and v of the ``[layers, slots, kv_heads, max_length, head_dim]`` caches (kept until
+        the cache is reallocated)."""
+        key = (k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape)
+        if key != self._cache_key:
+            pointers = [t[layer].data_ptr() for layer in range(self._layers) for t in (k_cache, v_cache)]
+            self._caches, self._cache_key = (ctypes.c_void_p * len(pointers))(*pointers), key
+        return self._caches
+
+    def __call__(self, hidden: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cos: torch.Tensor,
+                 signed_sin: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                 lengths: torch.Tensor) -> torch.Tensor:
+        """Run every layer over ``hidden`` ``[rows, hidden]`` (the tokens' embeddings; updated in place with
+        each layer's residual but the last's, which is returned for the final norm to add). Row ``r``'s
+        token sits at ``positions[r]`` of slot ``slots[r]`` and attends to its first ``lengths[r]`` positions
+        (int64 tensors)."""
+        if (hidden.dtype, self.weight_dtype, k_cache.dtype) not in DECODE_LAYERS_DTYPES:
+            raise ValueError(f"native decode layers: unsupported dtypes ({hidden.dtype} activations, "
+                             f"{self.weight_dtype} weights, {k_cache.dtype} cache)")
+        rows, width = hidden.shape
+        qkv = (self.heads + 2 * self.kv_heads) * self.head_dim
+        delta = torch.empty_like(hidden)
+        scratch = torch.empty(rows * (width + qkv + self.heads * self.head_dim + 3 * self.intermediate),
+                              dtype=hidden.dtype)
+        dims = (ctypes.c_long * 8)(rows, width, self.heads, self.kv_heads, self.head_dim, self.intermediate,
+                                   k_cache.shape[3], self._layers)
+        code = self.kernels._decode_layers(
+            hidden.data_ptr(), delta.data_ptr(), scratch.data_ptr(), dims, self._weights,
+            self._cache_pointers(k_cache, v_cache), cos.data_ptr(), signed_sin.data_ptr(), positions.data_ptr(),
+            slots.data_ptr(), lengths.data_ptr(), self.eps, self.scale, DTYPE_CODES[hidden.dtype],
+            DTYPE_CODES[self.weight_dtype], DTYPE_CODES[k_cache.dtype], torch.get_num_threads(),
+            self.kernels.one_row_prefetch.get((hidden.dtype, self.weight_dtype), 0))
+        if code:
+            raise ValueError(f"native decode layers: unsupported head size {self.head_dim} or heads "
+                             f"({self.heads} over {self.kv_heads})")
+        return delta
 
 
 def leading_bytes(weights: Sequence[torch.Tensor], limit: int) -> tuple:
