@@ -405,7 +405,7 @@ def test_silu_mul_is_silu_of_the_gate_times_the_up_projection(kernels, dtype):
 
 @pytest.mark.parametrize("kernels", ISAS, indirect=True)
 @pytest.mark.parametrize("dtype, kv_dtype", [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
-                                             (torch.float32, torch.float32)])
+                                             (torch.float32, torch.float32), (torch.float32, torch.bfloat16)])
 @pytest.mark.parametrize("heads, kv_heads, dim", [(4, 2, 64), (3, 3, 32), (2, 1, 128)])
 def test_rope_store_rotates_like_the_backend_and_writes_each_tokens_kv_at_its_slot_and_position(
         kernels, dtype, kv_dtype, heads, kv_heads, dim):

@@ -516,19 +516,22 @@ class CountedCalls:
 
 
 @needs_native
-@pytest.mark.parametrize("dtype, weight_dtype", [("float32", None), ("float32", torch.bfloat16),
-                                                 pytest.param("bfloat16", None, marks=BF16)])
+@pytest.mark.parametrize("dtype, weight_dtype, kv", [("float32", None, "auto"), ("float32", torch.bfloat16, "auto"),
+                                                     ("float32", torch.bfloat16, "bfloat16"),
+                                                     pytest.param("bfloat16", None, "auto", marks=BF16)])
 def test_decode_steps_run_their_layers_in_one_native_call_with_the_python_loops_numbers(tiny_model_dir, dtype,
-                                                                                        weight_dtype):
+                                                                                        weight_dtype, kv):
     """Decode-only passes (one row, rows of different lengths in slots out of order) through
     ``DecodeLayers``: the logits and K/V cache of the Python layer loop, bit for bit; a mixed pass and a
-    pass of more rows than the call runs keep the Python loop."""
+    pass of more rows than the call runs keep the Python loop. A bf16 cache under float32 arithmetic too."""
     backends = [TorchSlotBackend(load(tiny_model_dir, getattr(torch, dtype)), max_slots=4, max_length=96,
-                                 owns_model=True, weight_dtype=weight_dtype) for _ in range(2)]
+                                 owns_model=True, weight_dtype=weight_dtype, kv_cache_dtype=kv) for _ in range(2)]
     native, python = backends
-    if native._decode_layers is None:  # bf16 where the native kernels leave bf16 products to oneDNN
-        assert fast_linear.native_kernels_for(torch.bfloat16, torch.device("cpu")) is None
+    assert native.kv_dtype == (torch.bfloat16 if kv == "bfloat16" else getattr(torch, dtype))
+    if dtype == "bfloat16" and fast_linear.native_kernels_for(torch.bfloat16, torch.device("cpu")) is None:
+        assert native._decode_layers is None  # bf16 products are oneDNN's on this CPU
         return
+    assert native._decode_layers is not None
     python._decode_layers_rows = 0
     native._decode_layers = counted = CountedCalls(native._decode_layers)
     prompts_ = [prompts(batch=1, length=n, seed=n)[0][0].tolist() for n in (30, 5, 17, 12)]

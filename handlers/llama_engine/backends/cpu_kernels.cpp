@@ -991,6 +991,7 @@ LLK_API int llk_rope_store(void *qkv, long ldq, long tokens, long H, long Hkv, l
     if (dtype == 1 && kv_dtype == 1) { LLK_ROPE(bf16, bf16); }
     if (dtype == 1 && kv_dtype == 0) { LLK_ROPE(bf16, float); }
     if (dtype == 0 && kv_dtype == 0) { LLK_ROPE(float, float); }
+    if (dtype == 0 && kv_dtype == 1) { LLK_ROPE(float, bf16); }
 #undef LLK_ROPE
     return -1;
 }
@@ -1008,6 +1009,8 @@ LLK_API int llk_decode_layers(void *hidden, void *delta, void *scratch, const lo
                                     (const T *)ssin, positions, slots, lens, eps, scale, threads, one_row_prefetch)
     if (dtype == 0 && w_dtype == 0 && kv_dtype == 0) LLK_LAYERS(float, float, float);
     if (dtype == 0 && w_dtype == 1 && kv_dtype == 0) LLK_LAYERS(float, bf16, float);
+    if (dtype == 0 && w_dtype == 1 && kv_dtype == 1) LLK_LAYERS(float, bf16, bf16);
+    if (dtype == 0 && w_dtype == 0 && kv_dtype == 1) LLK_LAYERS(float, float, bf16);
     if (dtype == 1 && w_dtype == 1 && kv_dtype == 1) LLK_LAYERS(bf16, bf16, bf16);
     if (dtype == 1 && w_dtype == 1 && kv_dtype == 0) LLK_LAYERS(bf16, bf16, float);
 #undef LLK_LAYERS

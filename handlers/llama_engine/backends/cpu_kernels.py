@@ -268,7 +268,7 @@ class CpuKernels:
 
     def supports_fused_ops(self, dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int) -> bool:
         """Whether :meth:`add_rmsnorm`, :meth:`silu_mul` and :meth:`rope_store` serve these dtypes and head size."""
-        return (dtype in DTYPE_CODES and (kv_dtype == dtype or (dtype, kv_dtype) == (torch.bfloat16, torch.float32))
+        return (dtype in DTYPE_CODES and kv_dtype in DTYPE_CODES
                 and head_dim % 32 == 0 and head_dim <= 512)
 
     def supports_attention(self, q_dtype: torch.dtype, kv_dtype: torch.dtype, heads: int, kv_heads: int,
@@ -280,6 +280,8 @@ class CpuKernels:
 #: (activations, weights, cache) dtypes :class:`DecodeLayers` runs: those its kernels serve together.
 DECODE_LAYERS_DTYPES = frozenset({(torch.float32, torch.float32, torch.float32),
                                   (torch.float32, torch.bfloat16, torch.float32),
+                                  (torch.float32, torch.float32, torch.bfloat16),
+                                  (torch.float32, torch.bfloat16, torch.bfloat16),
                                   (torch.bfloat16, torch.bfloat16, torch.bfloat16),
                                   (torch.bfloat16, torch.bfloat16, torch.float32)})
 #: A layer's tensors :class:`DecodeLayers` reads, in the order the native call takes them.
