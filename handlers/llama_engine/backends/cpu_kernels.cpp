@@ -499,14 +499,20 @@ static const long PREFETCH_ONE_ROW = 4096, PREFETCH_ROWS = 4096;
 static const long CHUNK_BYTES = 256 << 10;
 // A tile of a product of several rows: TILE_W rows of w against TILE_X rows of x, in TILE_W x TILE_X
 // accumulators beside TILE_W vectors of w and one of x. AVX-512's 32 registers hold 4 x 4; AVX2's 16
-// hold 2 x 4, which streamed the bench model's float32 weights for 8 rows in 15.5 ms against 19.3
-// with 4 x 2 (16 rows 26.1 against 29.9; Zen 5 EPYC computing as an AVX2 CPU, 2 threads).
-#if defined(LLK_VEC512)
+// hold 3 x 4, each vector of w (widened once where it is bf16) feeding 4 multiply-adds. One pass over
+// the bench model's linears on a Zen 3 EPYC (2 threads, best of 8 alternated), bf16 weights under
+// float32: 3 x 4 against 2 x 4 18.0 against 20.3 ms at 8 rows, 26.3 / 31.2 at 12, 45.9 / 56.8 at 24,
+// even at 2 and 4 rows; float32 weights even at 2 to 8 rows, 34.5 / 37.5 at 12, 56.9 / 64.8 at 24.
+// 1 x 8, 2 x 6, 4 x 2, 4 x 3 and 5 x 2 were slower at 8 rows (23.1, 21.1, 25.9, 24.6, 25.6 ms).
+// (Earlier, on a Zen 5 EPYC computing as an AVX2 CPU, 2 x 4 had beaten 4 x 2 by 15-20%.)
+// -DLLK_TILE_W=.. -DLLK_TILE_X=.. builds another tile for such an A/B.
+#if defined(LLK_TILE_W)
+static constexpr int TILE_W = LLK_TILE_W, TILE_X = LLK_TILE_X;
+#elif defined(LLK_VEC512)
 static constexpr int TILE_W = 4, TILE_X = 4;
 #else
-static constexpr int TILE_W = 2, TILE_X = 4;
+static constexpr int TILE_W = 3, TILE_X = 4;
 #endif
-static_assert(TILE_W * TILE_X == Vec::N, "a tile's sums are reduced a vector at a time");
 
 template <class TX, class TW>
 void linear(const TX *x, long ldx, const TW *w, TX *y, long ldy, long M, long K, long N, int threads,
