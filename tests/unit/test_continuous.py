@@ -393,7 +393,7 @@ def test_decode_error_fails_the_rows_of_that_step_and_frees_their_slots(engine, 
     def broken(*args):
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(backend, "_forward", broken)
+    monkeypatch.setattr(backend, "_step", broken)
     sched.step()
     monkeypatch.undo()
     assert handle.done and handle.result.finish_reason == FINISH_ERROR and "device lost" in str(handle.error)

@@ -171,7 +171,7 @@ def test_a_failed_step_ends_each_stream_with_an_error_line(frontend, handler, mo
     def broken(*args):
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(handler.scheduler.backend, "_forward", broken)
+    monkeypatch.setattr(handler.scheduler.backend, "_step", broken)
     frontend.tick()
     monkeypatch.undo()
     assert all(c.done and c.status == 200 for c in streams)

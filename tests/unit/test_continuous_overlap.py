@@ -133,7 +133,7 @@ def test_a_failed_forward_pass_ends_each_stream_with_an_error_line(frontend, han
     def broken(*args):
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(handler.scheduler.backend, "_forward", broken)
+    monkeypatch.setattr(handler.scheduler.backend, "_step", broken)
     frontend.run()
     monkeypatch.undo()
     for client in streams:

@@ -470,7 +470,7 @@ def test_fused_small_ops_compute_what_the_torch_ops_do(tiny_model_dir, dtype, mo
     model = load(tiny_model_dir, getattr(torch, dtype))
     fused, plain = (TorchSlotBackend(model, max_slots=3, max_length=128) for _ in range(2))
     assert fused._fused_ops and plain._fused_ops
-    plain._fused_ops = False
+    plain._fused_ops, plain._decode_layers_rows = False, 0
     prompts_ = [prompts(batch=1, length=n, seed=n)[0][0].tolist() for n in (40, 7, 61)]
     logits = []
     for backend in (fused, plain):
