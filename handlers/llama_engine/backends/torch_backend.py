@@ -411,10 +411,11 @@ class TorchSlotBackend(OnePassSlotBackend):
         hidden = inner.embed_tokens(torch.tensor(tokens, dtype=torch.long))
         delta = self._decode_layers(hidden, self.k_cache, self.v_cache, self._cos, self._signed_sin, positions,
                                     torch.tensor(slots, dtype=torch.int64), positions + 1)
+        normed = self._kernels.add_rmsnorm(hidden, delta, inner.norm.weight, inner.norm.variance_epsilon)
+        logits = self.model.lm_head(normed).float()
         for s in slots:
             self._lengths[s] += 1
-        normed = self._kernels.add_rmsnorm(hidden, delta, inner.norm.weight, inner.norm.variance_epsilon)
-        return self.model.lm_head(normed).float()
+        return logits
 
     #: Batch a decode step's attention over the run of slots from the lowest to the highest
     #: while that reads at most this many times the K/V the rows need; past it, one call per row.
