@@ -17,6 +17,8 @@ software prefetch ahead of it:
 
 and the small ops of a step fused, rounding as the torch ops they replace: ``add_rmsnorm``,
 ``silu_mul`` and ``rope_store`` (the rotary embedding and the cache write).
+A decode-only step runs all of them for every layer in one call (:class:`DecodeLayers`), so that
+Python's ~110 calls a step (~4 ms of a 15 ms one-row step on a Zen 3 EPYC) drop out.
 
 The source is compiled once per instruction set (``avx512bf16``: AVX-512 with BF16, which AMX
 CPUs have as well; ``avx512``: AVX-512 without it, Skylake-SP to Ice Lake, where bf16 is widened
