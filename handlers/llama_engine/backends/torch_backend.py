@@ -370,7 +370,8 @@ class TorchSlotBackend(OnePassSlotBackend):
 
         Returns the decode rows' logits ``[rows, vocab]`` (None without rows) and each
         chunk's last logits. The tokens of every row and chunk go through the linear layers
-        as one matrix; only attention is per part (:class:`_DecodeRows`, :class:`_Chunk`).
+        as one matrix; only attention is per part (:class:`_DecodeRows`, :class:`_Chunk`). A pass of
+        decode rows alone runs its layers in one native call where it can (:meth:`_decode_natively`).
         """
         lengths = [self._lengths[s] for s in slots]
         if not chunks and 0 < len(slots) <= self._decode_layers_rows:
