@@ -889,8 +889,8 @@ void rope_store(T *qkv, long ldq, long tokens, long H, long Hkv, long D, const T
 // every layer runs the ops the torch backend's fused forward calls one by one from Python
 // (add_rmsnorm, the q/k/v product, rope_store, decode_attention, o_proj, add_rmsnorm, the
 // gate/up product, silu_mul, down_proj), in that order, with the same kernels: the same numbers.
-// ~110 calls through ctypes, their tensors and Python's layer loop cost a one-row step of the bench
-// model ~2 ms against ~10 ms of weights streamed (Zen 3 EPYC, 2 threads).
+// Python's layer loop, its ~110 calls through ctypes and their tensors, cost a one-row step of the
+// bench model ~4 ms (14.8 against 10.7 ms median in one call; Zen 3 EPYC, 2 threads).
 //
 // `weights` holds 6 pointers per layer: input norm, q/k/v [(H + 2 Hkv) Dh, D], o [D, H Dh], post-
 // attention norm, gate/up [2 I, D], down [D, I]; `caches` 2 per layer: k, v [slots, Hkv, Lmax, Dh].

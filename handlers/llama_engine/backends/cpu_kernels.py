@@ -303,14 +303,14 @@ class DecodeLayers:
     def __init__(self, kernels: CpuKernels, layers: Sequence[Dict[str, torch.Tensor]], heads: int, kv_heads: int,
                  head_dim: int, eps: float):
         first = layers[0]
-        self.kernels, self.dtype, self.weight_dtype = kernels, first["input_norm"].dtype, first["qkv"].dtype
-        self.hidden, self.intermediate = first["qkv"].shape[1], first["gate_up"].shape[0] // 2
+        self.kernels, self.weight_dtype = kernels, first["qkv"].dtype
+        self.intermediate = first["gate_up"].shape[0] // 2
         self.heads, self.kv_heads, self.head_dim, self.eps = heads, kv_heads, head_dim, eps
         self.scale = head_dim ** -0.5
         tensors = [layer[name] for layer in layers for name in LAYER_TENSORS]
         if any(not t.is_contiguous() or t.device.type != "cpu" for t in tensors):
             raise ValueError("native decode layers: every weight must be a contiguous CPU tensor")
-        self._tensors = tensors
+        self._tensors = tensors  # what the pointers below point into
         self._weights = (ctypes.c_void_p * len(tensors))(*[t.data_ptr() for t in tensors])
         self._layers = len(layers)
         self._caches, self._cache_key = None, None
