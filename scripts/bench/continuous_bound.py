@@ -7,9 +7,12 @@ A script, not a test: it measures and prints, asserting nothing about speed.
 
 Both schedulers run the same decode steps on this machine; what differs is how many rows a
 step carries and how many prompt tokens they prefill. The script measures, on the slot
-backend in this process, the time of one decode step with 1..8 rows (all at the load's mean
-context) and the chunked prefill rate, then replays the benchmark's schedule (the same
-seeded draws as ``python -m scripts.bench``) on a saturated server:
+backend in this process, what the steps cost: a decode step of 1..8 rows at the load's mean
+context (the positions its output tokens decode over, on average), what each position more
+adds (the rows' K/V reads: a micro-batch's long answer decodes alone over ever more of them),
+and a prefill pass as a cost per pass plus one per token (fitted to one-pass prefills of a few
+lengths). It then replays the benchmark's schedule (the same seeded draws as
+``python -m scripts.bench``) on a saturated server:
 
 * micro-batching: requests in arrival order, 8 to a batch, the batch's prompts prefilled
   unpadded (each row in its own slot) and decoding until its longest output ends, finished
@@ -17,7 +20,8 @@ seeded draws as ``python -m scripts.bench``) on a saturated server:
 * an ideal continuous batcher: every decode step carries all 8 slots, prompts prefilled
   without padding in chunks of ``--chunk`` tokens, each chunk in the same forward pass as a
   decode step of the other slots (as the scheduler runs them), no scheduling or serving cost
-  at all. The pass costs the chunk's prefill plus a measured marginal cost for the rows.
+  at all. The pass costs the chunk's prefill plus its decode rows, each priced as a prompt
+  token plus its K/V reads.
 
 The ratio of the two bounds what continuous scheduling itself can gain on this load and
 machine when both sides run the same decode steps. A third figure, the schedule's ideal
@@ -47,74 +51,93 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def step_times(backend, rows_max: int, context: int, repeats: int) -> dict:
     """Median ms of a decode step with 1..rows_max rows, each row at ``context`` positions."""
-    gen = torch.Generator().manual_seed(0)
-    for slot in range(rows_max):
-        backend.prefill_slot(slot, torch.randint(3, 2000, (context,), generator=gen).tolist())
-    times = {}
-    for rows in range(1, rows_max + 1):
-        slots, samples = list(range(rows)), []
-        for i in range(repeats + 2):
+    return step_times_at(backend, range(1, rows_max + 1), context, repeats)
+
+
+def kv_ms_per_position(backend, rows_max: int, near: int, far: int, repeats: int) -> float:
+    """Ms a decode step adds for each cached position one of its rows reads (its K/V), from steps of
+    1 and ``rows_max`` rows at ``near`` and at ``far`` positions, alternated."""
+    if far <= near:
+        return 0.0
+    near_ms = step_times_at(backend, (1, rows_max), near, repeats)
+    far_ms = step_times_at(backend, (1, rows_max), far, repeats)
+    added = sum(far_ms[rows] - near_ms[rows] for rows in near_ms)
+    return max(added / ((1 + rows_max) * (far - near)), 0.0)
+
+
+def step_times_at(backend, row_counts, context: int, repeats: int) -> dict:
+    """Median ms of a decode step of each of ``row_counts`` rows, each row at ``context`` positions.
+
+    The rows' lengths are set, not prefilled: a step's cost depends on how many cached positions
+    it reads, not on what they hold. Each round runs a step of every row count, so a host whose
+    speed drifts shifts them all alike."""
+    samples = {rows: [] for rows in row_counts}
+    for i in range(repeats + 1):
+        for rows in row_counts:
+            backend._lengths[:rows] = [context] * rows
             start = time.perf_counter()
-            backend.decode_slots(slots, [5] * rows)
-            if i >= 2:
-                samples.append(time.perf_counter() - start)
-            for slot in slots:  # rewind: every step decodes at the same context
-                backend._lengths[slot] -= 1
-        times[rows] = statistics.median(samples) * 1e3
-    return times
-
-
-def prefill_rate(backend, prompt: int, chunk: int, repeats: int) -> float:
-    """Prompt tokens/s of chunked prefill (``chunk`` tokens per call, as the scheduler's budget)."""
-    ids = torch.randint(3, 2000, (prompt,), generator=torch.Generator().manual_seed(1)).tolist()
-    samples = []
-    backend.free_slot(0)
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for first in range(0, prompt, chunk):
-            backend.prefill_slot(0, ids[first:first + chunk], start=first)
-        samples.append(time.perf_counter() - start)
-        backend.free_slot(0)
-    return prompt / statistics.median(samples)
-
-
-def merged_rows_ms(backend, rows: int, chunk: int, context: int, repeats: int) -> float:
-    """Median ms that ``rows`` decode rows add to a pass that prefills a ``chunk``-token prompt chunk."""
-    from llama_engine.backends.base import PrefillChunk
-
-    ids = torch.randint(3, 2000, (chunk,), generator=torch.Generator().manual_seed(2)).tolist()
-    slots, tokens, target = list(range(rows)), [5] * rows, rows
-    for slot in slots:
+            backend.decode_slots(list(range(rows)), [5] * rows)
+            if i:
+                samples[rows].append(time.perf_counter() - start)
+    for slot in range(max(row_counts)):
         backend.free_slot(slot)
-        backend.prefill_slot(slot, ids[:1] * context)
-
-    def timed(decode_slots):
-        backend.free_slot(target)
-        start = time.perf_counter()
-        backend.step_slots(decode_slots, tokens[:len(decode_slots)], [PrefillChunk(target, ids, 0)])
-        elapsed = time.perf_counter() - start
-        for slot in decode_slots:
-            backend._lengths[slot] -= 1
-        return elapsed
-
-    pairs = [(timed(slots), timed([])) for _ in range(repeats + 1)][1:]
-    return statistics.median(both - alone for both, alone in pairs) * 1e3
+    return {rows: statistics.median(times) * 1e3 for rows, times in samples.items()}
 
 
-def replay(schedule, slots: int, step_ms: dict, prefill_tps: float, chunk: int, merged_ms: float) -> dict:
+def prefill_costs(backend, small: int, large: int, repeats: int) -> tuple:
+    """(prompt tokens/s, ms per pass): a pass that prefills ``n`` prompt tokens costs about
+    ``pass_ms + n / tokens_per_s``, a least-squares line through the median cost of one-pass
+    prefills of ``small``, 2 ``small``, 4 ``small`` ... and ``large`` tokens (alternated). A pass
+    carries a cost besides its tokens, so short prompts one to a pass prefill slower per token than
+    several in one pass (micro-batching's) or one long prompt."""
+    sizes = sorted({min(small << i, large) for i in range(12) if small << i < 2 * large})
+    ids = torch.randint(3, 2000, (large,), generator=torch.Generator().manual_seed(1)).tolist()
+    samples = {n: [] for n in sizes}
+    for i in range(repeats + 1):
+        for n in sizes:
+            backend.free_slot(0)
+            start = time.perf_counter()
+            backend.prefill_slot(0, ids[:n])
+            if i:
+                samples[n].append(time.perf_counter() - start)
+    backend.free_slot(0)
+    costs = [statistics.median(samples[n]) for n in sizes]
+    if len(sizes) < 2:
+        return sizes[0] / costs[0], 0.0
+    per_token, fixed = statistics.linear_regression(sizes, costs)
+    if per_token <= 0:
+        return sum(sizes) / sum(costs), 0.0
+    return 1 / per_token, max(fixed, 0.0) * 1e3
+
+
+def decode_ms(step_ms: dict, contexts, kv_ms: float = 0.0, context: int = 0) -> float:
+    """Ms of a decode step whose rows hold ``contexts`` cached positions: the step of that many rows
+    measured at ``context`` positions each, plus ``kv_ms`` for each position more (or less) read."""
+    return step_ms[len(contexts)] + kv_ms * (sum(contexts) - len(contexts) * context)
+
+
+def replay(schedule, slots: int, step_ms: dict, prefill_tps: float, chunk: int, merged_ms: float,
+           kv_ms: float = 0.0, context: int = 0, pass_ms: float = 0.0) -> dict:
+    """Both schedulers on ``schedule``, saturated (arrivals ignored): see the module's account.
+
+    A decode step costs :func:`decode_ms` of its rows' contexts (a request of ``inp`` prompt tokens
+    decodes its ``s``-th token over ``inp + s`` positions); a prefill pass ``pass_ms`` plus its
+    tokens at ``prefill_tps``."""
     tokens = sum(out for _, _, out in schedule)
     micro_decode = micro_prefill = micro_steps = 0.0
     for first in range(0, len(schedule), slots):
         batch = schedule[first:first + slots]
         longest = max(out for _, _, out in batch)
         micro_steps += longest
-        micro_decode += sum(step_ms[sum(1 for _, _, out in batch if out > s)] for s in range(longest)) / 1e3
-        micro_prefill += sum(inp for _, inp, _ in batch) / prefill_tps
+        micro_decode += sum(decode_ms(step_ms, [inp + s for _, inp, out in batch if out > s], kv_ms, context)
+                            for s in range(longest)) / 1e3
+        micro_prefill += sum(inp for _, inp, _ in batch) / prefill_tps + pass_ms / 1e3
     # A pass that prefills a chunk also decodes the other slots - 1 rows at ``merged_ms``.
     merged_steps = sum(-(-inp // chunk) for _, inp, _ in schedule)
     pure_steps = max(tokens - merged_steps * (slots - 1), 0) / slots
-    ideal_decode = (pure_steps * step_ms[slots] + merged_steps * merged_ms) / 1e3
-    ideal_prefill = sum(inp for _, inp, _ in schedule) / prefill_tps
+    positions = sum(out * inp + out * (out - 1) / 2 for _, inp, out in schedule)  # every token's context
+    ideal_decode = (pure_steps * step_ms[slots] + merged_steps * merged_ms + kv_ms * (positions - tokens * context)) / 1e3
+    ideal_prefill = sum(inp for _, inp, _ in schedule) / prefill_tps + merged_steps * pass_ms / 1e3
     micro_s, ideal_s = micro_decode + micro_prefill, ideal_decode + ideal_prefill
     return dict(requests=len(schedule), tokens=tokens, micro_rows_per_step=tokens / micro_steps,
                 micro_decode_s=micro_decode, micro_prefill_s=micro_prefill, micro_tps=tokens / micro_s,
@@ -122,13 +145,14 @@ def replay(schedule, slots: int, step_ms: dict, prefill_tps: float, chunk: int, 
                 bound=micro_s / ideal_s)
 
 
-def simulate(schedule, slots: int, step_ms: dict, prefill_tps: float, chunk: int, merged_ms: float) -> dict:
+def simulate(schedule, slots: int, step_ms: dict, prefill_tps: float, chunk: int, merged_ms: float,
+             kv_ms: float = 0.0, context: int = 0, pass_ms: float = 0.0) -> dict:
     """An ideal continuous batcher serving ``schedule`` as it arrives: the schedule's ideal.
 
     The scheduler's policy (admit in arrival order into a free slot, prefill at most ``chunk``
     prompt tokens per step in admission order, each chunk in the same pass as one decode token
     for every slot whose prompt is done, a request's first token when its prompt completes) at
-    the measured step costs, with no scheduling, serving or client cost at all. Unlike
+    the measured step costs (:func:`replay`'s), with no scheduling, serving or client cost at all. Unlike
     :func:`replay`, it pays for what the schedule imposes: steps with fewer rows while requests
     have yet to arrive, and the drain after the last arrival. Returns ``ideal_tps``: output tokens
     / (last completion - first arrival), the served throughput's definition.
@@ -139,7 +163,8 @@ def simulate(schedule, slots: int, step_ms: dict, prefill_tps: float, chunk: int
     i = 0
     while i < len(pending) or active:
         while i < len(pending) and pending[i][0] <= t and len(active) < slots:
-            active.append({"arrival": pending[i][0], "prompt": pending[i][1], "out": pending[i][2], "made": 0})
+            arrival, prompt, out = pending[i]
+            active.append({"arrival": arrival, "prompt": prompt, "length": prompt, "out": out, "made": 0})
             i += 1
         if not active:
             t = pending[i][0]
@@ -154,10 +179,12 @@ def simulate(schedule, slots: int, step_ms: dict, prefill_tps: float, chunk: int
                 prefilled += take
                 if r["prompt"] == 0:
                     completing.append(r)
+        contexts = [r["length"] + r["made"] for r in decoding]
         if prefilled:
-            cost = prefilled / prefill_tps + merged_ms / 1e3 * len(decoding) / max(slots - 1, 1)
+            cost = (pass_ms + merged_ms * len(decoding) / max(slots - 1, 1)
+                    + kv_ms * (sum(contexts) - len(contexts) * context)) / 1e3 + prefilled / prefill_tps
         else:
-            cost = step_ms[len(decoding)] / 1e3
+            cost = decode_ms(step_ms, contexts, kv_ms, context) / 1e3
         t += cost
         ttfts += [t - r["arrival"] for r in completing]
         for r in decoding + completing:
@@ -171,7 +198,8 @@ def simulate(schedule, slots: int, step_ms: dict, prefill_tps: float, chunk: int
                 p99_ttft_s=p99(ttfts))
 
 
-def simulate_micro(schedule, slots: int, step_ms: dict, prefill_tps: float) -> dict:
+def simulate_micro(schedule, slots: int, step_ms: dict, prefill_tps: float,
+                   kv_ms: float = 0.0, context: int = 0, pass_ms: float = 0.0) -> dict:
     """Micro-batching serving ``schedule`` as it arrives, at the same step costs and with no other cost.
 
     When a batch ends, the next takes up to ``slots`` of the requests that have arrived by then
@@ -188,10 +216,10 @@ def simulate_micro(schedule, slots: int, step_ms: dict, prefill_tps: float) -> d
         while i < len(pending) and pending[i][0] <= t and len(batch) < slots:
             batch.append(pending[i])
             i += 1
-        t += sum(inp for _, inp, _ in batch) / prefill_tps
+        t += sum(inp for _, inp, _ in batch) / prefill_tps + pass_ms / 1e3
         ttfts += [t - arrival for arrival, _, _ in batch]
         for made in range(1, max(out for _, _, out in batch)):
-            t += step_ms[sum(1 for _, _, out in batch if out > made)] / 1e3
+            t += decode_ms(step_ms, [inp + made for _, inp, out in batch if out > made], kv_ms, context) / 1e3
         tokens += sum(out for _, _, out in batch)
     return dict(tps=tokens / (t - start), p99_ttft_s=p99(ttfts))
 
@@ -226,15 +254,19 @@ def at_served_costs(bound: dict, forward: dict, schedule) -> Optional[dict]:
               if shape.get("passes", 0) >= MIN_PASSES and int(r) in inproc}
     prefill = forward.get("prefill", {}).values()
     tokens = sum(shape.get("prefill_tokens", 0) for shape in prefill)
+    passes = sum(shape["passes"] for shape in prefill)
     merged_rows = sum(int(r) * shape["passes"] for r, shape in forward.get("prefill", {}).items())
-    predicted_s = tokens / bound["prefill_tokens_per_s"] + bound["merged_rows_ms"] / 1e3 * merged_rows / max(slots - 1, 1)
+    pass_ms = bound.get("pass_ms", 0.0)
+    predicted_s = (tokens / bound["prefill_tokens_per_s"] + pass_ms / 1e3 * passes
+                   + bound["merged_rows_ms"] / 1e3 * merged_rows / max(slots - 1, 1))
     if not served or predicted_s <= 0:
         return None
     decode_scale = statistics.median(served[r] / inproc[r] for r in served)
     prefill_scale = sum(shape["seconds"] for shape in prefill) / predicted_s
     step_ms = {r: served.get(r, ms * decode_scale) for r, ms in inproc.items()}
     tps, merged = bound["prefill_tokens_per_s"] / prefill_scale, bound["merged_rows_ms"] * prefill_scale
-    sim = simulate(schedule, slots, step_ms, tps, bound["chunk"], merged)
+    # The served means already hold the round's contexts: no per-position term on top.
+    sim = simulate(schedule, slots, step_ms, tps, bound["chunk"], merged, pass_ms=pass_ms * prefill_scale)
     return dict(ideal_tps=sim["ideal_tps"], ideal_s=sim["ideal_s"], step_ms=step_ms, prefill_tokens_per_s=tps,
                 merged_rows_ms=merged, decode_scale=decode_scale, prefill_scale=prefill_scale,
                 served_rows=sorted(served))
@@ -250,21 +282,30 @@ def load_backend(model: Path, dtype: str, slots: int, max_length: int):
 def measure(backend, schedule, chunk: int, repeats: int = 7) -> dict:
     """Step costs measured on ``backend`` (:func:`load_backend`), and both schedulers' replays of ``schedule``.
 
-    Returns :func:`replay`'s figures plus the measured ``step_ms`` (by rows), ``prefill_tokens_per_s``,
-    ``merged_rows_ms``, the ``context`` they were measured at, and ``flat_bound`` (the bound if a
+    Returns :func:`replay`'s figures plus the measured ``step_ms`` (by rows, each row at ``context``
+    positions: the mean over the load's output tokens of the positions each decodes over),
+    ``kv_ms`` (what a step adds per position more), ``prefill_tokens_per_s`` and ``pass_ms`` (a
+    prefill pass's cost besides its tokens), ``merged_rows_ms``, and ``flat_bound`` (the bound if a
     step cost the same with any number of rows: what the schedule alone allows).
     """
     slots = backend.max_slots
     for slot in range(slots):  # a backend measured before (the other load) still holds its rows
         backend.free_slot(slot)
-    context = round(statistics.mean(inp + out / 2 for _, inp, out in schedule))
+    tokens = sum(out for _, _, out in schedule)
+    context = round(sum(out * inp + out * (out - 1) / 2 for _, inp, out in schedule) / tokens)
     steps = step_times(backend, slots, context, repeats)
-    tps = prefill_rate(backend, max(inp for _, inp, _ in schedule), chunk, max(3, repeats // 2))
-    merged = merged_rows_ms(backend, slots - 1, chunk, context, repeats)
-    r = replay(schedule, slots, steps, tps, chunk, merged)
-    flat = replay(schedule, slots, {rows: steps[1] for rows in steps}, tps, chunk, 0.0)
+    near, far = min(inp for _, inp, _ in schedule), min(max(inp + out for _, inp, out in schedule), backend.max_length - 2)
+    kv = kv_ms_per_position(backend, slots, near, far, repeats)
+    tps, pass_ms = prefill_costs(backend, max(1, min(min(inp for _, inp, _ in schedule), chunk // 4)), chunk,
+                                 max(3, repeats // 2))
+    # Decode rows in a prefill pass cost what prompt rows do, plus their K/V reads: measured as the
+    # difference of two passes of ~chunk rows, they were lost in the noise of either.
+    merged = (slots - 1) * (1e3 / tps + kv * context)
+    costs = dict(kv_ms=kv, context=context, pass_ms=pass_ms)
+    r = replay(schedule, slots, steps, tps, chunk, merged, **costs)
+    flat = replay(schedule, slots, {rows: steps[1] for rows in steps}, tps, chunk, 0.0, pass_ms=pass_ms)
     r = dict(r, saturated_ideal_tps=r["ideal_tps"], step_ms=steps, prefill_tokens_per_s=tps, merged_rows_ms=merged,
-             context=context, chunk=chunk, slots=slots, flat_bound=flat["bound"])
+             chunk=chunk, slots=slots, flat_bound=flat["bound"], **costs)
     return dict(r, **on_arrivals(r, schedule))
 
 
@@ -277,8 +318,9 @@ def on_arrivals(bound: dict, schedule) -> dict:
     p99 TTFT ratio. The saturated replays ignore arrivals, so a re-paced schedule needs only these.
     """
     steps, tps, slots = bound["step_ms"], bound["prefill_tokens_per_s"], bound["slots"]
-    sim = simulate(schedule, slots, steps, tps, bound["chunk"], bound["merged_rows_ms"])
-    micro = simulate_micro(schedule, slots, steps, tps)
+    costs = {key: bound.get(key, 0) for key in ("kv_ms", "context", "pass_ms")}
+    sim = simulate(schedule, slots, steps, tps, bound["chunk"], bound["merged_rows_ms"], **costs)
+    micro = simulate_micro(schedule, slots, steps, tps, **costs)
     return dict(ideal_tps=sim["ideal_tps"], ideal_s=sim["ideal_s"], ideal_p99_ttft_s=sim["p99_ttft_s"],
                 micro_arrivals_tps=micro["tps"], micro_p99_ttft_s=micro["p99_ttft_s"],
                 p99_ttft_bound=sim["p99_ttft_s"] / micro["p99_ttft_s"])
@@ -361,8 +403,10 @@ def main(argv=None) -> int:
           f"{r['requests']} requests, {r['tokens']} output tokens")
     print(f"decode step at {context} positions, ms by rows: "
           + ", ".join(f"{rows}: {ms:.1f}" for rows, ms in steps.items()))
-    print(f"chunked prefill ({args.chunk} per call): {tps:.0f} prompt tokens/s; {args.slots - 1} decode rows in "
-          f"the same pass add {merged:.1f} ms (a decode step alone: {steps[args.slots - 1]:.1f} ms)")
+    print(f"each position more a row reads adds {1e3 * r['kv_ms']:.2f} us to a step")
+    print(f"a prefill pass: {r['pass_ms']:.1f} ms + its tokens at {tps:.0f} prompt tokens/s; {args.slots - 1} decode "
+          f"rows in a pass of {args.chunk} prompt tokens add {merged:.1f} ms (a decode step alone: "
+          f"{steps[args.slots - 1]:.1f} ms)")
     print(f"micro-batching: {r['micro_rows_per_step']:.2f} rows per decode step; decode {r['micro_decode_s']:.1f} s "
           f"+ prefill {r['micro_prefill_s']:.1f} s -> {r['micro_tps']:.1f} tok/s")
     print(f"saturated continuous ({args.slots} rows every step, no cost besides the model): decode "

@@ -44,6 +44,10 @@ MIXED = dict(requests=60, overload=1.25, rate=1.0, inputs=[128, 256, 512, 768], 
 #: same time. Paced as the mixed load is, past what the ideal continuous batcher serves: a fixed 3
 #: requests/s had stopped saturating the continuous server on the Zen 5 EPYC (it served 2.95 of
 #: them a second), and the ratio measured the offer (1.30x) where the bound allowed 3.24x.
+#: The bound then priced every decode step at the load's mean request context and every prompt at
+#: the rate of its longest one alone: at 1.98x it fell below the 2.14x served on the Zen 3 AVX2 EPYC.
+#: Priced at the positions each step's rows read and at a cost per prefill pass plus per token, it
+#: put this load at 2.19-2.65x there (three runs, bf16 weights under float32).
 WIDE = dict(requests=128, overload=1.25, rate=3.0, inputs=[16, 32], outputs=[8] * 15 + [960])
 WIDE_QUICK = dict(WIDE, requests=40, outputs=[8] * 15 + [480])
 #: The third Poisson load: the mixed load's lengths, ``requests`` of them, arriving at

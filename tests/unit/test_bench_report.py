@@ -214,6 +214,72 @@ def test_a_schedule_with_widely_spread_outputs_leaves_micro_batches_mostly_idle(
     assert spread["micro_rows_per_step"] < 2.5 and spread["bound"] > 2
 
 
+def test_steps_pay_for_the_positions_their_rows_read_and_passes_for_themselves():
+    """A micro-batch's long answer decodes alone over ever more positions; every prefill pass costs
+    ``pass_ms`` besides its tokens."""
+    from scripts.bench.continuous_bound import simulate, simulate_micro
+
+    steps = {1: 10.0, 2: 12.0}
+    costs = dict(kv_ms=0.01, context=100, pass_ms=5.0)
+    # one request: 100 prompt tokens in a 5 ms pass plus 0.1 s, then tokens 2..4 over 101..103 positions
+    decode = sum(10.0 + 0.01 * (ctx - 100) for ctx in (101, 102, 103)) / 1e3
+    one = simulate([(0.0, 100, 4)], 2, steps, 1000.0, 256, 0.0, **costs)
+    assert one["ideal_s"] == pytest.approx(0.105 + decode)
+    assert simulate_micro([(0.0, 100, 4)], 2, steps, 1000.0, **costs)["tps"] == pytest.approx(4 / (0.105 + decode))
+    # the saturated replay: micro's batch pays its rows' positions step by step, the ideal every token's
+    schedule = [(0.0, 50, 3), (0.0, 150, 1)]
+    r = replay(schedule, 2, steps, 1000.0, 256, 7.0, **costs)
+    micro_steps = [12.0 + 0.01 * (50 + 150 - 200), 10.0 + 0.01 * (51 - 100), 10.0 + 0.01 * (52 - 100)]
+    assert r["micro_decode_s"] == pytest.approx(sum(micro_steps) / 1e3)
+    assert r["micro_prefill_s"] == pytest.approx(0.2 + 0.005)
+    positions = (50 + 51 + 52) + 150
+    assert r["ideal_decode_s"] == pytest.approx(((4 - 2) / 2 * 12.0 + 2 * 7.0 + 0.01 * (positions - 4 * 100)) / 1e3)
+    assert r["ideal_prefill_s"] == pytest.approx(0.2 + 2 * 0.005)
+    flat = replay(schedule, 2, steps, 1000.0, 256, 7.0)
+    assert r["micro_decode_s"] < flat["micro_decode_s"]  # below the mean context, steps cost less
+
+
+class _Clock:
+    """A backend whose passes advance a fake clock by a known cost: the measurements must recover it."""
+
+    def __init__(self, slots=4, max_length=1024):
+        self.now, self.max_slots, self.max_length, self._lengths = 0.0, slots, max_length, [0] * slots
+
+    def perf_counter(self):
+        return self.now
+
+    def decode_slots(self, slots, tokens):
+        self.now += (8.0 + 2.0 * len(slots) + 0.004 * sum(self._lengths[s] for s in slots)) / 1e3
+        for s in slots:
+            self._lengths[s] += 1
+
+    def prefill_slot(self, slot, ids, start=0):
+        self.now += (6.0 + 2.5 * len(ids)) / 1e3
+        self._lengths[slot] = start + len(ids)
+
+    def free_slot(self, slot):
+        self._lengths[slot] = 0
+
+
+def test_the_bound_measures_step_position_and_pass_costs(monkeypatch):
+    from scripts.bench import continuous_bound as cb
+
+    clock = _Clock()
+    monkeypatch.setattr(cb.time, "perf_counter", clock.perf_counter)
+    assert cb.step_times(clock, 4, 100, repeats=3) == pytest.approx({r: 8.0 + 2.0 * r + 0.4 * r for r in range(1, 5)})
+    assert cb.kv_ms_per_position(clock, 4, 20, 500, repeats=3) == pytest.approx(0.004)
+    assert cb.kv_ms_per_position(clock, 4, 500, 500, repeats=3) == 0.0
+    tps, pass_ms = cb.prefill_costs(clock, 16, 256, repeats=3)
+    assert tps == pytest.approx(400.0) and pass_ms == pytest.approx(6.0)
+    assert clock._lengths == [0] * 4  # every slot free again for the next load
+    r = cb.measure(clock, [(0.0, 16, 8)] * 15 + [(0.0, 32, 960)], chunk=256, repeats=3)
+    tokens = 15 * 8 + 960
+    assert r["context"] == round((15 * (8 * 16 + 28) + 960 * 32 + 960 * 959 / 2) / tokens)
+    assert r["kv_ms"] == pytest.approx(0.004) and r["pass_ms"] == pytest.approx(6.0)
+    assert r["merged_rows_ms"] == pytest.approx(3 * (2.5 + 0.004 * r["context"]))
+    assert r["bound"] > 1.5  # micro-batching's 1-row steps over the long answer's positions
+
+
 def test_the_schedules_ideal_pays_for_arrivals_and_the_drain():
     from scripts.bench.continuous_bound import simulate
 
@@ -264,6 +330,9 @@ def test_the_ideal_priced_at_the_servers_own_forward_passes():
     # merged decode rows are priced before the prefill scale: 7 rows in 10 passes at 7 ms per 7 rows
     merged = at_served_costs(BOUND, _forward(inproc, 20, 2000, 7, 2.07), WAVE)
     assert merged["prefill_scale"] == pytest.approx(1.0)
+    # each of the 10 prefill passes costs 10 ms besides its tokens
+    with_pass = at_served_costs(dict(BOUND, pass_ms=10.0), _forward(inproc, 20, 2000, 0, 2.1), WAVE)
+    assert with_pass["prefill_scale"] == pytest.approx(1.0)
     # too few passes of a row count to price it; nothing to price at all
     sparse = at_served_costs(BOUND, _forward({2: 24.0, 3: 13.0}, 4, 2000, 0, 2.0) | {"decode": {
         2: {"passes": 4, "seconds": 0.096}, 3: {"passes": 6, "seconds": 0.078}}}, WAVE)
