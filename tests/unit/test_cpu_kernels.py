@@ -160,6 +160,25 @@ def test_linear_names_a_pair_of_dtypes_it_does_not_run(kernels):
 
 
 @pytest.mark.parametrize("kernels", ISAS, indirect=True)
+@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, inner, outer", [(64, 768, 2304), (131, 300, 80), (97, 520, 48), (200, 36, 64),
+                                                (70, 64, 100), (63, 128, 32), (300, 3072, 16)])
+def test_linear_of_a_prompts_rows_is_the_float64_product(kernels, w_dtype, rows, inner, outer):
+    """Float32 rows by the many, as a prompt has them (on the avx2 build, a packed-panel GEMM from 64
+    rows): outputs in panels of 16 (and 100, not a multiple: the tiles), the inner dimension in
+    blocks of 256 with a tail that is not a multiple of 8, rows in blocks of 96 and tiles of 6 with
+    tails; strided rows in and out, the columns beside the output untouched."""
+    gen = torch.Generator().manual_seed(rows + inner + outer)
+    x = torch.randn(rows, inner + 24, generator=gen)[:, 8:8 + inner]
+    w = torch.randn(outer, inner, generator=gen).to(w_dtype)
+    padded = torch.full((rows, outer + 16), 7.0)
+    out = padded[:, :outer]
+    assert kernels.linear(x, w, out=out).data_ptr() == out.data_ptr()
+    assert_product(out, x, w)
+    assert torch.equal(padded[:, outer:], torch.full((rows, 16), 7.0))
+
+
+@pytest.mark.parametrize("kernels", ISAS, indirect=True)
 def test_linear_reads_strided_rows_and_writes_into_a_given_tensor(kernels):
     gen = torch.Generator().manual_seed(1)
     wide = torch.randn(4, 200, generator=gen).to(torch.bfloat16)

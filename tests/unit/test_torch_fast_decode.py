@@ -8,6 +8,8 @@
   dropped, ``retain`` keeps the rows' logits, the cache grows for a larger batch, and a failed
   prefill leaves every slot free.
 """
+import sys
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
@@ -170,6 +172,9 @@ def test_native_linears_serve_bf16_on_the_bf16_build_without_amx_and_float32_on_
     assert fast_linear.native_kernels_for(torch.bfloat16, cpu, AMX) is None
     assert fast_linear.native_max_rows(torch.float32) == fast_linear.FP32_NATIVE_MAX_ROWS < fast_linear.NATIVE_MAX_ROWS
     assert fast_linear.native_max_rows(torch.bfloat16) == fast_linear.NATIVE_MAX_ROWS
+    assert fast_linear.native_max_rows(torch.bfloat16, bf16_build) == fast_linear.NATIVE_MAX_ROWS
+    # the avx2 build multiplies a prompt's many rows with its GEMM: no row count leaves it
+    assert fast_linear.native_max_rows(torch.float32, avx2_build) == sys.maxsize
 
 
 @FP32
@@ -225,7 +230,8 @@ def test_float32_packing_follows_a_measurement_of_both_kernels(tiny_model_dir, m
 
 @FP32
 def test_float32_linears_on_an_avx2_cpu_run_natively_and_keep_the_logits(tiny_model_dir, monkeypatch):
-    """The avx2 build's float32 products, on either side of their row limit, compute the model's."""
+    """The avx2 build's float32 products, a few rows (the tiles) and a prompt's many (its GEMM from
+    64 rows), compute the model's."""
     if cpu_kernels.isa_for(cpu_info.cpu_flags()) is None:
         pytest.skip("this CPU runs none of the native kernels' instruction sets")
     monkeypatch.setenv(cpu_kernels.ENV, "avx2")
@@ -233,11 +239,10 @@ def test_float32_linears_on_an_avx2_cpu_run_natively_and_keep_the_logits(tiny_mo
     plain, native = load(tiny_model_dir, torch.float32), load(tiny_model_dir, torch.float32)
     assert pack_linears(native) == sum(type(m) is torch.nn.Linear for m in plain.modules())
     layers = [m for m in native.modules() if isinstance(m, (NativeLinear, PackedLinear))]
-    assert all(isinstance(m, NativeLinear) and m.kernels.isa == "avx2" and m.max_rows == fast_linear.FP32_NATIVE_MAX_ROWS
-               for m in layers)
-    ids, mask = prompts()
-    for got, want in zip(reference_logits(native, ids, mask, 6), reference_logits(plain, ids, mask, 6)):
-        assert_close(got, want, "float32")
+    assert all(isinstance(m, NativeLinear) and m.kernels.isa == "avx2" and m.max_rows == sys.maxsize for m in layers)
+    for ids, mask in (prompts(), prompts(batch=2, length=40)):  # 18 and 80 rows in the prefill
+        for got, want in zip(reference_logits(native, ids, mask, 6), reference_logits(plain, ids, mask, 6)):
+            assert_close(got, want, "float32")
 
 
 def test_pack_linears_honours_the_switch(tiny_model_dir, monkeypatch):
@@ -556,7 +561,8 @@ def test_decode_steps_run_their_layers_in_one_native_call_with_the_python_loops_
 def test_decode_layers_only_where_every_product_is_native_without_a_bias_or_unless_switched_off(tiny_model_dir,
                                                                                                 monkeypatch):
     backend = TorchSlotBackend(load(tiny_model_dir, torch.float32), max_slots=1, max_length=32, owns_model=True)
-    assert backend._decode_layers is not None and backend._decode_layers_rows == fast_linear.FP32_NATIVE_MAX_ROWS
+    assert backend._decode_layers is not None and backend._decode_layers_rows == fast_linear.native_max_rows(
+        torch.float32, backend._kernels)
     shared = TorchSlotBackend(load(tiny_model_dir, torch.float32), max_slots=1, max_length=32)  # o/down not swapped
     assert shared._fused_ops and shared._decode_layers is None and shared._decode_layers_rows == 0
     model = load(tiny_model_dir, torch.float32)

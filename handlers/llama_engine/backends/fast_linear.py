@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from typing import Dict, FrozenSet, Optional, Sequence
 
@@ -79,6 +80,14 @@ FP32_NATIVE_MAX_ROWS = 24
 #: step's products run 1.3-1.7x faster than float32's best, steps of 17-64 rows up to 1.25x slower, and a
 #: prompt's ~10% slower (the copy), against half the weights' memory.
 BF16_WEIGHT_MAX_ROWS = 64
+#: The kernel builds whose float32 products of many rows run a packed-panel GEMM (``gemm`` in
+#: ``cpu_kernels.cpp``, from 64 rows): on them :class:`NativeLinear` keeps every row count. One layer's
+#: four products of the bench model on a Zen 3 EPYC (AVX2, 2 threads, best of 5, GFLOP/s), GEMM
+#: against the tiles against oneDNN over a float32 weight (the copy not counted): bf16 weights 143 /
+#: 112 / 135 at 256 rows, 144 / 111 / 129 at 768; float32 weights 158 / 129 / 137 and 150 / 109 / 121.
+#: Below 64 rows the tiles were as fast or faster (64 rows: 101-123 each way), and oneDNN slower
+#: (float32 weights, 24 to 64 rows: 66-83 against the tiles' 97-117).
+GEMM_ISAS = frozenset({"avx2"})
 #: Row count oneDNN lays the packed weights out for (any row count still computes correctly).
 ONEDNN_BATCH_HINT = 8
 #: The same for float32. Laid out for 8 rows, oneDNN matched its 1-row layout at 1 row and ran 2 to 8
@@ -206,8 +215,11 @@ def bf16_weight_kernels(dtype: torch.dtype, weight_dtype: torch.dtype, device: t
     return cpu_kernels.for_device(device)
 
 
-def native_max_rows(dtype: torch.dtype) -> int:
-    """The most rows :class:`NativeLinear` runs natively for ``dtype`` weights."""
+def native_max_rows(dtype: torch.dtype, kernels=None) -> int:
+    """The most rows :class:`NativeLinear` runs natively for ``dtype`` weights on ``kernels``: any
+    number on a build with the GEMM (:data:`GEMM_ISAS`)."""
+    if kernels is not None and kernels.isa in GEMM_ISAS:
+        return sys.maxsize
     return FP32_NATIVE_MAX_ROWS if dtype == torch.float32 else NATIVE_MAX_ROWS
 
 
@@ -234,12 +246,13 @@ def pack_linears(model: nn.Module, batch_hint: Optional[int] = None, weight_dtyp
         if kernels is None:
             raise ValueError(f"{weight_dtype} linear weights under {weight.dtype} arithmetic need the native CPU "
                              "kernels with float32 arithmetic over bfloat16 weights (an x86 CPU with AVX2 and FMA)")
-        return _swap_native(targets, weight.dtype, kernels, BF16_WEIGHT_MAX_ROWS, weight_dtype)
+        rows = sys.maxsize if kernels.isa in GEMM_ISAS else BF16_WEIGHT_MAX_ROWS
+        return _swap_native(targets, weight.dtype, kernels, rows, weight_dtype)
     if not packing_supported(weight.dtype, weight.device):
         return 0
     kernels = native_kernels_for(weight.dtype, weight.device)
     if kernels is not None:
-        return _swap_native(targets, weight.dtype, kernels, native_max_rows(weight.dtype))
+        return _swap_native(targets, weight.dtype, kernels, native_max_rows(weight.dtype, kernels))
     fp32 = weight.dtype == torch.float32
     if fp32 and setting not in ("1", "true", "on", "yes") and not fp32_packing_pays([t[2] for t in targets]):
         return 0
