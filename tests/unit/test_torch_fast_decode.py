@@ -170,11 +170,10 @@ def test_native_linears_serve_bf16_on_the_bf16_build_without_amx_and_float32_on_
     expected = bf16_build if packing_supported(torch.bfloat16, cpu) else None
     assert fast_linear.native_kernels_for(torch.bfloat16, cpu, AVX512_BF16) is expected
     assert fast_linear.native_kernels_for(torch.bfloat16, cpu, AMX) is None
-    assert fast_linear.native_max_rows(torch.float32) == fast_linear.FP32_NATIVE_MAX_ROWS < fast_linear.NATIVE_MAX_ROWS
-    assert fast_linear.native_max_rows(torch.bfloat16) == fast_linear.NATIVE_MAX_ROWS
-    assert fast_linear.native_max_rows(torch.bfloat16, bf16_build) == fast_linear.NATIVE_MAX_ROWS
+    assert fast_linear.native_max_rows(bf16_build) == fast_linear.NATIVE_MAX_ROWS
+    assert fast_linear.native_max_rows(bf16_build, fast_linear.BF16_WEIGHT_MAX_ROWS) == fast_linear.BF16_WEIGHT_MAX_ROWS
     # the avx2 build multiplies a prompt's many rows with its GEMM: no row count leaves it
-    assert fast_linear.native_max_rows(torch.float32, avx2_build) == sys.maxsize
+    assert fast_linear.native_max_rows(avx2_build) == fast_linear.native_max_rows(avx2_build, 64) == sys.maxsize
 
 
 @FP32
@@ -562,7 +561,7 @@ def test_decode_layers_only_where_every_product_is_native_without_a_bias_or_unle
                                                                                                 monkeypatch):
     backend = TorchSlotBackend(load(tiny_model_dir, torch.float32), max_slots=1, max_length=32, owns_model=True)
     assert backend._decode_layers is not None and backend._decode_layers_rows == fast_linear.native_max_rows(
-        torch.float32, backend._kernels)
+        backend._kernels)
     shared = TorchSlotBackend(load(tiny_model_dir, torch.float32), max_slots=1, max_length=32)  # o/down not swapped
     assert shared._fused_ops and shared._decode_layers is None and shared._decode_layers_rows == 0
     model = load(tiny_model_dir, torch.float32)

@@ -34,7 +34,8 @@ threads, best of 6, four runs): 3.7-5.0 ms native against 4.7-6.7 ms oneDNN pack
 5.7-6.4 against 6.2-6.8. The plain weight costs oneDNN 3-5% on prompts of 256-768 rows (913-935
 against 959-961 GFLOP/s) and 10-25% on 16-64 rows (:data:`NATIVE_MAX_ROWS`): that is what a
 single copy of the weights costs there. float32 weights do the same on an ``avx2`` CPU, where
-oneDNN has no wider instructions than the native kernel (:data:`FP32_NATIVE_MAX_ROWS`). A float32
+oneDNN has no wider instructions than the native kernel, for every row count: a prompt's rows
+go to the ``avx2`` build's GEMM (:data:`GEMM_ISAS`). A float32
 model may keep its linears' weights in bf16 (``pack_linears(weight_dtype=torch.bfloat16)``, what
 ``handler.weight_dtype: auto`` does for a bf16 checkpoint): the native kernel widens them as it
 streams them (:data:`BF16_WEIGHT_MAX_ROWS`).
@@ -63,14 +64,6 @@ ENV = "LLAMA_PACKED_LINEAR"
 #: against oneDNN plain: 8 rows 6.4 against 9.9 ms, 16 rows 8.9 against 12.1, 32 rows 14.3 against
 #: 16.0, 48 rows 19.2 against 19.6 (oneDNN packed, for comparison: 6.8, 8.1, 12.1, 15.8).
 NATIVE_MAX_ROWS = 48
-#: The same for float32 weights on an ``avx2`` CPU (:func:`native_kernels_for`). One pass over the bench
-#: model's float32 weights, Zen 5 EPYC run as an AVX2 CPU (``llama_engine.cpu.emulation_env``), 2
-#: threads, best of 7 and 15 in separate processes: native 9.9 / 12.2 / 13.4 / 18.7 / 23.5 / 28.5 /
-#: 38.9 / 49.2 ms at 1 / 2 / 4 / 8 / 12 / 16 / 24 / 32 rows; oneDNN packed 13.4 / 14.2 / 15.9 / 18.1 at
-#: 1 / 2 / 4 / 8 rows, 26.7 at 16, 54.3 at 48, 241 at 256; oneDNN over the plain weight 26.2 / 29.9 / 35.0 /
-#: 40.5 / 47.0 / 61.6 / 244 at 8 / 12 / 16 / 24 / 32 / 48 / 256. So a decode step's rows stream
-#: 1.1-1.35x faster, and steps of 9-64 rows (prompt tails beside decodes) pay 5-15% for the single copy.
-FP32_NATIVE_MAX_ROWS = 24
 #: The same for bfloat16 weights under float32 arithmetic (:func:`bf16_weight_kernels`); more rows go to
 #: oneDNN over a float32 copy of the weight made for the call. One pass over the bench model's weights
 #: (Zen 5 EPYC computing as an AVX2 CPU, 2 threads, best of 5): native over bf16 7.2 / 8.0 / 12.9 / 25.0 /
@@ -86,7 +79,10 @@ BF16_WEIGHT_MAX_ROWS = 64
 #: against the tiles against oneDNN over a float32 weight (the copy not counted): bf16 weights 143 /
 #: 112 / 135 at 256 rows, 144 / 111 / 129 at 768; float32 weights 158 / 129 / 137 and 150 / 109 / 121.
 #: Below 64 rows the tiles were as fast or faster (64 rows: 101-123 each way), and oneDNN slower
-#: (float32 weights, 24 to 64 rows: 66-83 against the tiles' 97-117).
+#: (float32 weights, 24 to 64 rows: 66-83 against the tiles' 97-117). Before the GEMM, float32 weights
+#: left the avx2 build past 24 rows; on a Zen 5 EPYC computing as an AVX2 CPU the tiles had run a pass
+#: over the bench model's float32 weights in 18.7 / 28.5 / 49.2 ms at 8 / 16 / 32 rows, oneDNN over
+#: the plain weight in 26.2 / 35.0 / 47.0 at 8 / 16 / 32 and 244 at 256.
 GEMM_ISAS = frozenset({"avx2"})
 #: Row count oneDNN lays the packed weights out for (any row count still computes correctly).
 ONEDNN_BATCH_HINT = 8
@@ -192,7 +188,7 @@ def native_kernels_for(dtype: torch.dtype, device: torch.device, flags: Optional
     bf16, where oneDNN multiplies on the AMX tiles: 1 row 8.4 against 8.9, 2 rows 9.8 against 8.7,
     8 rows 16.9 against 9.1; a decode step at 8 rows took 13.8 ms with oneDNN's linears and the
     native attention, 21.8 with the native linears too. float32 on an ``avx2`` CPU: see
-    :data:`FP32_NATIVE_MAX_ROWS`.
+    :data:`GEMM_ISAS`.
     """
     if not packing_supported(dtype, device):
         return None
@@ -215,12 +211,10 @@ def bf16_weight_kernels(dtype: torch.dtype, weight_dtype: torch.dtype, device: t
     return cpu_kernels.for_device(device)
 
 
-def native_max_rows(dtype: torch.dtype, kernels=None) -> int:
-    """The most rows :class:`NativeLinear` runs natively for ``dtype`` weights on ``kernels``: any
-    number on a build with the GEMM (:data:`GEMM_ISAS`)."""
-    if kernels is not None and kernels.isa in GEMM_ISAS:
-        return sys.maxsize
-    return FP32_NATIVE_MAX_ROWS if dtype == torch.float32 else NATIVE_MAX_ROWS
+def native_max_rows(kernels, limit: int = NATIVE_MAX_ROWS) -> int:
+    """The most rows :class:`NativeLinear` runs on ``kernels``: any number on a build with the GEMM
+    (:data:`GEMM_ISAS`), else ``limit``."""
+    return sys.maxsize if kernels.isa in GEMM_ISAS else limit
 
 
 def pack_linears(model: nn.Module, batch_hint: Optional[int] = None, weight_dtype: Optional[torch.dtype] = None) -> int:
@@ -246,13 +240,13 @@ def pack_linears(model: nn.Module, batch_hint: Optional[int] = None, weight_dtyp
         if kernels is None:
             raise ValueError(f"{weight_dtype} linear weights under {weight.dtype} arithmetic need the native CPU "
                              "kernels with float32 arithmetic over bfloat16 weights (an x86 CPU with AVX2 and FMA)")
-        rows = sys.maxsize if kernels.isa in GEMM_ISAS else BF16_WEIGHT_MAX_ROWS
-        return _swap_native(targets, weight.dtype, kernels, rows, weight_dtype)
+        return _swap_native(targets, weight.dtype, kernels, native_max_rows(kernels, BF16_WEIGHT_MAX_ROWS),
+                            weight_dtype)
     if not packing_supported(weight.dtype, weight.device):
         return 0
     kernels = native_kernels_for(weight.dtype, weight.device)
     if kernels is not None:
-        return _swap_native(targets, weight.dtype, kernels, native_max_rows(weight.dtype, kernels))
+        return _swap_native(targets, weight.dtype, kernels, native_max_rows(kernels))
     fp32 = weight.dtype == torch.float32
     if fp32 and setting not in ("1", "true", "on", "yes") and not fp32_packing_pays([t[2] for t in targets]):
         return 0
