@@ -10,8 +10,8 @@ step carries and how many prompt tokens they prefill. The script measures, on th
 backend in this process, what the steps cost: a decode step of 1..8 rows at the load's mean
 context (the positions its output tokens decode over, on average), what each position more
 adds (the rows' K/V reads: a micro-batch's long answer decodes alone over ever more of them),
-and a prefill pass as a cost per pass plus one per token (fitted to one-pass prefills of a few
-lengths). It then replays the benchmark's schedule (the same seeded draws as
+and a prefill pass as a cost per token (the slope through one-pass prefills of a few lengths)
+plus one per pass (what a 1-row decode step costs besides its row). It then replays the benchmark's schedule (the same seeded draws as
 ``python -m scripts.bench``) on a saturated server:
 
 * micro-batching: requests in arrival order, 8 to a batch, the batch's prompts prefilled
@@ -84,12 +84,10 @@ def step_times_at(backend, row_counts, context: int, repeats: int) -> dict:
     return {rows: statistics.median(times) * 1e3 for rows, times in samples.items()}
 
 
-def prefill_costs(backend, small: int, large: int, repeats: int) -> tuple:
-    """(prompt tokens/s, ms per pass): a pass that prefills ``n`` prompt tokens costs about
-    ``pass_ms + n / tokens_per_s``, a least-squares line through the median cost of one-pass
-    prefills of ``small``, 2 ``small``, 4 ``small`` ... and ``large`` tokens (alternated). A pass
-    carries a cost besides its tokens, so short prompts one to a pass prefill slower per token than
-    several in one pass (micro-batching's) or one long prompt."""
+def prefill_rate(backend, small: int, large: int, repeats: int) -> float:
+    """Prompt tokens/s that a prefill pass adds per token: the slope of a least-squares line through
+    the median cost of one-pass prefills of ``small``, 2 ``small``, 4 ``small`` ... and ``large``
+    tokens (alternated). What a pass costs besides its tokens is :func:`measure`'s ``pass_ms``."""
     sizes = sorted({min(small << i, large) for i in range(12) if small << i < 2 * large})
     ids = torch.randint(3, 2000, (large,), generator=torch.Generator().manual_seed(1)).tolist()
     samples = {n: [] for n in sizes}
@@ -102,12 +100,8 @@ def prefill_costs(backend, small: int, large: int, repeats: int) -> tuple:
                 samples[n].append(time.perf_counter() - start)
     backend.free_slot(0)
     costs = [statistics.median(samples[n]) for n in sizes]
-    if len(sizes) < 2:
-        return sizes[0] / costs[0], 0.0
-    per_token, fixed = statistics.linear_regression(sizes, costs)
-    if per_token <= 0:
-        return sum(sizes) / sum(costs), 0.0
-    return 1 / per_token, max(fixed, 0.0) * 1e3
+    per_token = statistics.linear_regression(sizes, costs).slope if len(sizes) > 1 else 0.0
+    return 1 / per_token if per_token > 0 else sum(sizes) / sum(costs)
 
 
 def decode_ms(step_ms: dict, contexts, kv_ms: float = 0.0, context: int = 0) -> float:
@@ -296,8 +290,12 @@ def measure(backend, schedule, chunk: int, repeats: int = 7) -> dict:
     steps = step_times(backend, slots, context, repeats)
     near, far = min(inp for _, inp, _ in schedule), min(max(inp + out for _, inp, out in schedule), backend.max_length - 2)
     kv = kv_ms_per_position(backend, slots, near, far, repeats)
-    tps, pass_ms = prefill_costs(backend, max(1, min(min(inp for _, inp, _ in schedule), chunk // 4)), chunk,
-                                 max(3, repeats // 2))
+    tps = prefill_rate(backend, max(1, min(min(inp for _, inp, _ in schedule), chunk // 4)), chunk,
+                       max(3, repeats // 2))
+    # A pass costs something besides its rows (the weights streamed once, the layers' calls): what a
+    # 1-row decode step costs besides its row and that row's K/V reads. The intercept of the line
+    # through prefill costs had read 0-34 ms on the same CPU, the line's bend at small passes in it.
+    pass_ms = max(steps[1] - 1e3 / tps - kv * context, 0.0)
     # Decode rows in a prefill pass cost what prompt rows do, plus their K/V reads: measured as the
     # difference of two passes of ~chunk rows, they were lost in the noise of either.
     merged = (slots - 1) * (1e3 / tps + kv * context)

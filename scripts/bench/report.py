@@ -481,7 +481,8 @@ def prefill_bound_line(results: dict) -> str:
     parts = ", ".join(f"{b['tokens_per_s']:.0f} tok/s on {n} rows ({b['gflops']:.0f} GFLOP/s)"
                       for n, b in sorted(bound.items(), key=lambda kv: int(kv[0])))
     kernels = sorted({k for b in bound.values() for k in b.get("kernels", ())})
-    on = f", each product on the faster of nn.Linear and oneDNN packed: {' and '.join(kernels)}" if kernels else ""
+    on = (f", each product on the fastest of nn.Linear, oneDNN packed and the native kernels where they serve "
+          f"the dtype: {' and '.join(kernels)}") if kernels else ""
     return (f"**Prefill bound** (the model's linear layers alone on random activations, {results['model']['dtype']}, "
             f"best of the samples{on}): {parts}.\n")
 

@@ -269,13 +269,13 @@ def test_the_bound_measures_step_position_and_pass_costs(monkeypatch):
     assert cb.step_times(clock, 4, 100, repeats=3) == pytest.approx({r: 8.0 + 2.0 * r + 0.4 * r for r in range(1, 5)})
     assert cb.kv_ms_per_position(clock, 4, 20, 500, repeats=3) == pytest.approx(0.004)
     assert cb.kv_ms_per_position(clock, 4, 500, 500, repeats=3) == 0.0
-    tps, pass_ms = cb.prefill_costs(clock, 16, 256, repeats=3)
-    assert tps == pytest.approx(400.0) and pass_ms == pytest.approx(6.0)
+    assert cb.prefill_rate(clock, 16, 256, repeats=3) == pytest.approx(400.0)  # 2.5 ms a token, 6 ms a pass
     assert clock._lengths == [0] * 4  # every slot free again for the next load
     r = cb.measure(clock, [(0.0, 16, 8)] * 15 + [(0.0, 32, 960)], chunk=256, repeats=3)
     tokens = 15 * 8 + 960
     assert r["context"] == round((15 * (8 * 16 + 28) + 960 * 32 + 960 * 959 / 2) / tokens)
-    assert r["kv_ms"] == pytest.approx(0.004) and r["pass_ms"] == pytest.approx(6.0)
+    # a pass's own cost: a 1-row step's (8 + 2 ms + its K/V reads) less its row at the prefill rate
+    assert r["kv_ms"] == pytest.approx(0.004) and r["pass_ms"] == pytest.approx(10.0 - 2.5)
     assert r["merged_rows_ms"] == pytest.approx(3 * (2.5 + 0.004 * r["context"]))
     assert r["bound"] > 1.5  # micro-batching's 1-row steps over the long answer's positions
 
@@ -519,7 +519,8 @@ def test_the_prefill_bound_gives_the_growth_any_implementation_faces_and_how_nea
     assert "600 tok/s on 256 rows (136 GFLOP/s), 720 tok/s on 768 rows (163 GFLOP/s)" in line
     bound["768"]["kernels"] = ["oneDNN packed", "nn.Linear"]
     line = report.prefill_bound_line(dict(_results(runs), prefill_bound=bound))
-    assert "faster of nn.Linear and oneDNN packed: nn.Linear and oneDNN packed)" in line
+    assert "fastest of nn.Linear, oneDNN packed and the native kernels where they serve the dtype: " \
+           "nn.Linear and oneDNN packed)" in line
 
 
 def test_a_server_falls_behind_when_its_last_request_ends_later_than_a_typical_one_takes():
