@@ -47,7 +47,11 @@ MIXED = dict(requests=60, overload=1.25, rate=1.0, inputs=[128, 256, 512, 768], 
 #: The bound then priced every decode step at the load's mean request context and every prompt at
 #: the rate of its longest one alone: at 1.98x it fell below the 2.14x served on the Zen 3 AVX2 EPYC.
 #: Priced at the positions each step's rows read and at a cost per prefill pass plus per token, it
-#: put this load at 2.20-2.40x there (four runs of the script, bf16 weights under float32).
+#: put this load at 2.20-2.40x there (four runs of the script, bf16 weights under float32). The prompt
+#: GEMM (14d1b38) then sped up micro-batching's 8-prompt prefills more than continuous batching's
+#: short merged passes: 1.96x served and 1.96x bound in the full run at d902b27, 2.06x in fbe8759's
+#: model; no wider variant of this load (shorter answers or prompts, a long answer in 8 or 32) took
+#: that bound past 2.12x.
 WIDE = dict(requests=128, overload=1.25, rate=3.0, inputs=[16, 32], outputs=[8] * 15 + [960])
 WIDE_QUICK = dict(WIDE, requests=40, outputs=[8] * 15 + [480])
 #: The third Poisson load: the mixed load's lengths, ``requests`` of them, arriving at
