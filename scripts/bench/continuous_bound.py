@@ -11,8 +11,9 @@ backend in this process, what the steps cost: a decode step of 1..8 rows at the 
 context (the positions its output tokens decode over, on average), what each position more
 adds (the rows' K/V reads: a micro-batch's long answer decodes alone over ever more of them),
 and a prefill pass as a cost per token (the slope through one-pass prefills of a few lengths)
-plus one per pass (what a 1-row decode step costs besides its row). It then replays the benchmark's schedule (the same seeded draws as
-``python -m scripts.bench``) on a saturated server:
+plus one per pass (what a 1-row decode step costs besides its row). It then replays the
+benchmark's schedule (the same seeded draws as ``python -m scripts.bench``) on a saturated
+server:
 
 * micro-batching: requests in arrival order, 8 to a batch, the batch's prompts prefilled
   unpadded (each row in its own slot) and decoding until its longest output ends, finished
@@ -27,7 +28,8 @@ The ratio of the two bounds what continuous scheduling itself can gain on this l
 machine when both sides run the same decode steps. A third figure, the schedule's ideal
 (:func:`simulate`), serves the requests as they arrive with the scheduler's own policy and no
 cost besides the model: the served continuous server's throughput is held to it (the saturated
-replay ignores the gaps between arrivals and the drain after the last, which no server avoids). A second replay makes every step cost
+replay ignores the gaps between arrivals and the drain after the last, which no server avoids).
+A second replay makes every step cost
 what a 1-row step does: the limit of the schedule itself, however cheap extra rows become.
 Both handlers run the slot backend's forward (micro-batching puts row ``i`` of a batch in slot
 ``i``), so these steps are what both serve with.
