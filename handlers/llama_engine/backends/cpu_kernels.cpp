@@ -524,9 +524,12 @@ static constexpr int TILE_W = 3, TILE_X = 4;
 // L2 gives, and the products ran at ~100 GFLOP/s on a Zen 3 EPYC whatever the row count.
 // Here, as in BLIS, w is widened and laid out K-major a panel of GEMM_NR of its rows at a time
 // (GEMM_KC of K, in L1), and a tile of GEMM_MR rows of x multiplies it by broadcasting one
-// element of each row per k: GEMM_MR x 2 accumulators, two loads of the panel and GEMM_MR
-// broadcasts per 2 GEMM_MR multiply-adds, all from L1. Each thread takes GEMM_COLS columns
-// of y at a time; the panels of x's rows (GEMM_MC of them) are reused from L2.
+// element of each row per k: GEMM_MR x 2 accumulators, two loads of the panel (from L1) and
+// GEMM_MR broadcasts of 4 bytes (from L2, x taken GEMM_MC rows at a time) per 2 GEMM_MR
+// multiply-adds. Each thread takes GEMM_COLS columns of y at a time. The bench model's 48
+// products on the Zen 3 (bf16 weights, 2 threads, best of 4): 404-456 ms at 256 rows against
+// 543-565 with the tiles, 1254-1287 at 768 against 1564-1674; at 64 rows the two were even,
+// below it the tiles faster (packing w costs the same whatever the rows): GEMM_MIN_ROWS.
 static constexpr int GEMM_MR = 6, GEMM_NR = 16;
 static constexpr long GEMM_KC = 256, GEMM_MC = 96, GEMM_COLS = 64;
 #if defined(LLK_GEMM_MIN_ROWS)
