@@ -53,7 +53,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def step_times(backend, rows_max: int, context: int, repeats: int) -> dict:
     """Median ms of a decode step with 1..rows_max rows, each row at ``context`` positions."""
-    return step_times_at(backend, range(1, rows_max + 1), context, repeats)
+    times = step_times_at(backend, [(rows, context) for rows in range(1, rows_max + 1)], repeats)
+    return {rows: ms for (rows, _), ms in times.items()}
 
 
 def kv_ms_per_position(backend, rows_max: int, near: int, far: int, repeats: int) -> float:
@@ -61,29 +62,29 @@ def kv_ms_per_position(backend, rows_max: int, near: int, far: int, repeats: int
     1 and ``rows_max`` rows at ``near`` and at ``far`` positions, alternated."""
     if far <= near:
         return 0.0
-    near_ms = step_times_at(backend, (1, rows_max), near, repeats)
-    far_ms = step_times_at(backend, (1, rows_max), far, repeats)
-    added = sum(far_ms[rows] - near_ms[rows] for rows in near_ms)
+    times = step_times_at(backend, [(rows, at) for rows in (1, rows_max) for at in (near, far)], repeats)
+    added = sum(times[(rows, far)] - times[(rows, near)] for rows in (1, rows_max))
     return max(added / ((1 + rows_max) * (far - near)), 0.0)
 
 
-def step_times_at(backend, row_counts, context: int, repeats: int) -> dict:
-    """Median ms of a decode step of each of ``row_counts`` rows, each row at ``context`` positions.
+def step_times_at(backend, cases, repeats: int) -> dict:
+    """Median ms of a decode step for each ``(rows, context)`` of ``cases``: that many rows, each at
+    ``context`` positions.
 
     The rows' lengths are set, not prefilled: a step's cost depends on how many cached positions
-    it reads, not on what they hold. Each round runs a step of every row count, so a host whose
-    speed drifts shifts them all alike."""
-    samples = {rows: [] for rows in row_counts}
+    it reads, not on what they hold. Each round runs every case, so a host whose speed drifts
+    shifts them all alike."""
+    samples = {case: [] for case in cases}
     for i in range(repeats + 1):
-        for rows in row_counts:
+        for rows, context in samples:
             backend._lengths[:rows] = [context] * rows
             start = time.perf_counter()
             backend.decode_slots(list(range(rows)), [5] * rows)
             if i:
-                samples[rows].append(time.perf_counter() - start)
-    for slot in range(max(row_counts)):
+                samples[(rows, context)].append(time.perf_counter() - start)
+    for slot in range(max(rows for rows, _ in samples)):
         backend.free_slot(slot)
-    return {rows: statistics.median(times) * 1e3 for rows, times in samples.items()}
+    return {case: statistics.median(times) * 1e3 for case, times in samples.items()}
 
 
 def prefill_rate(backend, small: int, large: int, repeats: int) -> float:
@@ -290,10 +291,10 @@ def measure(backend, schedule, chunk: int, repeats: int = 7) -> dict:
     tokens = sum(out for _, _, out in schedule)
     context = round(sum(out * inp + out * (out - 1) / 2 for _, inp, out in schedule) / tokens)
     steps = step_times(backend, slots, context, repeats)
-    near, far = min(inp for _, inp, _ in schedule), min(max(inp + out for _, inp, out in schedule), backend.max_length - 2)
-    kv = kv_ms_per_position(backend, slots, near, far, repeats)
-    tps = prefill_rate(backend, max(1, min(min(inp for _, inp, _ in schedule), chunk // 4)), chunk,
-                       max(3, repeats // 2))
+    shortest = min(inp for _, inp, _ in schedule)
+    far = min(max(inp + out for _, inp, out in schedule), backend.max_length - 2)
+    kv = kv_ms_per_position(backend, slots, shortest, far, repeats)
+    tps = prefill_rate(backend, max(1, min(shortest, chunk // 4)), chunk, max(3, repeats // 2))
     # A pass costs something besides its rows (the weights streamed once, the layers' calls): what a
     # 1-row decode step costs besides its row and that row's K/V reads. The intercept of the line
     # through prefill costs had read 0-34 ms on the same CPU, the line's bend at small passes in it.
