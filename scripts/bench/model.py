@@ -158,6 +158,7 @@ def describe(path: Path, dtype: str, weight_dtype: Optional[str] = None, random_
     import torch
     from safetensors import safe_open
 
+    from llama_engine.backends import cpu_kernels
     from llama_engine.backends.torch_backend import kv_cache_dtype_for
 
     config = json.loads((path / "config.json").read_text())
@@ -177,7 +178,9 @@ def describe(path: Path, dtype: str, weight_dtype: Optional[str] = None, random_
     head_dim = hidden // config["num_attention_heads"]
     # A decode step reads every weight once, except the input embedding (one row per token).
     weight_bytes = (total - embed + hidden) * width
-    kv_width = torch.finfo(kv_cache_dtype_for("auto", getattr(torch, dtype), torch.device("cpu"))).bits // 8
+    kv_dtype = kv_cache_dtype_for("auto", getattr(torch, weight_dtype), torch.device("cpu"),
+                                  native_attention=cpu_kernels.load() is not None)
+    kv_width = torch.finfo(kv_dtype).bits // 8
     kv_bytes_per_position = 2 * config["num_hidden_layers"] * kv_heads * head_dim * kv_width
     return {
         "path": str(path), "dtype": dtype, "weight_dtype": weight_dtype,

@@ -453,16 +453,22 @@ def test_slot_rotary_is_hf_rotary_bit_for_bit(dtype):
     assert torch.equal(_rotate(k, cos.unsqueeze(1), signed), want_k)
 
 
-def test_only_bf16_weights_on_cpu_attend_by_blocks_unless_amx_reads_a_bf16_cache(tiny_model_dir, monkeypatch, kernels):
+def test_cpu_prompts_attend_by_blocks_in_bf16_unless_amx_reads_a_bf16_cache_and_in_float32_over_a_bf16_cache(
+        tiny_model_dir, monkeypatch, kernels):
     """float16 products are slow on a CPU without native fp16 (slower by blocks than through SDPA)."""
     monkeypatch.setattr(cpu_info, "cpu_flags", lambda: AVX512_BF16)
     for dtype, by_blocks in ((torch.bfloat16, True), (torch.float16, False), (torch.float32, False)):
         assert TorchSlotBackend(load(tiny_model_dir, dtype), max_slots=1, max_length=32)._prompt_by_blocks is by_blocks
+    over_bf16 = TorchSlotBackend(load(tiny_model_dir, torch.float32), 1, 32, kv_cache_dtype="bfloat16")
+    assert over_bf16._prompt_by_blocks
     cpu, bf16, fp32 = torch.device("cpu"), torch.bfloat16, torch.float32
     assert not prompts_attend_by_blocks(bf16, bf16, cpu, AMX)
     assert prompts_attend_by_blocks(bf16, fp32, cpu, AMX)  # kv_cache_dtype: float32 set on an AMX CPU
     assert prompts_attend_by_blocks(bf16, bf16, cpu, AVX512_BF16)
     assert not prompts_attend_by_blocks(bf16, bf16, torch.device("cuda"), AVX512_BF16)
+    assert prompts_attend_by_blocks(fp32, bf16, cpu, AMX) and prompts_attend_by_blocks(fp32, bf16, cpu, AVX2)
+    assert not prompts_attend_by_blocks(fp32, fp32, cpu, AVX2)
+    assert not prompts_attend_by_blocks(fp32, bf16, torch.device("cuda"), AVX2)
 
 
 @needs_native
@@ -531,7 +537,8 @@ def test_decode_steps_run_their_layers_in_one_native_call_with_the_python_loops_
     backends = [TorchSlotBackend(load(tiny_model_dir, getattr(torch, dtype)), max_slots=4, max_length=96,
                                  owns_model=True, weight_dtype=weight_dtype, kv_cache_dtype=kv) for _ in range(2)]
     native, python = backends
-    assert native.kv_dtype == (torch.bfloat16 if kv == "bfloat16" else getattr(torch, dtype))
+    bf16_cache = kv == "bfloat16" or dtype == "bfloat16" or weight_dtype == torch.bfloat16  # auto: the weights'
+    assert native.kv_dtype == (torch.bfloat16 if bf16_cache else torch.float32)
     if dtype == "bfloat16" and fast_linear.native_kernels_for(torch.bfloat16, torch.device("cpu")) is None:
         assert native._decode_layers is None  # bf16 products are oneDNN's on this CPU
         return
@@ -633,7 +640,7 @@ def bf16_checkpoint(tiny_model_dir, tmp_path_factory):
 def test_a_bf16_checkpoint_under_float32_keeps_bf16_weights_and_the_float32_models_logits(bf16_checkpoint):
     """``dtype: float32`` over a bf16 checkpoint: the linears keep its bf16 weights (``weight_dtype: auto``),
     and prefill and decode give the logits of the same checkpoint widened to float32 at load."""
-    kept = TorchSlotBackend.from_pretrained(str(bf16_checkpoint), 2, 64, "float32", "cpu")
+    kept = TorchSlotBackend.from_pretrained(str(bf16_checkpoint), 2, 64, "float32", "cpu", kv_cache_dtype="float32")
     widened = TorchSlotBackend.from_pretrained(str(bf16_checkpoint), 2, 64, "float32", "cpu", weight_dtype="float32")
     linears = [m for m in kept.model.modules() if isinstance(m, (NativeLinear, PackedLinear))]
     linears += [m for fused in kept._fused if fused is not None for m in fused.modules() if isinstance(m, NativeLinear)]
@@ -647,3 +654,26 @@ def test_a_bf16_checkpoint_under_float32_keeps_bf16_weights_and_the_float32_mode
             token = [int(want.argmax())]
             got, want = kept.decode_slots([0], token)[0], widened.decode_slots([0], token)[0]
             torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@needs_native
+def test_a_bf16_checkpoint_under_float32_gets_a_bf16_cache_and_its_logits_round_only_the_keys_and_values(
+        bf16_checkpoint):
+    """``kv_cache_dtype: auto`` over bf16 weights under float32 arithmetic: a bf16 cache (half the bytes
+    a decode step reads), prompts attending by blocks in float32, and the logits of a float32 cache but
+    for the keys' and values' rounding to bf16, prompt chunks and decode steps alike."""
+    auto = TorchSlotBackend.from_pretrained(str(bf16_checkpoint), 2, 320, "float32", "cpu")
+    exact = TorchSlotBackend.from_pretrained(str(bf16_checkpoint), 2, 320, "float32", "cpu", kv_cache_dtype="float32")
+    assert auto.weight_dtype == torch.bfloat16 and auto.kv_dtype == auto.k_cache.dtype == torch.bfloat16
+    assert auto._prompt_by_blocks and auto._decode_layers is not None and exact.kv_dtype == torch.float32
+    prompt = [1] + [(i * 37) % 500 + 3 for i in range(299)]
+    with torch.inference_mode():
+        for backend in (auto, exact):  # a prompt in two chunks, the second attending to the cache
+            backend.step_slots([], [], [PrefillChunk(0, prompt[:180], 0)])
+        got, want = (b.step_slots([], [], [PrefillChunk(0, prompt[180:], 180)]).prefills[0] for b in (auto, exact))
+        for _ in range(6):
+            torch.testing.assert_close(got, want, atol=2e-2, rtol=0)
+            assert int(got.argmax()) == int(want.argmax())
+            token = [int(want.argmax())]
+            got, want = auto.decode_slots([0], token)[0], exact.decode_slots([0], token)[0]
+    assert not torch.equal(got, want), "a bf16 cache rounds the keys and values"

@@ -84,19 +84,24 @@ def kv_cache_dtype_for(setting: str, weights: torch.dtype, device: torch.device,
                        flags: Optional[FrozenSet[str]] = None, native_attention: bool = False) -> torch.dtype:
     """The slot cache's dtype for ``handler.kv_cache_dtype`` (``auto`` or a dtype name).
 
-    ``auto`` on a CPU: with bf16 weights, bf16 where decode steps attend through the native
-    kernel (``native_attention``, :mod:`.cpu_kernels`: it reads a bf16 cache at the memory's
-    speed, half the bytes of float32) or the CPU has AMX, and float32 on any other; with fp16
-    weights, float32. The keys and values are computed in the weights' dtype either way,
-    so a float32 cache holds them exactly; what differs is the attention kernel that reads
-    them. Without AMX, torch's CPU attention over a half-precision cache runs several times
-    slower than over float32 for the one-query rows of a decode step (the bench model's layer,
-    12 heads of 64, 2 threads, Zen 5 EPYC with AVX512_BF16: 134 against 20 us at 1 row and 260
-    positions, 1044 against 144 us at 8 rows), and no faster for a prompt. With AMX its bf16
-    kernels are the faster ones (AMX Xeon, same layer: 33 against 35 us at 1 row, 215 against
-    350 us at 8 rows; decode steps at 8 rows 23.5 against 28.9 ms). A float32 cache costs twice
-    the memory: set a dtype to halve it where memory is tight. Elsewhere (a GPU, float32
-    weights) the weights' dtype. ``flags``: the CPU's (default: this machine's).
+    ``weights``: the linears' weights' dtype, which under float32 arithmetic may be bf16 (a bf16
+    checkpoint, :func:`weight_dtype_for`). ``auto`` on a CPU: with bf16 weights, bf16 where decode
+    steps attend through the native kernel (``native_attention``, :mod:`.cpu_kernels`: it reads a
+    bf16 cache at the memory's speed, half the bytes of float32) or the CPU has AMX, and float32 on
+    any other; with fp16 weights, float32. Under bf16 arithmetic the keys and values are bf16 already,
+    so a float32 cache would hold them exactly and only read slower. Under float32 arithmetic over
+    bf16 weights a bf16 cache rounds them once, as a forward in the checkpoint's own dtype would
+    store them: an 8-row decode step at 462 positions of the bench model 32.1 -> 23.2 ms, a 1-row
+    one 12.2 -> 10.3 (2-vCPU AVX2 EPYC), its logits within 0.004 of the float32 cache's over a
+    300-token prompt and 40 steps (max 2.1), every greedy token the same. Without AMX, torch's CPU
+    attention over a half-precision cache runs several times slower than over float32 for the
+    one-query rows of a decode step (the bench model's layer, 12 heads of 64, 2 threads, Zen 5 EPYC
+    with AVX512_BF16: 134 against 20 us at 1 row and 260 positions, 1044 against 144 us at 8 rows),
+    and no faster for a prompt. With AMX its bf16 kernels are the faster ones (AMX Xeon, same layer:
+    33 against 35 us at 1 row, 215 against 350 us at 8 rows; decode steps at 8 rows 23.5 against
+    28.9 ms). A float32 cache costs twice the memory: set a dtype to halve it where memory is tight,
+    or ``float32`` to keep float32 keys and values exact. Elsewhere (a GPU, float32 weights) the
+    weights' dtype. ``flags``: the CPU's (default: this machine's).
     """
     if setting != "auto":
         return getattr(torch, setting)
@@ -105,15 +110,25 @@ def kv_cache_dtype_for(setting: str, weights: torch.dtype, device: torch.device,
     return torch.bfloat16 if weights == torch.bfloat16 and (native_attention or is_amx(flags)) else torch.float32
 
 
-def prompts_attend_by_blocks(weights: torch.dtype, kv: torch.dtype, device: torch.device,
+def prompts_attend_by_blocks(dtype: torch.dtype, kv: torch.dtype, device: torch.device,
                              flags: Optional[FrozenSet[str]] = None) -> bool:
-    """Whether prompt chunks attend by :class:`_PromptAttention` rather than through SDPA.
+    """Whether prompt chunks attend by :class:`_PromptAttention` (in the arithmetic's ``dtype``) rather
+    than through SDPA (in the cache's dtype ``kv``).
 
-    For bf16 weights on a CPU, except an AMX CPU with a bf16 cache: there SDPA's bf16 flash
+    For bf16 arithmetic on a CPU, except an AMX CPU with a bf16 cache: there SDPA's bf16 flash
     kernel is the faster (bench model, AMX Xeon, 2 threads, median of 4: whole prefill of 768
-    tokens 173 against 193 ms, 256 tokens 55 against 59). float16 keeps SDPA (see the class).
+    tokens 173 against 193 ms, 256 tokens 55 against 59). For float32 arithmetic over a bf16
+    cache on a CPU: SDPA would round the queries to bf16 and attend in it, and a 300-token prompt
+    of the bench model then moved its logits by up to 1.6 (of 2.1) from the float32 cache's and
+    changed 16 of the next 41 greedy tokens; by blocks in float32, 0.004 and none, at the same
+    speed (256 / 768 tokens in chunks of 256: 476 / 1561 ms against 472 / 1581, 2-vCPU AVX2
+    EPYC). float16 keeps SDPA (see the class).
     """
-    if torch.device(device).type != "cpu" or weights != torch.bfloat16:
+    if torch.device(device).type != "cpu":
+        return False
+    if dtype == torch.float32:
+        return kv != torch.float32
+    if dtype != torch.bfloat16:
         return False
     return not (kv == torch.bfloat16 and is_amx(flags))
 
@@ -255,8 +270,9 @@ class TorchSlotBackend(OnePassSlotBackend):
             return kernels is not None and kernels.supports_attention(self.dtype, kv, self.n_heads, self.n_kv_heads,
                                                                       self.head_dim)
 
-        self.kv_dtype = kv_cache_dtype_for(kv_cache_dtype, self.dtype, self.device,
-                                           native_attention=native_attention(self.dtype))
+        weights = self.weight_dtype or self.dtype
+        self.kv_dtype = kv_cache_dtype_for(kv_cache_dtype, weights, self.device,
+                                           native_attention=native_attention(weights))
         #: Decode rows attend through the native kernel (:class:`_NativeDecodeRows`), else through SDPA.
         self._kernels = kernels if native_attention(self.kv_dtype) else None
         self._allocate_cache()
@@ -588,13 +604,13 @@ class _Chunk:
 
 
 class _PromptAttention:
-    """A prompt chunk's queries attending by blocks, in the weights' dtype: for bf16 weights on a CPU
-    without AMX (:func:`prompts_attend_by_blocks`).
+    """A prompt chunk's queries attending by blocks, in the arithmetic's dtype: for bf16 arithmetic on
+    a CPU without AMX, and float32 arithmetic over a bf16 cache (:func:`prompts_attend_by_blocks`).
 
-    Such weights get a float32 KV cache there, so SDPA would run its flash kernel in float32;
-    its bfloat16 kernel is no faster (768 tokens of the bench model, causal: ~7.8 ms a layer
-    either way on a Zen 5 EPYC, ~116 GFLOP/s). Here each block of ``block`` queries is two
-    matrix products in the weights' dtype against the keys up to the block's last position,
+    bf16 arithmetic gets a float32 KV cache where the native kernels do not load, so SDPA would
+    run its flash kernel in float32; its bfloat16 kernel is no faster (768 tokens of the bench
+    model, causal: ~7.8 ms a layer either way on a Zen 5 EPYC, ~116 GFLOP/s). Here each block of
+    ``block`` queries is two matrix products in the queries' dtype against the keys up to the block's last position,
     with a softmax between them (torch's CPU softmax of bf16 sums in float32), as HF's eager
     attention computes: ~3.5 ms a layer at 768 tokens; the whole 768-token prefill 304 -> 250 ms,
     256 tokens 84 -> 78 ms. The blocks keep the scores ``[heads, block, positions]`` small and
