@@ -298,19 +298,25 @@ def test_bf16_weights_keep_a_float32_cache_on_a_cpu_without_amx_or_native_attent
 @pytest.mark.parametrize("tokens", [5, 128, 300])
 @pytest.mark.parametrize("start", [0, 200])
 @pytest.mark.parametrize("kv_heads", [4, 2])
-def test_prompt_attention_by_blocks_is_causal_attention_over_the_chunk_and_what_precedes_it(tokens, start, kv_heads):
+@pytest.mark.parametrize("dtype, cache", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)],
+                         ids=["float32-over-bf16", "bf16-over-float32"])
+def test_prompt_attention_by_blocks_is_causal_attention_over_the_chunk_and_what_precedes_it(tokens, start, kv_heads,
+                                                                                          dtype, cache):
+    """A first float32 chunk attends through SDPA over its own keys and values, any other chunk by blocks."""
     gen = torch.Generator().manual_seed(tokens + start)
     end = start + tokens
     q = torch.randn(end, 4, 16, generator=gen)
-    k, v = (torch.randn(end, kv_heads, 16, generator=gen) for _ in range(2))
-    k_layer, v_layer = (torch.zeros(2, kv_heads, 512, 16) for _ in range(2))  # [slots, kv_heads, positions, dim]
+    k, v = (torch.randn(end, kv_heads, 16, generator=gen).to(cache).float() for _ in range(2))  # as the cache holds them
+    k_layer, v_layer = (torch.zeros(2, kv_heads, 512, 16, dtype=cache) for _ in range(2))  # [slots, kv_heads, positions, dim]
     k_layer[1, :, :end], v_layer[1, :, :end] = k.transpose(0, 1), v.transpose(0, 1)
     gqa = kv_heads != 4
-    got = _PromptAttention(slot=1, start=start)(q[start:], k[start:], v[start:], k_layer, v_layer, gqa)
+    attention = _PromptAttention(slot=1, start=start, dtype=dtype)
+    got = attention(*(t[start:].to(dtype) for t in (q, k, v)), k_layer, v_layer, gqa)
     want = torch.nn.functional.scaled_dot_product_attention(
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, enable_gqa=gqa).transpose(0, 1)
-    assert got.shape == (tokens, 4, 16)
-    torch.testing.assert_close(got, want[start:], rtol=1e-5, atol=1e-5)
+    assert got.shape == (tokens, 4, 16) and got.dtype == dtype
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want[start:], rtol=tolerance, atol=tolerance)
 
 
 @BF16

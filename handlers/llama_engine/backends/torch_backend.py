@@ -120,9 +120,9 @@ def prompts_attend_by_blocks(dtype: torch.dtype, kv: torch.dtype, device: torch.
     tokens 173 against 193 ms, 256 tokens 55 against 59). For float32 arithmetic over a bf16
     cache on a CPU: SDPA would round the queries to bf16 and attend in it, and a 300-token prompt
     of the bench model then moved its logits by up to 1.6 (of 2.1) from the float32 cache's and
-    changed 16 of the next 41 greedy tokens; by blocks in float32, 0.004 and none, at the same
-    speed (256 / 768 tokens in chunks of 256: 476 / 1561 ms against 472 / 1581, 2-vCPU AVX2
-    EPYC). float16 keeps SDPA (see the class).
+    changed 16 of the next 41 greedy tokens; in float32 (a first chunk through SDPA over its own
+    keys and values, a later one by blocks over the cache), 0.004 and none. float16 keeps SDPA
+    (see the class).
     """
     if torch.device(device).type != "cpu":
         return False
@@ -615,7 +615,8 @@ class _PromptAttention:
     attention computes: ~3.5 ms a layer at 768 tokens; the whole 768-token prefill 304 -> 250 ms,
     256 tokens 84 -> 78 ms. The blocks keep the scores ``[heads, block, positions]`` small and
     skip the products above the diagonal but in each block's own square. A first chunk's keys
-    and values are its own; a later chunk's come from the cache, converted. Not for float16:
+    and values are its own; a later chunk's come from the cache, converted. A float32 first chunk
+    goes through SDPA's causal path instead (:meth:`_causal`). Not for float16:
     torch's CPU float16 products are slow without native support (the same 768 tokens: 5.3 s by
     blocks against 3.5 s through SDPA, and 0.25 s in bf16), so float16 keeps SDPA.
     """
@@ -628,6 +629,8 @@ class _PromptAttention:
         self.above = torch.full((self.block, self.block), float("-inf"), dtype=dtype, device=device).triu_(1)
 
     def __call__(self, q, k, v, k_layer, v_layer, gqa: bool) -> torch.Tensor:
+        if not self.start and q.dtype == torch.float32:
+            return self._causal(q, k, v, gqa)
         tokens, heads, dim = q.shape
         end = self.start + tokens
         if self.start:
@@ -647,6 +650,14 @@ class _PromptAttention:
             scores[:, :, self.start + first:span].add_(above[:last - first, :last - first])
             out[:, first:last] = torch.matmul(torch.softmax(scores, -1), v[:, :span])
         return out.transpose(0, 1)
+
+    @staticmethod
+    def _causal(q, k, v, gqa: bool) -> torch.Tensor:
+        """A float32 first chunk over its own keys and values through SDPA's causal path: faster than
+        the blocks there (the bench model's 12 layers, 2-vCPU AVX2 EPYC, 3 prefills each: 32-35 against
+        41-64 ms at 256 tokens, 182-198 against 183-259 at 768), and as exact."""
+        q, k, v = (t.transpose(0, 1).unsqueeze(0).contiguous() for t in (q, k, v))
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)[0].transpose(0, 1)
 
 
 class _RangeAttention:
