@@ -609,9 +609,9 @@ class _PromptAttention:
 
     bf16 arithmetic gets a float32 KV cache where the native kernels do not load, so SDPA would
     run its flash kernel in float32; its bfloat16 kernel is no faster (768 tokens of the bench
-    model, causal: ~7.8 ms a layer either way on a Zen 5 EPYC, ~116 GFLOP/s). Here each block of
-    ``block`` queries is two matrix products in the queries' dtype against the keys up to the block's last position,
-    with a softmax between them (torch's CPU softmax of bf16 sums in float32), as HF's eager
+    model, causal: ~7.8 ms a layer either way on a Zen 5 EPYC, ~116 GFLOP/s). Here each block
+    of ``block`` queries is two matrix products in the queries' dtype against the keys up to the
+    block's last position, with a softmax between them (torch's CPU softmax of bf16 sums in float32), as HF's eager
     attention computes: ~3.5 ms a layer at 768 tokens; the whole 768-token prefill 304 -> 250 ms,
     256 tokens 84 -> 78 ms. The blocks keep the scores ``[heads, block, positions]`` small and
     skip the products above the diagonal but in each block's own square. A first chunk's keys
@@ -656,8 +656,9 @@ class _PromptAttention:
         """A float32 first chunk over its own keys and values through SDPA's causal path: faster than
         the blocks there (the bench model's 12 layers, 2-vCPU AVX2 EPYC, 3 prefills each: 32-35 against
         41-64 ms at 256 tokens, 182-198 against 183-259 at 768), and as exact."""
-        q, k, v = (t.transpose(0, 1).unsqueeze(0).contiguous() for t in (q, k, v))
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)[0].transpose(0, 1)
+        q, k, v = (t.transpose(0, 1).unsqueeze(0).contiguous() for t in (q, k, v))  # [1, heads, tokens, dim]
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        return out[0].transpose(0, 1)
 
 
 class _RangeAttention:
