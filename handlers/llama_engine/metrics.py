@@ -157,9 +157,12 @@ def compile_cache_counts(stats: dict) -> Tuple[int, int]:
     return int(stats.get("shipped_entries", 0)), int(stats.get("new_entries", 0))
 
 
-#: Counters of requests ending, recorded last in a flush: TorchServe's frontend reads the worker's
-#: metric lines one by one, so a scrape that sees a request's outcome then also sees its tokens and
-#: forward passes (the bench waits for the outcomes, then reads the rest).
+#: Counters of requests ending, recorded last in a flush, after the gauges, and ``llama_requests_total``
+#: last of them: TorchServe's frontend reads the worker's metric lines one by one, so a scrape that sees
+#: a request's outcome then also sees its tokens, forward passes and the gauges after it, and one that
+#: sees it counted in ``llama_requests_total`` also sees how it ended (the bench and the tests wait for
+#: that count, then read the rest; with the count first, a scrape between two lines once read two
+#: requests ended and one success).
 OUTCOME_COUNTERS = frozenset({"llama_requests_total", "llama_request_success_total", "llama_request_errors_total",
                               "llama_request_cancelled_total"})
 
@@ -268,11 +271,15 @@ class TimedSink(MetricsSink, ABC):
                 counts, self._counts = self._counts, defaultdict(float)
                 gauges = self._changed_gauges()
                 self._last_flush = self.clock()
-            for (name, labels), value in sorted(counts.items(), key=lambda item: item[0][0] in OUTCOME_COUNTERS):
-                if value:
+            outcomes = [item for item in counts.items() if item[0][0] in OUTCOME_COUNTERS]
+            for (name, labels), value in counts.items():
+                if value and name not in OUTCOME_COUNTERS:
                     self.record(name, value, labels)
             for name, value in gauges.items():
                 self.record(name, value)
+            for (name, labels), value in sorted(outcomes, key=lambda item: item[0][0] == "llama_requests_total"):
+                if value:
+                    self.record(name, value, labels)
 
     # -- bookkeeping ----------------------------------------------------------------------------
 

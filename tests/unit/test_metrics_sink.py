@@ -128,8 +128,9 @@ def test_counters_wait_for_a_flush_unless_a_second_has_passed():
     assert sink.of("llama_generation_tokens_total") == [1] and sink.of("llama_steps_total") == [1]
 
 
-def test_a_flush_records_requests_outcomes_after_their_tokens_and_forward_passes():
-    """The frontend reads metric lines one by one: a scrape that sees an outcome must see the rest."""
+def test_a_flush_records_requests_outcomes_after_their_tokens_forward_passes_and_gauges_and_the_count_last():
+    """The frontend reads metric lines one by one: a scrape that sees an outcome must see the rest, and
+    one that sees a request counted must see how it ended."""
     sink, first, second = Recorder(), request(), request(prompt_tokens=5)
     sink.received()
     sink.received()
@@ -140,10 +141,9 @@ def test_a_flush_records_requests_outcomes_after_their_tokens_and_forward_passes
     sink.forward(0, 5, 0.01)
     sink.token(second, 1)
     sink.flush()
-    counters = [n for n, _, _ in sink.values if SPECS[n].kind == COUNTER]
-    outcomes = [i for i, n in enumerate(counters) if n in ("llama_requests_total", "llama_request_success_total")]
-    assert outcomes == [len(counters) - 2, len(counters) - 1], counters
-    assert "llama_forward_prefill_tokens_total" in counters and "llama_prompt_tokens_total" in counters
+    names = [n for n, _, _ in sink.values]
+    assert names[-2:] == ["llama_request_success_total", "llama_requests_total"], names
+    assert {"llama_forward_prefill_tokens_total", "llama_prompt_tokens_total", "llama_requests_running"} <= set(names)
 
 
 def test_two_threads_flushing_at_once_keep_a_requests_outcome_after_its_tokens():
