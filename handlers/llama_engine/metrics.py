@@ -165,6 +165,8 @@ def compile_cache_counts(stats: dict) -> Tuple[int, int]:
 #: requests ended and one success).
 OUTCOME_COUNTERS = frozenset({"llama_requests_total", "llama_request_success_total", "llama_request_errors_total",
                               "llama_request_cancelled_total"})
+#: A flush's lines by rank (see :data:`OUTCOME_COUNTERS`): other counters 0, gauges 1, outcomes 2, the count 3.
+_FLUSH_RANK = {**dict.fromkeys(OUTCOME_COUNTERS, 2), "llama_requests_total": 3}
 
 
 class TimedSink(MetricsSink, ABC):
@@ -271,15 +273,10 @@ class TimedSink(MetricsSink, ABC):
                 counts, self._counts = self._counts, defaultdict(float)
                 gauges = self._changed_gauges()
                 self._last_flush = self.clock()
-            outcomes = [item for item in counts.items() if item[0][0] in OUTCOME_COUNTERS]
-            for (name, labels), value in counts.items():
-                if value and name not in OUTCOME_COUNTERS:
-                    self.record(name, value, labels)
-            for name, value in gauges.items():
-                self.record(name, value)
-            for (name, labels), value in sorted(outcomes, key=lambda item: item[0][0] == "llama_requests_total"):
-                if value:
-                    self.record(name, value, labels)
+            lines = [(_FLUSH_RANK.get(name, 0), name, labels, value) for (name, labels), value in counts.items() if value]
+            lines += [(1, name, (), value) for name, value in gauges.items()]
+            for _, name, labels, value in sorted(lines, key=lambda line: line[0]):
+                self.record(name, value, labels)
 
     # -- bookkeeping ----------------------------------------------------------------------------
 
