@@ -94,7 +94,9 @@ def _kernels(weights: list, torch_dtype, native: bool = False) -> dict:
 def prefill_bound(model: Path, dtype: str = "float32", threads: int = 2, tokens: int = 256, repeats: int = 5) -> dict:
     """Prompt tokens/s of the model's linear layers alone, on ``tokens`` rows (best of ``repeats``, each
     product on the fastest kernel the backend may run it on: ``nn.Linear``, oneDNN packed, and the
-    native kernels where they serve the dtype, whose ``avx2`` build has a GEMM for a prompt's rows)."""
+    native kernels where they serve the dtype, whose ``avx2`` build has a GEMM for a prompt's rows).
+
+    A prompt needs only the keys and values of the last layer (:func:`products_per_prompt_token`)."""
     import torch
 
     config = json.loads((Path(model) / "config.json").read_text())
@@ -112,13 +114,24 @@ def prefill_bound(model: Path, dtype: str = "float32", threads: int = 2, tokens:
                         product(x)
                         best[name][k] = min(best[name][k], time.perf_counter() - started)
     fastest = [min(best, key=lambda name: best[name][k]) for k in range(len(shapes))]
-    layers = config["num_hidden_layers"]
-    flops_per_token = 2 * layers * sum(inp * out for inp, out in shapes)
-    seconds = layers * sum(best[name][k] for k, name in enumerate(fastest))
+    counts = products_per_prompt_token(config)
+    flops_per_token = round(2 * sum(c * inp * out for c, (inp, out) in zip(counts, shapes)))
+    seconds = sum(c * best[name][k] for k, (c, name) in enumerate(zip(counts, fastest)))
+    by_kernel = {name: round(tokens / sum(c * t for c, t in zip(counts, times)), 1) for name, times in best.items()}
     return {"tokens_per_s": round(tokens / seconds, 1), "gflops": round(flops_per_token * tokens / seconds / 1e9, 1),
             "flops_per_token": flops_per_token, "rows": tokens, "dtype": dtype, "threads": threads,
-            "repeats": repeats, "kernels": fastest,
-            "by_kernel_tokens_per_s": {name: round(tokens / (layers * sum(times)), 1) for name, times in best.items()}}
+            "repeats": repeats, "kernels": fastest, "by_kernel_tokens_per_s": by_kernel}
+
+
+def products_per_prompt_token(config: dict) -> list:
+    """How many of each :func:`layer_shapes` product a prompt token needs, the last one excepted: every
+    layer's, but of the last layer's only its keys and values, which the later tokens read (the
+    torch backend runs the rest of that layer for the rows with logits alone). The K/V share of the
+    fused q/k/v product counts as that fraction of its time."""
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    full = config["num_hidden_layers"] - 1
+    return [full + 2 * kv_heads / (heads + 2 * kv_heads), full, full, full]
 
 
 def decode_products(model: Path, dtype: str = "float32", threads: int = 2, repeats: int = 5,

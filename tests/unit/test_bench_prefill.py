@@ -20,14 +20,15 @@ def test_layer_shapes_are_the_fused_products_the_torch_backend_runs():
     assert layer_shapes(dict(LLAMA_GQA, head_dim=16))[0] == (64, (8 + 4) * 16)
 
 
-def test_prefill_bound_counts_every_layers_flops_and_restores_the_threads(tmp_path):
+def test_prefill_bound_counts_the_flops_a_prompt_needs_and_restores_the_threads(tmp_path):
     import torch
 
     (tmp_path / "config.json").write_text(json.dumps(LLAMA_GQA))
     before = torch.get_num_threads()
     bound = prefill_bound(tmp_path, "float32", threads=1, tokens=32, repeats=2)
     assert torch.get_num_threads() == before
-    assert bound["flops_per_token"] == 2 * 3 * (64 * 96 + 64 * 64 + 64 * 320 + 160 * 64)
+    # two whole layers, and the last one's keys and values (2 x 2 heads of 8 of the q/k/v product's 96)
+    assert bound["flops_per_token"] == 2 * (2 * (64 * 96 + 64 * 64 + 64 * 320 + 160 * 64) + 64 * 32)
     assert bound["tokens_per_s"] > 0 and bound["rows"] == 32
     assert bound["gflops"] == pytest.approx(bound["tokens_per_s"] * bound["flops_per_token"] / 1e9, rel=0.01)
 

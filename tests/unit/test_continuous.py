@@ -174,6 +174,44 @@ def test_one_pass_with_chunks_and_decode_rows_matches_hf_logits(engine, waste, m
     assert [backend.slot_length(s) for s in range(4)] == [len(running[0]) + 1, len(new), len(running[2]) + 1, 30]
 
 
+@pytest.mark.parametrize("path", ["fused-ops", "torch-ops", "no-native-kernels"])
+def test_the_last_layer_runs_only_the_rows_whose_logits_are_returned(engine, path, hf_model):
+    """A pass of two chunks and two decode rows: the last layer's MLP sees the 4 rows with logits, the
+    others every token; the logits are HF's, and the chunks' last-layer keys and values are all in
+    the cache (the next decode step after them reads every one)."""
+    from llama_engine.backends.base import PrefillChunk
+
+    backend = TorchSlotBackend(hf_model, max_slots=4, max_length=MAX_LENGTH)
+    if path != "fused-ops":
+        backend._fused_ops = False
+    if path == "no-native-kernels":
+        backend._kernels = None
+    tok, layers = engine.tokenizer, hf_model.model.layers
+    running, new = tok(PROMPTS[1])["input_ids"], tok(PROMPTS[5])["input_ids"]
+    continued = tok(LONG_PROMPT)["input_ids"][:30]
+    with torch.inference_mode():
+        ref_running = hf_model(torch.tensor([running + [21, 22]])).logits[0, -2:]
+        ref_new = hf_model(torch.tensor([new + [23]])).logits[0, -2:]
+        ref_continued = hf_model(torch.tensor([continued + [24]])).logits[0, -2:]
+    backend.prefill_slot(0, running)
+    backend.prefill_slot(3, continued[:10])
+    rows = {0: [], len(layers) - 1: []}
+    hooks = [layers[i].mlp.down_proj.register_forward_hook(lambda m, args, out, i=i: rows[i].append(args[0].shape[0]))
+             for i in rows]
+    try:
+        out = backend.step_slots([0], [21], [PrefillChunk(1, new, 0), PrefillChunk(3, continued[10:], 10)])
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert rows == {0: [1 + len(new) + 20], len(layers) - 1: [3]}
+    torch.testing.assert_close(out.decode[0], ref_running[0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out.prefills[0], ref_new[0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out.prefills[1], ref_continued[0], atol=1e-4, rtol=1e-4)
+    step = backend.decode_slots([0, 1, 3], [22, 23, 24])
+    for row, ref in enumerate((ref_running, ref_new, ref_continued)):
+        torch.testing.assert_close(step[row], ref[1], atol=1e-4, rtol=1e-4)
+
+
 def test_a_chunk_that_fails_its_checks_stays_out_of_the_pass(engine, hf_model):
     """A wrong start or a slot used twice gets its own ValueError; the rest of the step still runs."""
     from llama_engine.backends.base import PrefillChunk
