@@ -18,6 +18,7 @@ from scripts.tsctl import TorchServe, running
 ROOT = Path(__file__).resolve().parents[2]
 
 MODEL = "tiny-llama"
+CONTINUOUS = "tiny-llama-continuous"
 
 
 class Client:
@@ -102,3 +103,16 @@ def server(model_store, tmp_path_factory):
 @pytest.fixture(scope="session")
 def client(server) -> Client:
     return Client(server)
+
+
+def one_thread_8_slots(data):
+    data.update(batchSize=8)
+    data["handler"]["torch_threads"] = 1
+
+
+@pytest.fixture(scope="session")
+def continuous_server(tiny_model_dir, tmp_path_factory):
+    """``tiny-llama-continuous`` with 8 slots on one torch thread, shared by the modules that only send it
+    requests (a module that kills its worker or counts its metrics serves its own)."""
+    with serve_variant(tmp_path_factory.mktemp("continuous"), CONTINUOUS, tiny_model_dir, one_thread_8_slots) as ts:
+        yield ts

@@ -1,5 +1,6 @@
 """Malformed and hostile bodies through a real TorchServe (issue 14), with micro-batching
-(tiny-llama) and continuous batching (tiny-llama-continuous), one server per mode.
+(tiny-llama, this module's server: one micro-batch of 8) and continuous batching (the session's
+tiny-llama-continuous server, 8 slots).
 
 Every bad body gets a 4xx JSON error that names the field; a long greedy stream running
 alongside ends with exactly the tokens it streams alone; the worker keeps its PID; extreme
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 import pytest
 import requests
 
-from conftest import serve_variant
+from conftest import CONTINUOUS, serve_variant
 
 PROMPT = "The function returns"
 LONG = 480  # new tokens of the long stream: 4 prompt tokens + 480 fit handler.max_length 512
@@ -28,12 +29,7 @@ def micro(data):
     data["micro_batching"]["micro_batch_size"] = BATCH
 
 
-def continuous(data):
-    data.update(batchSize=BATCH)
-    data["handler"]["torch_threads"] = 1
-
-
-MODES = {"micro": ("tiny-llama", micro), "continuous": ("tiny-llama-continuous", continuous)}
+MODES = {"micro": "tiny-llama", "continuous": CONTINUOUS}
 
 
 @dataclass
@@ -62,13 +58,18 @@ class Served:
         return worker["pid"]
 
 
+@pytest.fixture(scope="module")
+def micro_server(tiny_model_dir, tmp_path_factory):
+    with serve_variant(tmp_path_factory.mktemp("bad-input-micro"), MODES["micro"], tiny_model_dir, micro) as ts:
+        yield ts
+
+
 @pytest.fixture(scope="module", params=list(MODES))
-def served(request, tiny_model_dir, tmp_path_factory):
-    model, edit = MODES[request.param]
-    with serve_variant(tmp_path_factory.mktemp(f"bad-input-{request.param}"), model, tiny_model_dir, edit) as ts:
-        server = Served(ts, model, request.param)
-        server.pid = server.worker_pid()
-        yield server
+def served(request):
+    ts = request.getfixturevalue("micro_server" if request.param == "micro" else "continuous_server")
+    server = Served(ts, MODES[request.param], request.param)
+    server.pid = server.worker_pid()
+    return server
 
 
 def body(obj) -> bytes:

@@ -1,9 +1,9 @@
 """The OpenAI-compatible API through a real TorchServe, read by the official ``openai`` client.
 
 Both batching modes: the session's micro-batching server (``tiny-llama``, batches of 8 in
-micro-batches of 4) and one continuous-batching server (``tiny-llama-continuous``) shared by
-this module. The base URL is ``/predictions/<model>/1.0/v1``: TorchServe hands what follows
-the version to the handler as ``url_path``.
+micro-batches of 4) and its continuous-batching server (``tiny-llama-continuous``). The base
+URL is ``/predictions/<model>/1.0/v1``: TorchServe hands what follows the version to the
+handler as ``url_path``.
 """
 from __future__ import annotations
 
@@ -19,23 +19,11 @@ import pytest
 
 from llama_engine.chat import render_chat
 
-from conftest import MODEL, serve_variant
+from conftest import CONTINUOUS, MODEL
 
 ROOT = Path(__file__).resolve().parents[2]
-CONTINUOUS = "tiny-llama-continuous"
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What does a function return?"}]
 PROMPT = "The function returns"
-
-
-def small(data):
-    data["handler"]["torch_threads"] = 1
-    data["batchSize"] = 4
-
-
-@pytest.fixture(scope="module")
-def continuous_server(tiny_model_dir, tmp_path_factory):
-    with serve_variant(tmp_path_factory.mktemp("openai-continuous"), CONTINUOUS, tiny_model_dir, small) as ts:
-        yield ts
 
 
 @pytest.fixture(scope="module", params=[MODEL, CONTINUOUS])
