@@ -852,8 +852,9 @@ ahead of micro-batching on the Poisson load at all: `.venv/bin/python -m scripts
   TTFT(768) / TTFT(256) from the probes' p50, with its split into a fixed cost and a cost per prompt
   token (the line through the two points). Prefill bound (`scripts/bench/gemm.py`, sampled beside the
   bandwidth): the model's own linear products (fused q/k/v, o, fused gate/up, down) on 256 and on 768
-  rows of random activations, best of 5, as prompt tokens/s; attention, norms and the LM head are left
-  out, so no prefill beats it. `ttft_growth_at_prefill_bound` is the TTFT growth of a prompt that cost
+  rows of random activations, best of 5, as prompt tokens/s, every layer's but of the last only its
+  keys and values (a prompt needs no more of it); attention, norms and the LM head are left out, so no
+  prefill beats it. `ttft_growth_at_prefill_bound` is the TTFT growth of a prompt that cost
   only that (what any implementation faces on the CPU); `prefill_vs_bound_<n>` is the in-process
   prompt tokens/s (n / TTFT p50) against it. Decode products (the same file, sampled alike): one row
   through every layer's products and the LM head, each with its own weights so that they stream from
