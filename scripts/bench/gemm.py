@@ -124,10 +124,10 @@ def prefill_bound(model: Path, dtype: str = "float32", threads: int = 2, tokens:
 
 
 def products_per_prompt_token(config: dict) -> list:
-    """How many of each :func:`layer_shapes` product a prompt token needs, the last one excepted: every
-    layer's, but of the last layer's only its keys and values, which the later tokens read (the
-    torch backend runs the rest of that layer for the rows with logits alone). The K/V share of the
-    fused q/k/v product counts as that fraction of its time."""
+    """How many of each :func:`layer_shapes` product a prompt token needs: every layer's, but of the
+    last layer only the keys and values, which later tokens read (the torch backend runs the rest of
+    that layer for the rows with logits alone; the prompt's last token, one of hundreds, counts as the
+    others). The K/V share of the fused q/k/v product counts as that share of its time."""
     heads = config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads") or heads
     full = config["num_hidden_layers"] - 1
