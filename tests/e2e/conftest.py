@@ -105,14 +105,18 @@ def client(server) -> Client:
     return Client(server)
 
 
-def one_thread_8_slots(data):
-    data.update(batchSize=8)
+#: Slots of the session's continuous server (:func:`continuous_server`); tests that fill them read it here.
+CONTINUOUS_SLOTS = 8
+
+
+def shared_continuous(data):
+    data.update(batchSize=CONTINUOUS_SLOTS)
     data["handler"]["torch_threads"] = 1
 
 
 @pytest.fixture(scope="session")
 def continuous_server(tiny_model_dir, tmp_path_factory):
-    """``tiny-llama-continuous`` with 8 slots on one torch thread, shared by the modules that only send it
-    requests (a module that kills its worker or counts its metrics serves its own)."""
-    with serve_variant(tmp_path_factory.mktemp("continuous"), CONTINUOUS, tiny_model_dir, one_thread_8_slots) as ts:
+    """``tiny-llama-continuous`` with :data:`CONTINUOUS_SLOTS` slots on one torch thread, shared by the modules
+    that only send it requests (a module that kills its worker or counts its metrics serves its own)."""
+    with serve_variant(tmp_path_factory.mktemp("continuous"), CONTINUOUS, tiny_model_dir, shared_continuous) as ts:
         yield ts

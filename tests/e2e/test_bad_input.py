@@ -16,11 +16,11 @@ from dataclasses import dataclass
 import pytest
 import requests
 
-from conftest import CONTINUOUS, serve_variant
+from conftest import CONTINUOUS, CONTINUOUS_SLOTS, serve_variant
 
 PROMPT = "The function returns"
 LONG = 480  # new tokens of the long stream: 4 prompt tokens + 480 fit handler.max_length 512
-BATCH = 8
+BATCH = CONTINUOUS_SLOTS  # the micro server's batch and micro-batch, the continuous server's slots
 
 
 def micro(data):
