@@ -93,6 +93,29 @@ def prefill_floor_ratios(runs, bound: dict) -> dict:
     return out
 
 
+def peer_ttft_ratios(runs, results: dict) -> dict:
+    """Each peer's own TTFT growth on the same probes, and the served TTFT at the longest probe against
+    the peer's: reported beside the goal, to tell a limit of the CPU from one of this code."""
+    served_growth, served = _ttft_growth(runs, SERVED)
+    out = {}
+    for name in PEER_NAMES:
+        if results["systems"].get(name, {}).get("status") != "ok":
+            continue
+        value, inputs = _ttft_growth(runs, name)
+        if value is None:
+            continue
+        out[f"ttft_growth_{name}"] = _ratio(
+            value, "report", None,
+            f"{name} TTFT p50 at the longest input / at the shortest, the same probes as ttft_growth; as fixed + "
+            f"per token: {inputs['fixed_ms']:.0f} ms + {inputs['per_prompt_token_ms']:.2f} ms/token", **inputs)
+        if served_growth is not None and served["long_input"] == inputs["long_input"]:
+            out[f"ttft_long_vs_{name}"] = _ratio(
+                served["ttft_long_ms"] / inputs["ttft_long_ms"], "report", None,
+                f"{SERVED} TTFT p50 / {name} TTFT p50 at {inputs['long_input']} input (below 1: the served "
+                f"handler answers first)", served_ms=served["ttft_long_ms"], peer_ms=inputs["ttft_long_ms"])
+    return out
+
+
 def _batch1_run(runs, system) -> Optional[dict]:
     """The system's 1-stream sweep row, else its shortest length row (the length sweep runs one stream)."""
     return find(runs, system, "concurrency", concurrency=1) or next(
@@ -219,6 +242,7 @@ def ratios(results: dict) -> dict:
                              "ms/token" if inputs else ""),
                           **inputs)
     out.update(prefill_floor_ratios(runs, results.get("prefill_bound")))
+    out.update(peer_ttft_ratios(runs, results))
 
     out.update(continuous_ratios(runs, results.get("extra")))
     best, best1 = _best_served(runs, c), _best_served(runs, 1)

@@ -506,6 +506,20 @@ def test_ttft_growth_splits_into_a_fixed_cost_and_a_cost_per_prompt_token():
     assert "50 ms + 1.76 ms/token" in growth["definition"]
 
 
+def test_each_peers_ttft_growth_and_its_long_prompt_ttft_are_reported_beside_the_goal():
+    runs = [_ttft("torchserve", 256, 500.0), _ttft("torchserve", 768, 1400.0),
+            _ttft("llama.cpp", 256, 600.0), _ttft("llama.cpp", 768, 1800.0), _ttft("vllm", 256, 1000.0)]
+    rs = report.ratios(_results(runs))
+    peer = rs["ttft_growth_llama.cpp"]
+    assert peer["value"] == 3.0 and peer["met"] is None and "0 ms + 2.34 ms/token" in peer["definition"]
+    assert rs["ttft_long_vs_llama.cpp"]["value"] == round(1400 / 1800, 4)
+    assert rs["ttft_long_vs_llama.cpp"]["inputs"] == {"served_ms": 1400.0, "peer_ms": 1800.0}
+    assert "ttft_growth_vllm" not in rs and "ttft_growth_llama.cpp-q8_0" not in rs  # one probe, and none
+    down = _results(runs)
+    down["systems"]["llama.cpp"]["status"] = "failed"
+    assert "ttft_growth_llama.cpp" not in report.ratios(down)
+
+
 def test_the_prefill_bound_gives_the_growth_any_implementation_faces_and_how_near_inprocess_runs():
     bound = {"256": {"tokens_per_s": 600.0, "gflops": 136.0}, "768": {"tokens_per_s": 720.0, "gflops": 163.0}}
     runs = [_ttft("inprocess", 256, 512.0), _ttft("inprocess", 768, 1536.0)]
