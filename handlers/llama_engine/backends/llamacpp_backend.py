@@ -1,12 +1,12 @@
 """llama.cpp on CPU, through llama-cpp-python's C API, over a GGUF of the checkpoint.
 
-Why a second CPU backend: on an AVX2-only CPU torch's float32 decode step is GEMV-bound and
-ggml's kernels stream the same weights faster. Measured in one process, interleaved, on a
-2-vCPU AMD EPYC (AVX2, no AVX-512), the bench model in float32, 2 threads,
-``OMP_WAIT_POLICY=PASSIVE``: a decode step of 1 / 2 / 4 / 8 rows took 19.7 / 23.8 / 30.2 / 41.6 ms
-here against 26.9 / 29.2 / 34.1 / 43.8 ms in :class:`~.torch_backend.TorchSlotBackend`, while a
-256-token prefill was ~12% slower (2.0 against 1.76 ms per token). Which wins depends on the
-CPU and the load; ``make bench`` measures both served.
+Why a second CPU backend: where torch's kernels stop short of the CPU, ggml's may not. On a
+2-vCPU AMD EPYC (AVX2, no AVX-512) in float32, before torch's native kernels, a decode step of
+1 / 2 / 4 / 8 rows of the bench model took 19.7 / 23.8 / 30.2 / 41.6 ms here against 26.9 / 29.2 /
+34.1 / 43.8 ms in :class:`~.torch_backend.TorchSlotBackend`. With them (bf16 checkpoint, float32
+arithmetic over bf16 weights against a bf16 GGUF, interleaved, 256 positions) torch took 12.4 /
+12.9 / 14.6 / 25.7 ms against 18.4 / 21.9 / 34.7 / 54.2 here, and a 256-token prefill 546 against
+658 ms. Which wins depends on the CPU and the load; ``make bench`` measures both served.
 
 Only the forward pass is llama.cpp's: the engine's batching, sampling, stopping and streaming
 are the same as with torch. Each slot is a llama.cpp sequence (``seq_id`` = slot) in a
