@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import platform
 import subprocess
+import sys
 import time
 from importlib import metadata
 from pathlib import Path
@@ -49,11 +50,31 @@ def emulate(target: str) -> dict:
     return env
 
 
+def openmp_as_served() -> dict:
+    """Have this process's OpenMP threads wait as a server's do (``scripts.tsctl``'s
+    ``OMP_WAIT_POLICY`` and ``GOMP_SPINCOUNT``, unless set already), so that the in-process rows,
+    the bounds and the kernels' comparisons face what a served worker faces rather than threads
+    that spin ~3 ms after every torch op and take the native kernels' cores. libgomp reads them
+    when torch loads it: returns what was set, or raises where that already happened."""
+    from scripts.tsctl import GOMP_SPINCOUNT, OMP_WAIT_POLICY
+
+    wanted = {"OMP_WAIT_POLICY": OMP_WAIT_POLICY, "GOMP_SPINCOUNT": GOMP_SPINCOUNT}
+    if "torch" in sys.modules:
+        if all(os.environ.get(k) == v for k, v in wanted.items()):
+            return wanted  # set before this process started: already in effect
+        raise RuntimeError("the bench sets OMP_WAIT_POLICY and GOMP_SPINCOUNT before torch loads, but torch is "
+                           "loaded already; run `python -m scripts.bench` afresh")
+    for key, value in wanted.items():
+        os.environ.setdefault(key, value)
+    return {key: os.environ[key] for key in wanted}
+
+
 def machine_info() -> dict:
     flags, host_class = cpu_features.cpu_flags(), cpu_features.cpu_class(cpu_features.host_cpu_flags())
     info = {"cpu": _cpu_model(), "logical_cpus": os.cpu_count(), "cpu_flags": cpu_features.reported_flags(flags),
             "cpu_class": cpu_features.cpu_class(flags), "auto_dtype": cpu_features.auto_dtype("cpu", flags),
             "platform": platform.platform()}
+    info["openmp_env"] = {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     if info["cpu_class"] != host_class:
         info["emulated_on"] = host_class
         info["emulation_env"] = {k: os.environ[k] for k in cpu_features.EMULATION_VARS if k in os.environ}

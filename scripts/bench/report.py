@@ -869,7 +869,12 @@ ahead of micro-batching on the Poisson load at all: `.venv/bin/python -m scripts
 * Serving overhead: served output tok/s at 8 streams / in-process at batch 8, the median over
   back-to-back A/B pairs of the same wave (the "paired" rows: the in-process engine stays loaded while
   the idle server is up, and the order alternates), because the machine's speed drifts by tens of
-  percent between minutes; `serving_overhead_batch1` is the same at 1 stream. Batch-1 decode efficiency:
+  percent between minutes; `serving_overhead_batch1` is the same at 1 stream. The bench process computes
+  under the OpenMP waits the servers get (`OMP_WAIT_POLICY=PASSIVE`, `GOMP_SPINCOUNT=20000`, from
+  `scripts/tsctl.py`, unless its environment sets them; `machine.openmp_env` records them): with
+  libgomp's default ~3 ms of spinning after every torch op, its threads took the native kernels'
+  cores and the in-process rows ran slower than the served ones (2-vCPU AVX2 EPYC: serving overhead
+  1.09 at 8 streams, 0.99 under the servers' waits, `--systems inprocess,torchserve` runs minutes apart). Batch-1 decode efficiency:
   decode tok/s × weight bytes per token / bandwidth, where each paired 1-stream round (in-process and
   served) sits between two bandwidth samples and is held to their mean, the median over the rounds
   (`_vs_best_bandwidth`: the 1-stream sweep against the run's best sample, reported). TTFT growth:

@@ -122,6 +122,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.render is not None:
         return render(args)
+    log("OpenMP as served: " + " ".join(f"{k}={v}" for k, v in machine.openmp_as_served().items()))
     if args.cpu_class:
         log(f"--cpu-class {args.cpu_class}: " + " ".join(f"{k}={v}" for k, v in machine.emulate(args.cpu_class).items()))
 

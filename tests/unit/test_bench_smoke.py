@@ -47,6 +47,8 @@ def host_env() -> dict:
 def smoke(tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     env = host_env()
+    for var in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):  # the bench sets what a server gets
+        env.pop(var, None)
     started = time.monotonic()
     # Its own session: on a hang the whole group goes (TorchServe included), not just the bench.
     proc = subprocess.Popen([sys.executable, "-m", "scripts.bench", "--smoke", "--out", str(out),
@@ -70,6 +72,8 @@ def test_smoke_json_has_every_section_and_positive_figures(smoke):
     assert results["mode"] == "smoke"
     assert results["versions"]["torch"] and results["versions"]["torchserve"]
     assert results["machine"]["logical_cpus"] >= 1
+    # its in-process rows ran under the OpenMP waits a server gets (the fixture's environment sets none)
+    assert results["machine"]["openmp_env"] == {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "20000"}
     assert results["model"]["weight_bytes_per_token"] > 0
     assert all(bw["gb_per_s"] > 0 for bw in results["memory_bandwidth"].values())
     assert results["decode_bound"]["tokens_per_s"] > 0

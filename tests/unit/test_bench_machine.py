@@ -1,0 +1,36 @@
+"""The bench process computes under the OpenMP waits a served worker gets (scripts.tsctl)."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _python(code: str, **env) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=dict(base, **env), capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_libgomp_reads_the_served_waits_when_torch_loads_after_them():
+    proc = _python("from scripts.bench import machine; print(machine.openmp_as_served()); "
+                   "import torch; torch.ones(512, 512).sum()", OMP_DISPLAY_ENV="VERBOSE")
+    assert proc.returncode == 0, proc.stderr
+    assert "'OMP_WAIT_POLICY': 'PASSIVE', 'GOMP_SPINCOUNT': '20000'" in proc.stdout
+    # libgomp prints the values it runs with as it loads
+    assert "OMP_WAIT_POLICY = 'PASSIVE'" in proc.stderr and "GOMP_SPINCOUNT = '20000'" in proc.stderr
+
+
+def test_a_wait_policy_set_already_is_kept():
+    proc = _python("from scripts.bench import machine; print(machine.openmp_as_served())", OMP_WAIT_POLICY="ACTIVE")
+    assert proc.returncode == 0, proc.stderr
+    assert "'OMP_WAIT_POLICY': 'ACTIVE', 'GOMP_SPINCOUNT': '20000'" in proc.stdout
+
+
+def test_too_late_once_torch_is_loaded_unless_the_environment_already_had_them():
+    late = _python("import torch; from scripts.bench import machine; machine.openmp_as_served()")
+    assert late.returncode != 0 and "run `python -m scripts.bench` afresh" in late.stderr
+    preset = _python("import torch; from scripts.bench import machine; print(machine.openmp_as_served())",
+                     OMP_WAIT_POLICY="PASSIVE", GOMP_SPINCOUNT="20000")
+    assert preset.returncode == 0 and "'GOMP_SPINCOUNT': '20000'" in preset.stdout, preset.stderr
