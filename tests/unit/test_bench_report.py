@@ -565,3 +565,11 @@ def test_the_bench_refuses_to_write_its_results_over_the_index():
     with pytest.raises(SystemExit):
         parse_args(["--docs", str(report.DOCS_PAGE)])
     assert parse_args(["--docs", str(report.DOCS_PAGE.with_name("benchmarks-mine.md"))]).docs.name == "benchmarks-mine.md"
+
+
+def test_the_machine_line_says_which_openmp_waits_the_bench_process_ran_under():
+    machine = {"openmp_env": {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "20000"}}
+    assert report.openmp_text(machine) == ("; OpenMP in the bench process: `OMP_WAIT_POLICY=PASSIVE`, "
+                                          "`GOMP_SPINCOUNT=20000`")
+    assert report.openmp_text({"openmp_env": {"OMP_WAIT_POLICY": None, "GOMP_SPINCOUNT": None}}) == ""
+    assert report.openmp_text({}) == ""  # a run from before the bench recorded them
