@@ -8,9 +8,9 @@ import time
 import pytest
 import requests
 
-from conftest import burst_statuses, serve_variant
+from conftest import CONTINUOUS, burst_statuses, serve_variant
 
-MODEL = "tiny-llama-continuous"
+MODEL = CONTINUOUS
 SLOTS = 2
 QUEUE = 2
 

@@ -23,9 +23,8 @@ import yaml
 from scripts.scrape_metrics import HISTOGRAMS, buckets, scrape, summary, value
 from scripts.tsctl import running
 
-from conftest import ROOT
+from conftest import CONTINUOUS, MODEL as MICRO, ROOT
 
-MICRO, CONTINUOUS = "tiny-llama", "tiny-llama-continuous"
 MAX_INPUT_BYTES = 2048
 CAPACITY = {MICRO: 2, CONTINUOUS: 2}
 PROMPTS = ["The function returns", "If the object is", "A list of", "The default value is",

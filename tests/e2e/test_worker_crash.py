@@ -21,9 +21,9 @@ import time
 import pytest
 import requests
 
-from conftest import serve_variant
+from conftest import CONTINUOUS, serve_variant
 
-MODES = {"micro": "tiny-llama", "continuous": "tiny-llama-continuous"}
+MODES = {"micro": "tiny-llama", "continuous": CONTINUOUS}
 HANG = 60.0  # s of silence that would mean a client was left hanging
 PROMPT = "Once upon a time"
 LONG = {"inputs": PROMPT, "parameters": {"max_new_tokens": 400}}

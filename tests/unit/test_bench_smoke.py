@@ -33,12 +33,13 @@ FIGURES = ("output_tokens_per_s", "decode_tokens_per_s_per_stream", "throughput_
 
 
 def host_env() -> dict:
-    """This environment, with this venv's commands first and as this CPU (no emulated class from a
-    caller's ``--cpu-class`` environment: llama_engine.cpu.emulation_env)."""
+    """This environment, with this venv's commands first, as this CPU (no emulated class from a
+    caller's ``--cpu-class`` environment: llama_engine.cpu.emulation_env) and with no OpenMP waits
+    (the bench sets what a server gets)."""
     from llama_engine.cpu import EMULATION_VARS
 
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
-    for var in EMULATION_VARS:
+    for var in (*EMULATION_VARS, "OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
         env.pop(var, None)
     return env
 
@@ -47,8 +48,6 @@ def host_env() -> dict:
 def smoke(tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     env = host_env()
-    for var in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):  # the bench sets what a server gets
-        env.pop(var, None)
     started = time.monotonic()
     # Its own session: on a hang the whole group goes (TorchServe included), not just the bench.
     proc = subprocess.Popen([sys.executable, "-m", "scripts.bench", "--smoke", "--out", str(out),
