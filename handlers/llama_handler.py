@@ -43,6 +43,7 @@ from ts.handler_utils.utils import send_intermediate_predict_response
 from llama_engine import Engine, RequestError, load_model_config, parse_request
 from llama_engine.continuous import ContinuousScheduler, RequestHandle, SteppingThread
 from llama_engine.cpu import release_openmp_threads
+from llama_engine.cpu_limits import model_threads
 from llama_engine.formatting import CONTENT_TYPES, JSON, full_response, stream_chunk, stream_error
 from llama_engine.lifecycle import PreparedRequest, request_error
 from llama_engine.openai_api import Reply, as_openai_error, parse_openai
@@ -110,7 +111,8 @@ def warm_up_and_report(warmup: bool, warm, backend, started: float, metrics=None
 
 
 def set_torch_threads(config) -> int:
-    threads = config.handler.torch_threads or os.cpu_count() or 1
+    """``handler.torch_threads``, at most the CPUs this worker may use (:func:`model_threads`)."""
+    threads = model_threads(config.handler.torch_threads)
     torch.set_num_threads(threads)
     if threads > 1 and os.environ.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE":
         logger.warning("OMP_WAIT_POLICY is not PASSIVE: %d OpenMP threads will spin between torch ops and take "

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from llama_engine.cpu import CLASSES, auto_dtype
+from llama_engine.cpu_limits import model_threads
 from scripts.bench import machine, model as bench_model, report
 from scripts.bench.membw import read_bandwidth
 from scripts.bench.plan import (
@@ -221,7 +222,7 @@ class BenchRun:
         model = results["model"] = bench_model.describe(self.checkpoint, self.dtype, self.weight_dtype, random_weights=not tiny)
         model["name"] = ("tiny-llama (trained, 4.2M; EOS removed from its tokenizer)" if tiny
                          else f"bench-llama ({model['parameters'] / 1e6:.0f}M, random weights)")
-        self.threads = cfg.handler.torch_threads or os.cpu_count() or 1
+        self.threads = model_threads(cfg.handler.torch_threads)  # what the worker picks
         self.micro = cfg.micro_batching.micro_batch_size
         results["config"] = {"path": str(self.config), "base": str(args.config), "threads": self.threads,
                              "frontend": vars(cfg.frontend), "handler": {k: v for k, v in vars(cfg.handler).items()},

@@ -20,6 +20,7 @@ import torch
 from llama_engine.backends.base import PrefillChunk
 from llama_engine.backends.llamacpp_backend import LlamaCppBackend, LlamaCppSlotBackend
 from llama_engine.backends.torch_backend import TorchSlotBackend
+from llama_engine.cpu_limits import UsableCpus
 from scripts import build_model
 
 MAX_LENGTH = 128
@@ -197,7 +198,7 @@ def test_decode_threads_auto_takes_one_thread_only_where_it_frees_a_core(tiny_gg
 
     from llama_engine.backends import llamacpp_backend
 
-    monkeypatch.setattr(llamacpp_backend, "usable_cpus", lambda: cpus)
+    monkeypatch.setattr(llamacpp_backend, "usable_cpus", lambda: UsableCpus(cpus, "affinity"))
     monkeypatch.setattr(llamacpp_backend, "ONE_THREAD_ALLOWANCE_S", allowance)
     with caplog.at_level(logging.INFO, logger=llamacpp_backend.logger.name):
         made = LlamaCppSlotBackend(str(tiny_gguf), 2, MAX_LENGTH, threads=2, decode_threads="auto")

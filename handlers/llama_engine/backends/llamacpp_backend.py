@@ -27,6 +27,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from ..cpu_limits import usable_cpus
 from .base import OnePassSlotBackend, PrefillChunk, SlotBatchBackend
 
 logger = logging.getLogger(__name__)
@@ -55,14 +56,6 @@ def import_llama_cpp():
                            "`make llamacpp` (builds it from source for this CPU) or pick backend torch") from exc
     _logger.set_verbose(False)
     return llama_cpp
-
-
-def usable_cpus() -> int:
-    """The CPUs this process may run on (a container's cpuset, not the host's count)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
 
 
 class LlamaCppSlotBackend(OnePassSlotBackend):
@@ -147,7 +140,7 @@ class LlamaCppSlotBackend(OnePassSlotBackend):
         :data:`ONE_THREAD_ALLOWANCE_S` slower than theirs, timed here on a scratch slot
         (alternated blocks, medians).
         """
-        if self.threads < 2 or self.threads < usable_cpus() or self.max_length < 64:
+        if self.threads < 2 or self.threads < usable_cpus().count or self.max_length < 64:
             return self.threads
         times = {self.threads: [], 1: []}
         self._step([], [], [PrefillChunk(0, list(range(1, 33)))])
