@@ -10,6 +10,7 @@ from importlib import metadata
 from pathlib import Path
 
 from llama_engine import cpu as cpu_features
+from llama_engine.cpu_limits import usable_cpus
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -75,6 +76,8 @@ def machine_info() -> dict:
             "cpu_class": cpu_features.cpu_class(flags), "auto_dtype": cpu_features.auto_dtype("cpu", flags),
             "platform": platform.platform()}
     info["openmp_env"] = {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    usable = usable_cpus()  # what the served worker's threads default to (a container's share of the host)
+    info["usable_cpus"], info["usable_cpus_source"] = usable.count, usable.source
     if info["cpu_class"] != host_class:
         info["emulated_on"] = host_class
         info["emulation_env"] = {k: os.environ[k] for k in cpu_features.EMULATION_VARS if k in os.environ}

@@ -572,7 +572,7 @@ def markdown(results: dict, plots: List[Path]) -> str:
     merged_text = f"\n{merged}\n" if merged else ""
     return f"""Mode `{results['mode']}`, {results['timestamp']}, `{results['command']}`, {results['phases_s']['total_s']:.0f} s.
 {merged_text}
-**Machine**: {m['cpu']} (CPU class `{cpu_label(m)}`), {m['logical_cpus']} logical CPUs, {m.get('memory_gb', '?')} GB, {m.get('virtualization', 'bare metal or unknown')}; {m['platform']}; CPU features {', '.join(m.get('cpu_flags', []))}{openmp_text(m)}.
+**Machine**: {m['cpu']} (CPU class `{cpu_label(m)}`), {m['logical_cpus']} logical CPUs{usable_text(m)}, {m.get('memory_gb', '?')} GB, {m.get('virtualization', 'bare metal or unknown')}; {m['platform']}; CPU features {', '.join(m.get('cpu_flags', []))}{openmp_text(m)}.
 **Versions**: Python {v['python']}, torch {v['torch']}, transformers {v['transformers']}, TorchServe {v['torchserve']}, {v.get('java')}, git {v.get('git')}.
 **Model**: {model['name']}: {model['parameters']:,} parameters ({model['hidden_size']} hidden, {model['num_hidden_layers']} layers, {model['num_attention_heads']} heads, {model['num_key_value_heads']} KV heads, intermediate {model['intermediate_size']}, vocab {model['vocab_size']}), {dtype_label(model)}; EOS suppressed (its tokenizer declares no EOS token).
 **Config**: `{_rel(results['config']['base'])}` with dtype {model['dtype']}: batchSize {results['config']['frontend']['batchSize']}, maxBatchDelay {results['config']['frontend']['maxBatchDelay']} ms, micro_batch_size {results['config']['micro_batching']['micro_batch_size']}, max_length {results['config']['handler']['max_length']}, torch_threads {results['config']['threads']}.
@@ -605,6 +605,14 @@ def openmp_text(machine: dict) -> str:
     """The bench process's OpenMP waits (``machine.openmp_env``), where the run recorded them."""
     env = {k: v for k, v in (machine.get("openmp_env") or {}).items() if v is not None}
     return "; OpenMP in the bench process: " + ", ".join(f"`{k}={v}`" for k, v in env.items()) if env else ""
+
+
+def usable_text(machine: dict) -> str:
+    """`` (1 usable: CPU affinity)`` where the run could use fewer CPUs than the host has."""
+    usable = machine.get("usable_cpus")
+    if usable is None or usable >= machine["logical_cpus"]:
+        return ""
+    return f" ({usable} usable: {machine.get('usable_cpus_source')})"
 
 
 def cpu_label(machine: dict) -> str:

@@ -573,3 +573,10 @@ def test_the_machine_line_says_which_openmp_waits_the_bench_process_ran_under():
                                           "`GOMP_SPINCOUNT=20000`")
     assert report.openmp_text({"openmp_env": {"OMP_WAIT_POLICY": None, "GOMP_SPINCOUNT": None}}) == ""
     assert report.openmp_text({}) == ""  # a run from before the bench recorded them
+
+
+def test_the_machine_line_says_when_the_run_could_use_fewer_cpus_than_the_host_has():
+    assert report.usable_text({"logical_cpus": 64, "usable_cpus": 4, "usable_cpus_source": "cgroup CPU quota 4"}) == (
+        " (4 usable: cgroup CPU quota 4)")
+    assert report.usable_text({"logical_cpus": 2, "usable_cpus": 2, "usable_cpus_source": "CPU affinity"}) == ""
+    assert report.usable_text({"logical_cpus": 2}) == ""  # a run from before the bench recorded them

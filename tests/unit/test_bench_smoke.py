@@ -71,6 +71,7 @@ def test_smoke_json_has_every_section_and_positive_figures(smoke):
     assert results["mode"] == "smoke"
     assert results["versions"]["torch"] and results["versions"]["torchserve"]
     assert results["machine"]["logical_cpus"] >= 1
+    assert 1 <= results["machine"]["usable_cpus"] <= results["machine"]["logical_cpus"]
     # its in-process rows ran under the OpenMP waits a server gets (the fixture's environment sets none)
     assert results["machine"]["openmp_env"] == {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "20000"}
     assert results["model"]["weight_bytes_per_token"] > 0
