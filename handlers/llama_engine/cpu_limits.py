@@ -19,7 +19,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, List, Optional, Tuple
+from typing import Callable, Iterator, List, Optional, Tuple
 
 logger = logging.getLogger(__name__)
 
@@ -74,12 +74,17 @@ def cgroup_cpu_quota(root: Path = Path("/")) -> Optional[float]:
         membership = (root / "proc/self/cgroup").read_text()
     except OSError:
         return None
-    quotas = [q for directory, read in _cpu_cgroup_dirs(mountinfo, membership, root)
-              for q in _ancestors_quotas(directory, read)]
+    try:
+        quotas = [q for directory, read in _cpu_cgroup_dirs(mountinfo, membership, root)
+                  for q in _ancestors_quotas(directory, read)]
+    except (ValueError, IndexError, OSError):  # a layout this parser does not know: no limit rather than no worker
+        logger.warning("could not read this process's cgroup CPU quota; counting its CPU affinity only", exc_info=True)
+        return None
     return min(quotas) if quotas else None
 
 
-def _cpu_cgroup_dirs(mountinfo: str, membership: str, root: Path) -> Iterator[Tuple[List[Path], object]]:
+def _cpu_cgroup_dirs(mountinfo: str, membership: str,
+                     root: Path) -> Iterator[Tuple[List[Path], Callable[[Path], Optional[float]]]]:
     """For each cgroup mount that carries the cpu controller: this process's cgroup directory and
     its ancestors up to the mount, with the reader of that version's quota file."""
     paths = _membership(membership)
@@ -87,12 +92,14 @@ def _cpu_cgroup_dirs(mountinfo: str, membership: str, root: Path) -> Iterator[Tu
         fields = line.split()
         if " - " not in line or len(fields) < 5:
             continue
-        fstype, _, options = line.split(" - ", 1)[1].partition(" ")
+        described = line.split(" - ", 1)[1].split()  # fstype, source, super options
+        fstype = described[0] if described else ""
+        controllers = described[-1].split(",") if len(described) > 2 else []
         mount_root, mount_point = fields[3], fields[4]
         if fstype == "cgroup2" and "" in paths:
             path = paths[""]
             reader = _read_cpu_max
-        elif fstype == "cgroup" and "cpu" in options.split()[-1].split(",") and "cpu" in paths:
+        elif fstype == "cgroup" and "cpu" in controllers and "cpu" in paths:
             path = paths["cpu"]
             reader = _read_cfs_quota
         else:

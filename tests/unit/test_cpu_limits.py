@@ -105,3 +105,8 @@ def test_the_handler_under_taskset_computes_with_the_one_cpu_it_is_given():
     out = subprocess.run(["taskset", "-c", str(cpu), sys.executable, "-c", code], env=env, capture_output=True,
                          text=True, timeout=120, check=True).stdout.split()
     assert out == ["1", "1", "1", "1"]
+
+
+def test_a_mountinfo_this_parser_does_not_know_is_no_limit_not_a_failed_load(tmp_path):
+    root = fake_root(tmp_path, "garbage - \n31 23 0:28 / /sys/fs/cgroup/cpu rw - cgroup\n", "4:cpu:/x\n", {})
+    assert cgroup_cpu_quota(root) is None
