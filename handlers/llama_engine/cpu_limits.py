@@ -43,20 +43,35 @@ def usable_cpus(root: Path = Path("/")) -> UsableCpus:
 
 
 def model_threads(configured: Optional[int], usable: Optional[UsableCpus] = None) -> int:
-    """The threads a model computes with: ``handler.torch_threads`` (``configured``), at most the
-    CPUs this process may use, or those CPUs where it is unset. A count above them (a config
-    written for a larger machine) is lowered, and the log says so (the module's figures)."""
+    """The threads a model computes with: ``handler.torch_threads`` (``configured``), else
+    ``OMP_NUM_THREADS``, at most the CPUs this process may use; those CPUs where neither is set.
+    A count above them (a config written for a larger machine) is lowered, and the log says so
+    (the module's figures)."""
     usable = usable or usable_cpus()
+    name = "handler.torch_threads"
+    if not configured:
+        configured, name = _omp_num_threads(), "OMP_NUM_THREADS"
     if not configured:
         logger.info("torch threads %d: the CPUs this worker may use (%s; the host has %s)", usable.count,
                     usable.source, os.cpu_count())
         return usable.count
     if configured > usable.count:
-        logger.warning("handler.torch_threads is %d but this worker may use %d CPU(s) (%s): computing with %d; "
-                       "lower handler.torch_threads or leave it unset", configured, usable.count, usable.source,
-                       usable.count)
+        logger.warning("%s is %d but this worker may use %d CPU(s) (%s): computing with %d; lower %s or leave it "
+                       "unset", name, configured, usable.count, usable.source, usable.count, name)
         return usable.count
+    if name == "OMP_NUM_THREADS":
+        logger.info("torch threads %d: OMP_NUM_THREADS (handler.torch_threads unset)", configured)
     return configured
+
+
+def _omp_num_threads() -> Optional[int]:
+    """``OMP_NUM_THREADS`` where it is one positive count (TorchServe's performance guide has users
+    set it; torch itself honours it), else None."""
+    try:
+        value = int(os.environ.get("OMP_NUM_THREADS", "").strip())
+    except ValueError:
+        return None
+    return value if value >= 1 else None
 
 
 def _affinity() -> int:

@@ -81,7 +81,8 @@ def test_usable_cpus_is_the_affinity_capped_by_the_quota(monkeypatch, affinity, 
     assert usable_cpus() == expected
 
 
-def test_a_configured_count_above_the_usable_cpus_is_lowered_with_a_warning_naming_the_field(caplog):
+def test_a_configured_count_above_the_usable_cpus_is_lowered_with_a_warning_naming_the_field(caplog, monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     with caplog.at_level(logging.INFO, logger=cpu_limits.logger.name):
         assert model_threads(4, UsableCpus(2, "CPU affinity")) == 2
         assert model_threads(1, UsableCpus(2, "CPU affinity")) == 1
@@ -89,6 +90,20 @@ def test_a_configured_count_above_the_usable_cpus_is_lowered_with_a_warning_nami
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "handler.torch_threads is 4" in warnings[0] and "computing with 2" in warnings[0]
     assert any("torch threads 3" in r.getMessage() and "cgroup CPU quota 2.5" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("env, configured, expected", [
+    ("3", None, 3),       # the user's OpenMP count where the config leaves it
+    ("8", None, 4),       # lowered to the usable CPUs like a config's
+    ("3", 2, 2),          # the config's own count wins
+    ("", None, 4), ("zero", None, 4), ("0", None, 4),  # not a count: the usable CPUs
+])
+def test_omp_num_threads_counts_where_torch_threads_is_unset(monkeypatch, caplog, env, configured, expected):
+    monkeypatch.setenv("OMP_NUM_THREADS", env)
+    with caplog.at_level(logging.INFO, logger=cpu_limits.logger.name):
+        assert model_threads(configured, UsableCpus(4, "CPU affinity")) == expected
+    if env == "8":
+        assert any("OMP_NUM_THREADS is 8" in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
 
 
 @pytest.mark.skipif(not shutil.which("taskset") or len(os.sched_getaffinity(0)) < 2,
@@ -101,6 +116,7 @@ def test_the_handler_under_taskset_computes_with_the_one_cpu_it_is_given():
             "for t in (None, 2):\n"
             "    print(llama_handler.set_torch_threads(N(handler=N(torch_threads=t))), torch.get_num_threads())\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HANDLERS), os.environ.get("PYTHONPATH", "")])}
+    env.pop("OMP_NUM_THREADS", None)
     cpu = sorted(os.sched_getaffinity(0))[0]
     out = subprocess.run(["taskset", "-c", str(cpu), sys.executable, "-c", code], env=env, capture_output=True,
                          text=True, timeout=120, check=True).stdout.split()
