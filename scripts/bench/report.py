@@ -178,6 +178,18 @@ def fp32_decode_efficiency(fp32: dict, best_bw: float) -> dict:
     return _bracketed_or_best("batch1_decode_efficiency_fp32", bracketed, against_best)
 
 
+def _latency_split(served: dict, inprocess: Optional[dict]) -> dict:
+    """The paired rows' TTFT and inter-token p50s, served then in-process: whether serving cost the
+    first token (the batch delay, a slow prefill) or every token (the frontend's round trips)."""
+    if not inprocess:
+        return {}
+    try:
+        return {key: [served[row]["p50"], inprocess[row]["p50"]] for key, row in (("ttft_p50_ms", "ttft_ms"),
+                                                                                 ("itl_p50_ms", "itl_ms"))}
+    except (KeyError, TypeError):  # a row without latencies (a run from before they were kept)
+        return {}
+
+
 def ratios(results: dict) -> dict:
     runs = results["runs"]
     plan = results["plan"]
@@ -190,12 +202,15 @@ def ratios(results: dict) -> dict:
     for key, conc in (("serving_overhead", c), ("serving_overhead_batch1", 1)):
         pair = find(runs, SERVED, "paired", concurrency=conc)
         if pair and pair.get("served_over_inprocess_median"):
+            split = _latency_split(pair, find(runs, INPROCESS, "paired", concurrency=conc))
             out[key] = _ratio(
                 pair["served_over_inprocess_median"], ">= 0.90", lambda v: v >= 0.90,
                 f"served output tok/s at {conc} stream(s) / in-process at batch {conc}: median of "
-                f"{len(pair['served_over_inprocess'])} back-to-back A/B pairs of the same wave",
+                f"{len(pair['served_over_inprocess'])} back-to-back A/B pairs of the same wave"
+                + (f"; served / in-process TTFT p50 {split['ttft_p50_ms'][0]:.0f} / {split['ttft_p50_ms'][1]:.0f} ms, "
+                   f"ITL p50 {split['itl_p50_ms'][0]:.1f} / {split['itl_p50_ms'][1]:.1f} ms" if split else ""),
                 concurrency=conc, pairs=pair["served_over_inprocess"],
-                from_the_sweeps=round(sweep_value, 4) if sweep_value and conc == c else None)
+                from_the_sweeps=round(sweep_value, 4) if sweep_value and conc == c else None, **split)
         elif key == "serving_overhead":
             out[key] = _ratio(
                 sweep_value, ">= 0.90", lambda v: v >= 0.90,

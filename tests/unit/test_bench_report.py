@@ -580,3 +580,17 @@ def test_the_machine_line_says_when_the_run_could_use_fewer_cpus_than_the_host_h
         " (4 usable: cgroup CPU quota 4)")
     assert report.usable_text({"logical_cpus": 2, "usable_cpus": 2, "usable_cpus_source": "CPU affinity"}) == ""
     assert report.usable_text({"logical_cpus": 2}) == ""  # a run from before the bench recorded them
+
+
+def test_the_serving_overhead_says_whether_serving_cost_the_first_token_or_every_token():
+    latencies = {"inprocess": ({"p50": 456.0}, {"p50": 10.9}), "torchserve": ({"p50": 668.0}, {"p50": 10.6})}
+    runs = [_run(system, "paired", tps, concurrency=1, served_over_inprocess=[0.9, 0.88, 0.92],
+                 served_over_inprocess_median=0.9, ttft_ms=latencies[system][0], itl_ms=latencies[system][1])
+            for system, tps in (("inprocess", 67.5), ("torchserve", 60.7))]
+    row = report.ratios(_results(runs))["serving_overhead_batch1"]
+    assert row["value"] == 0.9 and row["met"] is True
+    assert row["inputs"]["ttft_p50_ms"] == [668.0, 456.0] and row["inputs"]["itl_p50_ms"] == [10.6, 10.9]
+    assert "TTFT p50 668 / 456 ms, ITL p50 10.6 / 10.9 ms" in row["definition"]
+    del runs[0]["itl_ms"]  # a run from before the paired rows kept latencies: the ratio alone
+    row = report.ratios(_results(runs))["serving_overhead_batch1"]
+    assert row["value"] == 0.9 and "TTFT" not in row["definition"] and "ttft_p50_ms" not in row["inputs"]
