@@ -90,8 +90,8 @@ def cgroup_cpu_quota(root: Path = Path("/")) -> Optional[float]:
     except OSError:
         return None
     try:
-        quotas = [q for directory, read in _cpu_cgroup_dirs(mountinfo, membership, root)
-                  for q in _ancestors_quotas(directory, read)]
+        quotas = [q for chain, read in _cpu_cgroup_dirs(mountinfo, membership, root)
+                  for q in map(read, chain) if q is not None]
     except (ValueError, IndexError, OSError):  # a layout this parser does not know: no limit rather than no worker
         logger.warning("could not read this process's cgroup CPU quota; counting its CPU affinity only", exc_info=True)
         return None
@@ -145,13 +145,6 @@ def _membership(text: str) -> dict:
         for controller in parts[1].split(",") if parts[1] else [""]:
             paths[controller] = parts[2]
     return paths
-
-
-def _ancestors_quotas(directories: List[Path], read) -> Iterator[float]:
-    for directory in directories:
-        quota = read(directory)
-        if quota is not None:
-            yield quota
 
 
 def _read_cpu_max(directory: Path) -> Optional[float]:
