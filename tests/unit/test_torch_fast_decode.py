@@ -230,7 +230,7 @@ def test_float32_packing_follows_a_measurement_of_both_kernels(tiny_model_dir, m
 @FP32
 def test_float32_linears_on_an_avx2_cpu_run_natively_and_keep_the_logits(tiny_model_dir, monkeypatch):
     """The avx2 build's float32 products, a few rows (the tiles) and a prompt's many (its GEMM from
-    64 rows), compute the model's."""
+    48 rows), compute the model's."""
     if cpu_kernels.isa_for(cpu_info.cpu_flags()) is None:
         pytest.skip("this CPU runs none of the native kernels' instruction sets")
     monkeypatch.setenv(cpu_kernels.ENV, "avx2")

@@ -18,6 +18,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <new>
 #include <thread>
 #include <type_traits>
 #include <vector>
@@ -523,19 +524,51 @@ static constexpr int TILE_W = 3, TILE_X = 4;
 // they load feeds TILE_W multiply-adds, so a prompt's rows stream x from L2 at about the rate
 // L2 gives, and the products ran at ~100 GFLOP/s on a Zen 3 EPYC whatever the row count.
 // Here, as in BLIS, w is widened and laid out K-major a panel of GEMM_NR of its rows at a time
-// (GEMM_KC of K, in L1), and a tile of GEMM_MR rows of x multiplies it by broadcasting one
-// element of each row per k: GEMM_MR x 2 accumulators, two loads of the panel (from L1) and
-// GEMM_MR broadcasts of 4 bytes (from L2, x taken GEMM_MC rows at a time) per 2 GEMM_MR
+// (GEMM_KC of K, in L1), x is laid out K-major GEMM_MR rows at a time (once per call, for every
+// thread), and a tile of GEMM_MR rows multiplies the panel by broadcasting one element of each
+// row per k: GEMM_MR x 2 accumulators, two loads of the panel (from L1) and GEMM_MR broadcasts of
+// 4 bytes from one sequential stream (L2, x taken GEMM_MC rows at a time) per 2 GEMM_MR
 // multiply-adds. Each thread takes GEMM_COLS columns of y at a time. The bench model's 48
 // products on the Zen 3 (bf16 weights, 2 threads, best of 4): 404-456 ms at 256 rows against
-// 543-565 with the tiles, 1254-1287 at 768 against 1564-1674; at 64 rows the two were even,
-// below it the tiles faster (packing w costs the same whatever the rows): GEMM_MIN_ROWS.
+// 543-565 with the tiles, 1254-1287 at 768 against 1564-1674. Packing x as well and unrolling
+// the tile's k loop took one layer's four products 1.15x faster at 256 rows (medians of 20
+// alternated passes; 31.9 against 39.1 ms best), 1.12x at 768 and 1.17x at 64, ~150-180 GFLOP/s
+// where two cores' multiply-adds alone reach ~185 (1.9x a core's 98). At 48 rows that GEMM
+// was 1.08-1.13x faster than the tiles, at 40 even, below slower (packing w costs the same
+// whatever the rows): GEMM_MIN_ROWS.
+
+// An allocator of 64-byte-aligned floats, for the panels the tiles load with aligned loads.
+template <class T>
+struct AlignedAlloc {
+    using value_type = T;
+    AlignedAlloc() = default;
+    template <class U> AlignedAlloc(const AlignedAlloc<U> &) {}
+    T *allocate(size_t n) { return static_cast<T *>(::operator new(n * sizeof(T), std::align_val_t(64))); }
+    void deallocate(T *p, size_t) { ::operator delete(p, std::align_val_t(64)); }
+    template <class U> bool operator==(const AlignedAlloc<U> &) const { return true; }
+};
+
+// n floats, 64-byte aligned and not initialised, freed with the object.
+class AlignedFloats {
+  public:
+    explicit AlignedFloats(size_t n) : data_(AlignedAlloc<float>().allocate(n)) {}
+    ~AlignedFloats() { AlignedAlloc<float>().deallocate(data_, 0); }
+    AlignedFloats(const AlignedFloats &) = delete;
+    AlignedFloats &operator=(const AlignedFloats &) = delete;
+    float *data() const { return data_; }
+
+  private:
+    float *data_;
+};
+
 static constexpr int GEMM_MR = 6, GEMM_NR = 16;
 static constexpr long GEMM_KC = 256, GEMM_MC = 96, GEMM_COLS = 64;
+// Floats from one micro-panel of x to the next: GEMM_KC rows and room for pack_rows' spare lanes, 64-byte aligned.
+static constexpr long GEMM_A_STRIDE = GEMM_KC * GEMM_MR + 16;
 #if defined(LLK_GEMM_MIN_ROWS)
 static constexpr long GEMM_MIN_ROWS = LLK_GEMM_MIN_ROWS;
 #else
-static constexpr long GEMM_MIN_ROWS = 64;
+static constexpr long GEMM_MIN_ROWS = 48;
 #endif
 
 inline void transpose8(__m256 r[8]) {
@@ -571,58 +604,99 @@ inline void pack_panel(const TW *w, long K, long k0, long kc, float *panel) {
         for (int j = 0; j < GEMM_NR; j++) panel[k * GEMM_NR + j] = to_f32(w[j * K + k0 + k]);
 }
 
-// y[i][0:GEMM_NR] (+)= sum over k < kc of x[i][k] * panel[k][:], for MR rows of x.
-template <int MR>
-inline void gemm_tile(long kc, const float *x, long ldx, const float *panel, float *y, long ldy, bool first) {
-    __m256 acc[MR][2];
-    for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-    for (long k = 0; k < kc; k++) {
-        __m256 b0 = _mm256_loadu_ps(panel + k * GEMM_NR), b1 = _mm256_loadu_ps(panel + k * GEMM_NR + 8);
-        for (int i = 0; i < MR; i++) {
-            __m256 a = _mm256_broadcast_ss(x + i * ldx + k);
-            acc[i][0] = _mm256_fmadd_ps(a, b0, acc[i][0]);
-            acc[i][1] = _mm256_fmadd_ps(a, b1, acc[i][1]);
-        }
+// y[i][0:GEMM_NR] (+)= sum over k < kc of a[k * GEMM_MR + i] * panel[k][:], i < GEMM_MR.
+// The twelve accumulators are named, not an array, and the loop is unrolled by hand: with an
+// array and an unroll pragma, GCC kept a copy of the accumulators on the stack, stored every step,
+// and the products ran at half the speed.
+inline void gemm_tile(long kc, const float *a, const float *panel, float *y, long ldy, bool first) {
+    static_assert(GEMM_MR == 6 && GEMM_NR == 16, "gemm_tile is written out for 6 x 16 tiles");
+    __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00,
+           c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+#define GEMM_STEP(k)                                                                                   \
+    {                                                                                                  \
+        const __m256 b0 = _mm256_load_ps(panel + (k) * 16), b1 = _mm256_load_ps(panel + (k) * 16 + 8); \
+        __m256 av = _mm256_broadcast_ss(a + (k) * 6);                                                  \
+        c00 = _mm256_fmadd_ps(av, b0, c00), c01 = _mm256_fmadd_ps(av, b1, c01);                        \
+        av = _mm256_broadcast_ss(a + (k) * 6 + 1);                                                     \
+        c10 = _mm256_fmadd_ps(av, b0, c10), c11 = _mm256_fmadd_ps(av, b1, c11);                        \
+        av = _mm256_broadcast_ss(a + (k) * 6 + 2);                                                     \
+        c20 = _mm256_fmadd_ps(av, b0, c20), c21 = _mm256_fmadd_ps(av, b1, c21);                        \
+        av = _mm256_broadcast_ss(a + (k) * 6 + 3);                                                     \
+        c30 = _mm256_fmadd_ps(av, b0, c30), c31 = _mm256_fmadd_ps(av, b1, c31);                        \
+        av = _mm256_broadcast_ss(a + (k) * 6 + 4);                                                     \
+        c40 = _mm256_fmadd_ps(av, b0, c40), c41 = _mm256_fmadd_ps(av, b1, c41);                        \
+        av = _mm256_broadcast_ss(a + (k) * 6 + 5);                                                     \
+        c50 = _mm256_fmadd_ps(av, b0, c50), c51 = _mm256_fmadd_ps(av, b1, c51);                        \
     }
-    for (int i = 0; i < MR; i++) {
+    long k = 0;
+    for (; k + 4 <= kc; k += 4) {
+        GEMM_STEP(k)
+        GEMM_STEP(k + 1)
+        GEMM_STEP(k + 2)
+        GEMM_STEP(k + 3)
+    }
+    for (; k < kc; k++) GEMM_STEP(k)
+#undef GEMM_STEP
+    const __m256 acc[GEMM_MR][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}};
+    for (int i = 0; i < GEMM_MR; i++) {
         float *out = y + i * ldy;
+        __m256 r0 = acc[i][0], r1 = acc[i][1];
         if (!first) {
-            acc[i][0] = _mm256_add_ps(acc[i][0], _mm256_loadu_ps(out));
-            acc[i][1] = _mm256_add_ps(acc[i][1], _mm256_loadu_ps(out + 8));
+            r0 = _mm256_add_ps(r0, _mm256_loadu_ps(out));
+            r1 = _mm256_add_ps(r1, _mm256_loadu_ps(out + 8));
         }
-        _mm256_storeu_ps(out, acc[i][0]);
-        _mm256_storeu_ps(out + 8, acc[i][1]);
+        _mm256_storeu_ps(out, r0);
+        _mm256_storeu_ps(out + 8, r1);
     }
 }
 
-template <int MR = GEMM_MR>
-inline void gemm_tile_rows(long mr, long kc, const float *x, long ldx, const float *panel, float *y, long ldy,
-                           bool first) {
-    if constexpr (MR == 1) {
-        gemm_tile<1>(kc, x, ldx, panel, y, ldy, first);
-    } else {
-        if (mr == MR) gemm_tile<MR>(kc, x, ldx, panel, y, ldy, first);
-        else gemm_tile_rows<MR - 1>(mr, kc, x, ldx, panel, y, ldy, first);
-    }
+// The same for the first mr < GEMM_MR rows (the micro-panel's others are zeros), through a tile on the stack.
+inline void gemm_tile_part(long mr, long kc, const float *a, const float *panel, float *y, long ldy, bool first) {
+    alignas(64) float tile[GEMM_MR * GEMM_NR];
+    gemm_tile(kc, a, panel, tile, GEMM_NR, true);
+    for (long i = 0; i < mr; i++)
+        for (int j = 0; j < GEMM_NR; j++) y[i * ldy + j] = first ? tile[i * GEMM_NR + j] : y[i * ldy + j] + tile[i * GEMM_NR + j];
 }
 
-// Columns [n0, n1) of y (a multiple of GEMM_NR of them) for all M rows.
+// Rows [g * GEMM_MR, +GEMM_MR) of x, columns [k0, k0 + kc), as a micro-panel: out[k * GEMM_MR + i] =
+// x[g * GEMM_MR + i][k0 + k], zero for rows past M. Eight k at a time go through an 8x8 transpose
+// whose columns (6 values and 2 zeros) are stored 6 floats apart, each store overwriting the last
+// one's 2 spare lanes: out needs 2 floats of room past kc * GEMM_MR.
+inline void pack_rows(const float *x, long ldx, long M, long k0, long kc, long g, float *out) {
+    const long row0 = g * GEMM_MR;
+    long k = 0;
+    for (; k + 8 <= kc; k += 8) {
+        __m256 r[8];
+        for (int i = 0; i < 8; i++)
+            r[i] = i < GEMM_MR && row0 + i < M ? _mm256_loadu_ps(x + (row0 + i) * ldx + k0 + k) : _mm256_setzero_ps();
+        transpose8(r);
+        for (int j = 0; j < 8; j++) _mm256_storeu_ps(out + (k + j) * GEMM_MR, r[j]);
+    }
+    for (; k < kc; k++)
+        for (int i = 0; i < GEMM_MR; i++) out[k * GEMM_MR + i] = row0 + i < M ? x[(row0 + i) * ldx + k0 + k] : 0.0f;
+}
+
+// Columns [n0, n1) of y (a multiple of GEMM_NR of them) for all M rows, from a: x packed by
+// pack_rows, the micro-panel of K's block b and rows group g at (b * groups + g) * GEMM_A_STRIDE.
 template <class TW>
-void gemm_columns(const float *x, long ldx, const TW *w, float *y, long ldy, long M, long K, long n0, long n1) {
-    thread_local std::vector<float> packed;
-    const long panels = (n1 - n0) / GEMM_NR;
+void gemm_columns(const float *a, const TW *w, float *y, long ldy, long M, long K, long n0, long n1) {
+    thread_local std::vector<float, AlignedAlloc<float>> packed;
+    const long panels = (n1 - n0) / GEMM_NR, groups = (M + GEMM_MR - 1) / GEMM_MR;
     packed.resize((size_t)(panels * GEMM_KC * GEMM_NR));
-    for (long k0 = 0; k0 < K; k0 += GEMM_KC) {
+    for (long k0 = 0, b = 0; k0 < K; k0 += GEMM_KC, b++) {
         const long kc = K - k0 < GEMM_KC ? K - k0 : GEMM_KC;
         for (long p = 0; p < panels; p++)
             pack_panel(w + (n0 + p * GEMM_NR) * K, K, k0, kc, packed.data() + p * GEMM_KC * GEMM_NR);
-        for (long m0 = 0; m0 < M; m0 += GEMM_MC) {
-            const long m1 = M - m0 < GEMM_MC ? M : m0 + GEMM_MC;
+        for (long g0 = 0; g0 < groups; g0 += GEMM_MC / GEMM_MR) {
+            const long g1 = groups - g0 < GEMM_MC / GEMM_MR ? groups : g0 + GEMM_MC / GEMM_MR;
             for (long p = 0; p < panels; p++)
-                for (long m = m0; m < m1; m += GEMM_MR)
-                    gemm_tile_rows(m1 - m < GEMM_MR ? m1 - m : GEMM_MR, kc, x + m * ldx + k0, ldx,
-                                   packed.data() + p * GEMM_KC * GEMM_NR, y + m * ldy + n0 + p * GEMM_NR, ldy,
-                                   k0 == 0);
+                for (long g = g0; g < g1; g++) {
+                    const long m = g * GEMM_MR;
+                    const float *ap = a + (b * groups + g) * GEMM_A_STRIDE, *panel = packed.data() + p * GEMM_KC * GEMM_NR;
+                    float *yp = y + m * ldy + n0 + p * GEMM_NR;
+                    if (M - m >= GEMM_MR) gemm_tile(kc, ap, panel, yp, ldy, k0 == 0);
+                    else gemm_tile_part(M - m, kc, ap, panel, yp, ldy, k0 == 0);
+                }
         }
     }
 }
@@ -634,10 +708,18 @@ bool gemm(const TX *x, long ldx, const TW *w, TX *y, long ldy, long M, long K, l
         return false;
     } else {
         if (M < GEMM_MIN_ROWS || N % GEMM_NR != 0) return false;
+        const long groups = (M + GEMM_MR - 1) / GEMM_MR, blocks = (K + GEMM_KC - 1) / GEMM_KC;
+        // x once as micro-panels, for every thread's columns: as big as x, so it is the call's own
+        AlignedFloats a((size_t)(blocks * groups * GEMM_A_STRIDE));
+        float *panels = a.data();
+        pool().run(groups, threads, [&](long g) {
+            for (long k0 = 0, b = 0; k0 < K; k0 += GEMM_KC, b++)
+                pack_rows(x, ldx, M, k0, K - k0 < GEMM_KC ? K - k0 : GEMM_KC, g, panels + (b * groups + g) * GEMM_A_STRIDE);
+        });
         const long chunks = (N + GEMM_COLS - 1) / GEMM_COLS;
         pool().run(chunks, threads, [&](long c) {
             const long n0 = c * GEMM_COLS, n1 = n0 + GEMM_COLS < N ? n0 + GEMM_COLS : N;
-            gemm_columns(x, ldx, w, y, ldy, M, K, n0, n1);
+            gemm_columns(panels, w, y, ldy, M, K, n0, n1);
         });
         return true;
     }

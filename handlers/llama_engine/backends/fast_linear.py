@@ -74,15 +74,16 @@ NATIVE_MAX_ROWS = 48
 #: prompt's ~10% slower (the copy), against half the weights' memory.
 BF16_WEIGHT_MAX_ROWS = 64
 #: The kernel builds whose float32 products of many rows run a packed-panel GEMM (``gemm`` in
-#: ``cpu_kernels.cpp``, from 64 rows): on them :class:`NativeLinear` keeps every row count. One layer's
+#: ``cpu_kernels.cpp``, from 48 rows): on them :class:`NativeLinear` keeps every row count. One layer's
 #: four products of the bench model on a Zen 3 EPYC (AVX2, 2 threads, best of 5, GFLOP/s), GEMM
 #: against the tiles against oneDNN over a float32 weight (the copy not counted): bf16 weights 143 /
 #: 112 / 135 at 256 rows, 144 / 111 / 129 at 768; float32 weights 158 / 129 / 137 and 150 / 109 / 121.
-#: Below 64 rows the tiles were as fast or faster (64 rows: 101-123 each way), and oneDNN slower
-#: (float32 weights, 24 to 64 rows: 66-83 against the tiles' 97-117). Before the GEMM, float32 weights
-#: left the avx2 build past 24 rows; on a Zen 5 EPYC computing as an AVX2 CPU the tiles had run a pass
-#: over the bench model's float32 weights in 18.7 / 28.5 / 49.2 ms at 8 / 16 / 32 rows, oneDNN over
-#: the plain weight in 26.2 / 35.0 / 47.0 at 8 / 16 / 32 and 244 at 256.
+#: Packing the activations as well took the GEMM 1.12-1.17x faster again (64 to 768 rows), and past
+#: the tiles from 48 rows. Below 64 rows the tiles had been as fast or faster (64 rows: 101-123 each
+#: way), and oneDNN slower (float32 weights, 24 to 64 rows: 66-83 against the tiles' 97-117). Before
+#: the GEMM, float32 weights left the avx2 build past 24 rows; on a Zen 5 EPYC computing as an AVX2
+#: CPU the tiles had run a pass over the bench model's float32 weights in 18.7 / 28.5 / 49.2 ms at 8 /
+#: 16 / 32 rows, oneDNN over the plain weight in 26.2 / 35.0 / 47.0 at 8 / 16 / 32 and 244 at 256.
 GEMM_ISAS = frozenset({"avx2"})
 #: Row count oneDNN lays the packed weights out for (any row count still computes correctly).
 ONEDNN_BATCH_HINT = 8
