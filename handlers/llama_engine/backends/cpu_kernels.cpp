@@ -735,17 +735,18 @@ bool gemm(const TX *x, long ldx, const TW *w, TX *y, long ldy, long M, long K, l
     } else {
         if (M < GEMM_MIN_ROWS || N % GEMM_NR != 0) return false;
         const long groups = (M + GEMM_MR - 1) / GEMM_MR, blocks = (K + GEMM_KC - 1) / GEMM_KC;
-        // x once as micro-panels, for every thread's columns: as big as x, so it is the call's own
-        AlignedFloats a((size_t)(blocks * groups * GEMM_A_STRIDE));
-        float *panels = a.data();
+        // x once as micro-panels, for every thread's columns; as big as x, so allocated per call, not
+        // kept (a thread_local named inside the lambdas would be each helper's own, not this one)
+        AlignedFloats x_panels((size_t)(blocks * groups * GEMM_A_STRIDE));
+        float *a = x_panels.data();
         pool().run(groups, threads, [&](long g) {
             for (long k0 = 0, b = 0; k0 < K; k0 += GEMM_KC, b++)
-                pack_rows(x, ldx, M, k0, K - k0 < GEMM_KC ? K - k0 : GEMM_KC, g, panels + (b * groups + g) * GEMM_A_STRIDE);
+                pack_rows(x, ldx, M, k0, K - k0 < GEMM_KC ? K - k0 : GEMM_KC, g, a + (b * groups + g) * GEMM_A_STRIDE);
         });
         const long chunks = (N + GEMM_COLS - 1) / GEMM_COLS;
         pool().run(chunks, threads, [&](long c) {
             const long n0 = c * GEMM_COLS, n1 = n0 + GEMM_COLS < N ? n0 + GEMM_COLS : N;
-            gemm_columns(panels, w, y, ldy, M, K, n0, n1);
+            gemm_columns(a, w, y, ldy, M, K, n0, n1);
         });
         return true;
     }
