@@ -369,15 +369,16 @@ inline void linear_block(const TX *x, long ldx, const TW *w, long K, long pf, fl
     Vec::F acc[MB][R];
     for (int m = 0; m < MB; m++)
         for (int r = 0; r < R; r++) acc[m][r] = Vec::zero();
+    const bool spread = ahead != nullptr;
     long k = 0;
     for (; k + Vec::N <= K; k += Vec::N) {
         Vec::F wv[R];
-        if (ahead != nullptr) {
+        if (spread) {
             prefetch(ahead);
             ahead += ahead_step;
         }
         for (int r = 0; r < R; r++) {
-            if (ahead == nullptr) prefetch(w + R * k + r * Vec::N + pf);
+            if (!spread) prefetch(w + R * k + r * Vec::N + pf);
             wv[r] = Vec::load(w + r * K + k);
         }
         for (int m = 0; m < MB; m++) {
