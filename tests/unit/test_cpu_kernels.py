@@ -244,6 +244,79 @@ def test_decode_attention_says_what_it_does_not_support(kernels):
     assert kernels.supports_attention(torch.bfloat16, torch.float32, 32, 8, 128)
 
 
+AVX2_ONLY = [pytest.param("avx2", marks=pytest.mark.skipif(not cpu_kernels.ISA_NEEDS["avx2"] <= FLAGS,
+                                                         reason="this CPU cannot run avx2"))]
+
+
+def fused_qkv(tokens: int, heads: int, kv_heads: int, dim: int, seed: int, spread: float = 1.0):
+    """q, k and v ``[tokens, heads, dim]`` as views of one fused product's rows (strided rows, as the backend has them)."""
+    gen = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(tokens, heads + 2 * kv_heads, dim, generator=gen) * spread
+    return qkv[:, :heads], qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:]
+
+
+def causal_reference(q, k, v):
+    """Token t's heads over tokens 0..t, in float64."""
+    groups = q.shape[1] // k.shape[1]
+    q, k, v = (t.double().transpose(0, 1) for t in (q, k, v))  # [heads, tokens, dim]
+    k, v = k.repeat_interleave(groups, 0), v.repeat_interleave(groups, 0)
+    scores = q @ k.transpose(1, 2) * q.shape[-1] ** -0.5
+    tokens = q.shape[1]
+    scores.masked_fill_(torch.ones(tokens, tokens, dtype=torch.bool).triu(1), float("-inf"))
+    return (torch.softmax(scores, -1) @ v).transpose(0, 1)
+
+
+@pytest.mark.parametrize("kernels", AVX2_ONLY, indirect=True)
+@pytest.mark.parametrize("tokens, heads, kv_heads, dim", [(1, 2, 2, 16), (5, 4, 2, 32), (47, 12, 12, 64), (48, 4, 1, 64),
+                                                          (49, 6, 3, 64), (100, 8, 2, 128), (257, 12, 12, 64),
+                                                          (130, 2, 2, 256), (17, 3, 1, 48)])
+def test_prompt_attention_is_causal_softmax_attention_over_the_chunks_own_tokens(kernels, tokens, heads, kv_heads,
+                                                                                 dim):
+    """Row and position tails (not multiples of the 6-row micro-panels, the 16-position panels or the
+    48-query work items), GQA groups, head sizes from 16 to 256, strided rows, one and two threads."""
+    q, k, v = fused_qkv(tokens, heads, kv_heads, dim, seed=tokens * dim + heads)
+    want = causal_reference(q, k, v)
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            got = kernels.prompt_attention(q, k, v, dim ** -0.5)
+            assert got.shape == (tokens, heads, dim) and got.dtype == torch.float32
+            # averages of values of ~1: float32 sums and exp, a few units of 1e-7 each
+            assert (got.double() - want).abs().max().item() <= 2e-5
+    finally:
+        torch.set_num_threads(threads)
+    groups = heads // kv_heads
+    torch.testing.assert_close(got[0], v[0].repeat_interleave(groups, 0))  # the first token: its own value
+
+
+@pytest.mark.parametrize("kernels", AVX2_ONLY, indirect=True)
+def test_prompt_attention_softmax_is_stable_for_large_scores(kernels):
+    q, k, v = fused_qkv(60, 2, 2, 32, seed=3, spread=30.0)  # scores in the thousands
+    got = kernels.prompt_attention(q, k, v, 32 ** -0.5)
+    assert torch.isfinite(got).all()
+    assert (got.double() - causal_reference(q, k, v)).abs().max().item() <= 1e-4 * 30
+
+
+@pytest.mark.parametrize("kernels", ISAS, indirect=True)
+def test_prompt_attention_runs_float32_on_the_avx2_build_and_says_what_it_does_not_run(kernels):
+    q, k, v = fused_qkv(8, 4, 2, 64, seed=1)
+    assert kernels.supports_prompt_attention(torch.float32, 4, 2, 64) == (kernels.isa == "avx2")
+    for dtype, heads, kv_heads, dim in ((torch.bfloat16, 4, 2, 64), (torch.float32, 4, 3, 64),
+                                        (torch.float32, 4, 2, 40)):
+        assert not kernels.supports_prompt_attention(dtype, heads, kv_heads, dim)
+    with pytest.raises(ValueError, match="k must be float32"):
+        kernels.prompt_attention(q, k.to(torch.bfloat16), v, 0.125)
+    with pytest.raises(ValueError, match="q must be float32 .* each token's heads contiguous"):
+        kernels.prompt_attention(q.transpose(0, 1), k, v, 0.125)
+    if kernels.isa != "avx2":
+        with pytest.raises(ValueError, match=f"unsupported on {kernels.isa}"):
+            kernels.prompt_attention(q, k, v, 0.125)
+    else:
+        with pytest.raises(ValueError, match="4 heads over 3, head_dim 64"):
+            kernels.prompt_attention(q, torch.randn(8, 3, 64), torch.randn(8, 3, 64), 0.125)
+
+
 def test_the_library_name_follows_the_source_and_the_flags(tmp_path, monkeypatch):
     names = {isa: cpu_kernels.library_name(isa) for isa in cpu_kernels.ISAS}
     assert len(set(names.values())) == len(names)
