@@ -256,13 +256,13 @@ def fused_qkv(tokens: int, heads: int, kv_heads: int, dim: int, seed: int, sprea
 
 
 def causal_reference(q, k, v):
-    """Token t's heads over tokens 0..t, in float64."""
+    """Query t (at position len(k) - len(q) + t) over keys 0..its position, in float64."""
     groups = q.shape[1] // k.shape[1]
-    q, k, v = (t.double().transpose(0, 1) for t in (q, k, v))  # [heads, tokens, dim]
+    tokens, positions = q.shape[0], k.shape[0]
+    q, k, v = (t.double().transpose(0, 1) for t in (q, k, v))  # [heads, tokens or positions, dim]
     k, v = k.repeat_interleave(groups, 0), v.repeat_interleave(groups, 0)
     scores = q @ k.transpose(1, 2) * q.shape[-1] ** -0.5
-    tokens = q.shape[1]
-    scores.masked_fill_(torch.ones(tokens, tokens, dtype=torch.bool).triu(1), float("-inf"))
+    scores.masked_fill_(torch.ones(tokens, positions, dtype=torch.bool).triu(positions - tokens + 1), float("-inf"))
     return (torch.softmax(scores, -1) @ v).transpose(0, 1)
 
 
@@ -273,14 +273,15 @@ def causal_reference(q, k, v):
 def test_prompt_attention_is_causal_softmax_attention_over_the_chunks_own_tokens(kernels, tokens, heads, kv_heads,
                                                                                  dim):
     """Row and position tails (not multiples of the 6-row micro-panels, the 16-position panels or the
-    48-query work items), GQA groups, head sizes from 16 to 256, strided rows, one and two threads."""
+    48-query work items), GQA groups, head sizes from 16 to 256, strided rows (keys' and values' apart
+    or not: rotated keys are a tensor of their own), one and two threads."""
     q, k, v = fused_qkv(tokens, heads, kv_heads, dim, seed=tokens * dim + heads)
     want = causal_reference(q, k, v)
     threads = torch.get_num_threads()
     try:
-        for count in (1, 2):
+        for count, keys in ((1, k), (2, k), (2, k.contiguous())):
             torch.set_num_threads(count)
-            got = kernels.prompt_attention(q, k, v, dim ** -0.5)
+            got = kernels.prompt_attention(q, keys, v, dim ** -0.5)
             assert got.shape == (tokens, heads, dim) and got.dtype == torch.float32
             # averages of values of ~1: float32 sums and exp, a few units of 1e-7 each
             assert (got.double() - want).abs().max().item() <= 2e-5
@@ -288,6 +289,26 @@ def test_prompt_attention_is_causal_softmax_attention_over_the_chunks_own_tokens
         torch.set_num_threads(threads)
     groups = heads // kv_heads
     torch.testing.assert_close(got[0], v[0].repeat_interleave(groups, 0))  # the first token: its own value
+
+
+@pytest.mark.parametrize("kernels", AVX2_ONLY, indirect=True)
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("start, tokens, heads, kv_heads, dim", [(200, 100, 8, 2, 64), (1, 1, 2, 2, 16),
+                                                                 (7, 50, 12, 12, 64), (300, 3, 4, 1, 128)])
+def test_prompt_attention_of_a_later_chunk_reads_the_earlier_positions_from_the_cache(kernels, cache_dtype, start,
+                                                                                      tokens, heads, kv_heads, dim):
+    """A chunk at positions [start, start + tokens) over its slot of a cache ``[slots, kv_heads, max_length,
+    head_dim]`` that holds every position up to its last, float32 or bf16 (widened as read)."""
+    gen = torch.Generator().manual_seed(start + tokens + dim)
+    end = start + tokens
+    k_layer, v_layer = (torch.randn(3, kv_heads, 400, dim, generator=gen).to(cache_dtype) for _ in range(2))
+    q = torch.randn(tokens, heads + 2 * kv_heads, dim, generator=gen)[:, :heads]
+    k, v = (c[1].transpose(0, 1)[:end] for c in (k_layer, v_layer))  # slot 1: [end, kv_heads, dim]
+    got = kernels.prompt_attention(q, k, v, dim ** -0.5, start)
+    assert got.shape == (tokens, heads, dim)
+    assert (got.double() - causal_reference(q, k.float(), v.float())).abs().max().item() <= 2e-5
+    with pytest.raises(ValueError, match=f"k must be float32 or bfloat16 \\[{end + 1}, kv_heads, {dim}\\]"):
+        kernels.prompt_attention(q, k, v, dim ** -0.5, start + 1)
 
 
 @pytest.mark.parametrize("kernels", AVX2_ONLY, indirect=True)
@@ -301,12 +322,17 @@ def test_prompt_attention_softmax_is_stable_for_large_scores(kernels):
 @pytest.mark.parametrize("kernels", ISAS, indirect=True)
 def test_prompt_attention_runs_float32_on_the_avx2_build_and_says_what_it_does_not_run(kernels):
     q, k, v = fused_qkv(8, 4, 2, 64, seed=1)
-    assert kernels.supports_prompt_attention(torch.float32, 4, 2, 64) == (kernels.isa == "avx2")
-    for dtype, heads, kv_heads, dim in ((torch.bfloat16, 4, 2, 64), (torch.float32, 4, 3, 64),
-                                        (torch.float32, 4, 2, 40)):
-        assert not kernels.supports_prompt_attention(dtype, heads, kv_heads, dim)
-    with pytest.raises(ValueError, match="k must be float32"):
-        kernels.prompt_attention(q, k.to(torch.bfloat16), v, 0.125)
+    for kv in (torch.float32, torch.bfloat16):
+        assert kernels.supports_prompt_attention(torch.float32, kv, 4, 2, 64) == (kernels.isa == "avx2")
+    for dtype, kv, heads, kv_heads, dim in ((torch.bfloat16, torch.bfloat16, 4, 2, 64),
+                                            (torch.float32, torch.float16, 4, 2, 64),
+                                            (torch.float32, torch.float32, 4, 3, 64),
+                                            (torch.float32, torch.float32, 4, 2, 40)):
+        assert not kernels.supports_prompt_attention(dtype, kv, heads, kv_heads, dim)
+    with pytest.raises(ValueError, match="v must be float32 or bfloat16 .* in k's dtype"):
+        kernels.prompt_attention(q, k, v.to(torch.bfloat16), 0.125)
+    with pytest.raises(ValueError, match="k must be float32 or bfloat16"):
+        kernels.prompt_attention(q, k.half(), v.half(), 0.125)
     with pytest.raises(ValueError, match="q must be float32 .* each token's heads contiguous"):
         kernels.prompt_attention(q.transpose(0, 1), k, v, 0.125)
     if kernels.isa != "avx2":

@@ -687,25 +687,27 @@ def test_a_bf16_checkpoint_under_float32_gets_a_bf16_cache_and_its_logits_round_
 
 @pytest.mark.skipif(not cpu_kernels.ISA_NEEDS["avx2"] <= cpu_info.cpu_flags(), reason="this CPU cannot run avx2")
 @pytest.mark.parametrize("kv_cache_dtype", ["float32", "bfloat16"])
-def test_float32_first_chunks_attend_through_the_native_prompt_kernel_and_keep_the_logits(tiny_model_dir, monkeypatch,
+def test_float32_prompt_chunks_attend_through_the_native_prompt_kernel_and_keep_the_logits(tiny_model_dir, monkeypatch,
                                                                                        kv_cache_dtype):
-    """A whole prompt and a first chunk go through ``prompt_attention`` (once a layer but the last, where only
-    the row with logits attends, as a decode row), a later chunk over the cache does not; the logits are the plain model's (a float32 cache) or within the bf16 cache's rounding."""
+    """A whole prompt, a first chunk and a later one (over the cache) go through ``prompt_attention``, once a
+    layer but the last (where only the row with logits attends, as a decode row); the logits are the plain
+    model's (a float32 cache) or within the bf16 cache's rounding."""
     monkeypatch.setenv(cpu_kernels.ENV, "avx2")
     backend = TorchSlotBackend.from_pretrained(str(tiny_model_dir), 2, 320, "float32", "cpu",
                                                kv_cache_dtype=kv_cache_dtype)
     kernels = backend._prompt_kernels
-    assert kernels is not None and kernels.isa == "avx2"
+    assert kernels is not None and kernels.isa == "avx2" and backend.kv_dtype == getattr(torch, kv_cache_dtype)
     calls = []
     real = kernels.prompt_attention
-    monkeypatch.setattr(kernels, "prompt_attention", lambda q, *rest: calls.append(q.shape[0]) or real(q, *rest))
+    monkeypatch.setattr(kernels, "prompt_attention",
+                        lambda q, k, v, scale, start=0: calls.append((q.shape[0], start)) or real(q, k, v, scale, start))
     layers = backend.model.config.num_hidden_layers - 1
     ids = prompts(batch=1, length=300)[0][0].tolist()
     want = reference_logits(load(tiny_model_dir, torch.float32), torch.tensor([ids]), torch.ones(1, 300), 3)
     tolerance = "float32" if kv_cache_dtype == "float32" else "bfloat16"
     with torch.inference_mode():
         got = [backend.prefill_slot(0, ids)]
-        assert calls == [300] * layers
+        assert calls == [(300, 0)] * layers
         for _ in range(3):
             got.append(backend.decode_slots([0], [int(got[-1].argmax())])[0])
         for g, w in zip(got, want):
@@ -713,5 +715,5 @@ def test_float32_first_chunks_attend_through_the_native_prompt_kernel_and_keep_t
         calls.clear()
         backend.step_slots([], [], [PrefillChunk(1, ids[:140], 0)])
         (last,) = backend.step_slots([], [], [PrefillChunk(1, ids[140:], 140)]).prefills
-    assert calls == [140] * layers
+    assert calls == [(140, 0)] * layers + [(160, 140)] * layers
     assert_close(last, want[0][0], tolerance)

@@ -14,8 +14,9 @@ software prefetch ahead of it:
   weights (widened as they are loaded);
 * ``decode_attention``: one query per row and head over the row's cached positions, the heads
   of a GQA group sharing each key and value read, softmax in float32;
-* ``prompt_attention`` (``avx2`` build): a prompt's first chunk over its own keys and values, float32,
-  both products on the prompt GEMM's tile (faster than SDPA's causal flash kernel there, 1.4-1.9x);
+* ``prompt_attention`` (``avx2`` build): a prompt chunk's float32 queries over their own keys and
+  values and those before them in the cache, both products on the prompt GEMM's tile (faster than
+  SDPA's causal flash kernel there, 1.4-1.9x, and than a later chunk's torch products);
 
 and the small ops of a step fused, rounding as the torch ops they replace: ``add_rmsnorm``,
 ``silu_mul`` and ``rope_store`` (the rotary embedding and the cache write).
@@ -172,7 +173,7 @@ _FUNCTIONS = {
     "_attention": ("llk_decode_attention",
                    [_P, _I64, _I32, _P, _P, _I32, _P, _P, _I64, _I64, _I64, _I64, _I64, _F32, _P, _I32], _I32),
     "_prompt_attention": ("llk_prompt_attention",
-                          [_P, _I64, _P, _I64, _P, _I64, _I32, _I64, _I64, _I64, _I64, _F32, _P, _I32], _I32),
+                          [_P, _I64, _P, _P, _I32, _P, _I64, _I64, _I64, _I64, _I64, _F32, _P, _I32], _I32),
     "_add_rmsnorm": ("llk_add_rmsnorm", [_P, _P, _P, _P, _I64, _I64, _F32, _I32, _I32], _I32),
     "_silu_mul": ("llk_silu_mul", [_P, _P, _I64, _I64, _I32, _I32], _I32),
     "_rope_store": ("llk_rope_store",
@@ -230,21 +231,30 @@ class CpuKernels:
                              f"{k_layer.dtype}, {heads} heads over {kv_heads}, head_dim {dim})")
         return out
 
-    def prompt_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        """A prompt's first chunk attending causally to its own keys and values (token ``t`` over tokens
-        ``0..t``): float32 ``q`` ``[tokens, heads, head_dim]``, ``k`` and ``v`` ``[tokens, kv_heads,
-        head_dim]``, each token's heads side by side (rows may be strided, as views of the fused q/k/v
-        product are). Returns ``[tokens, heads, head_dim]``. Only where :meth:`supports_prompt_attention`."""
+    def prompt_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                         start: int = 0) -> torch.Tensor:
+        """A prompt chunk's causal attention: float32 queries ``q`` ``[tokens, heads, head_dim]`` (each
+        token's heads side by side, rows may be strided) at positions ``start .. start + tokens - 1``,
+        each over the keys and values at or before its own. ``k`` and ``v``: ``[start + tokens,
+        kv_heads, head_dim]`` of one dtype, float32 or bfloat16, ``head_dim`` contiguous (a first
+        chunk's own rows of the fused q/k/v product, or a slot of the cache viewed as
+        ``k_layer[slot].transpose(0, 1)``). Returns float32 ``[tokens, heads, head_dim]``. Only where
+        :meth:`supports_prompt_attention`."""
         tokens, heads, dim = q.shape
-        for name, t in (("q", q), ("k", k), ("v", v)):
-            if t.dtype != torch.float32 or t.stride(2) != 1 or t.stride(1) != dim or t.shape[0] != tokens:
-                raise ValueError(f"native prompt attention: {name} must be float32 [tokens, heads, {dim}] with "
-                                 f"each token's heads contiguous (got {t.dtype}, shape {tuple(t.shape)}, "
-                                 f"strides {t.stride()})")
+        if q.dtype != torch.float32 or q.stride(2) != 1 or q.stride(1) != dim:
+            raise ValueError(f"native prompt attention: q must be float32 [tokens, heads, {dim}] with each token's "
+                             f"heads contiguous (got {q.dtype}, strides {q.stride()})")
+        for name, t in (("k", k), ("v", v)):
+            if (t.dtype != k.dtype or t.dtype not in (torch.float32, torch.bfloat16) or t.stride(2) != 1
+                    or t.shape != (start + tokens, k.shape[1], dim)):
+                raise ValueError(f"native prompt attention: {name} must be float32 or bfloat16 [{start + tokens}, "
+                                 f"kv_heads, {dim}] in k's dtype, {dim} contiguous (got {t.dtype}, shape "
+                                 f"{tuple(t.shape)}, strides {t.stride()})")
         out = torch.empty((tokens, heads, dim), dtype=torch.float32)
-        code = self._prompt_attention(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
-                                      DTYPE_CODES[torch.float32], tokens, heads, k.shape[1], dim, scale,
-                                      out.data_ptr(), torch.get_num_threads())
+        strides = (ctypes.c_long * 4)(k.stride(0), k.stride(1), v.stride(0), v.stride(1))
+        code = self._prompt_attention(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), DTYPE_CODES[k.dtype],
+                                      strides, tokens, start, heads, k.shape[1], dim, scale, out.data_ptr(),
+                                      torch.get_num_threads())
         if code:
             raise ValueError(f"native prompt attention: unsupported on {self.isa} ({heads} heads over "
                              f"{k.shape[1]}, head_dim {dim})")
@@ -297,11 +307,13 @@ class CpuKernels:
         return (dtype in DTYPE_CODES and kv_dtype in DTYPE_CODES
                 and head_dim % 32 == 0 and head_dim <= 512)
 
-    def supports_prompt_attention(self, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> bool:
-        """Whether :meth:`prompt_attention` runs here: float32 on the ``avx2`` build (whose GEMM tile it
-        uses; the AVX-512 builds keep SDPA), a head size that is a multiple of 16."""
-        return (self.isa == "avx2" and dtype == torch.float32 and head_dim % 16 == 0 and kv_heads >= 1
-                and heads % kv_heads == 0)
+    def supports_prompt_attention(self, dtype: torch.dtype, kv_dtype: torch.dtype, heads: int, kv_heads: int,
+                                  head_dim: int) -> bool:
+        """Whether :meth:`prompt_attention` runs here: float32 arithmetic over float32 or bf16 keys and values
+        on the ``avx2`` build (whose GEMM tile it uses; the AVX-512 builds keep SDPA), a head size that is
+        a multiple of 16."""
+        return (self.isa == "avx2" and dtype == torch.float32 and kv_dtype in (torch.float32, torch.bfloat16)
+                and head_dim % 16 == 0 and kv_heads >= 1 and heads % kv_heads == 0)
 
     def supports_attention(self, q_dtype: torch.dtype, kv_dtype: torch.dtype, heads: int, kv_heads: int,
                            head_dim: int) -> bool:
