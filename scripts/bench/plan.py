@@ -53,7 +53,8 @@ MIXED = dict(requests=60, overload=1.25, rate=1.0, inputs=[128, 256, 512, 768], 
 #: model; no wider variant of this load (shorter answers or prompts, a long answer in 8 or 32) took
 #: that bound past 2.12x. A bf16 K/V cache for the bf16 weights (ffd824a) then made the 8-row steps
 #: cheaper against the 1-row ones: 2.64x bound (2.38x with the float32 cache, same minutes), 2.02x
-#: served in the full runs at 8f52846 and d174e90, 2.08x at 8d44a6d, 2.20x at f20c12f, 2.36x at bf82d64.
+#: served in the full runs at 8f52846 and d174e90, 2.08x at 8d44a6d, 2.20x at f20c12f, 2.36x at bf82d64,
+#: 2.29x at 6157340.
 WIDE = dict(requests=128, overload=1.25, rate=3.0, inputs=[16, 32], outputs=[8] * 15 + [960])
 WIDE_QUICK = dict(WIDE, requests=40, outputs=[8] * 15 + [480])
 #: The third Poisson load: the mixed load's lengths, ``requests`` of them, arriving at

@@ -782,10 +782,11 @@ void linear(const TX *x, long ldx, const TW *w, TX *y, long ldy, long M, long K,
 // q [T, H, D] (rows ldq elements apart, heads D apart), the chunk's tokens at positions [start,
 // start + T); k and v hold the keys and values of positions [0, start + T), float32 or bf16,
 // position j of kv head h at j * ld[0] + h * ld[1] in k, j * ld[2] + h * ld[3] in v (a first
-// chunk's own rows of the fused q/k/v product, or a slot of the cache). out [T, H, D] contiguous. SDPA's causal flash kernel ran
-// the bench model's 768-token prompt at 40-76 GFLOP/s a layer (2-vCPU AVX2 EPYC), the linear layers
-// beside it at ~170, and a later chunk by blocks of torch products over the cache at 43-54: a
-// prompt's attention then grows with the square of its length at under half the speed of the rest.
+// chunk's own rows of the fused q/k/v product, or a slot of the cache). out [T, H, D] contiguous.
+// SDPA's causal flash kernel ran the bench model's 768-token prompt at 40-76 GFLOP/s a layer
+// (2-vCPU AVX2 EPYC), the linear layers beside it at ~170, and a later chunk by blocks of torch
+// products over the cache at 43-54: a prompt's attention then grows with the square of its length
+// at under half the speed of the rest.
 // Here the two products go through the GEMM's 6x16 tile: each kv head's keys packed once as
 // 16-position panels and its values as 16-column panels (float32), then a work item is PA_ROWS
 // queries of one head: their scores against every key up to the last of them (tiles wholly
