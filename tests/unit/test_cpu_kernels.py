@@ -3,7 +3,9 @@
 * Each instruction set this CPU runs computes what float64 arithmetic does, to the rounding of
   its dtype: ``linear`` for row, column and inner-dimension tails and strided rows;
   ``decode_attention`` for every dtype pair, head size and GQA group, rows of different lengths
-  in slots out of order, a one-position row, and strided queries.
+  in slots out of order, a one-position row, and strided queries; ``prompt_attention`` (the ``avx2``
+  build) for the tails of its panels and work items, GQA groups, head sizes, a later chunk over a
+  float32 or bf16 cache, and large scores.
 * The fused small ops (``add_rmsnorm``, ``silu_mul``, ``rope_store``) round as the torch ops they
   replace; a decode step's layers in one call (``DecodeLayers``) compute what those kernels called one by
   one compute, bit for bit, for every dtype combination it runs; the thread pool runs every chunk of every job once, whoever calls.
