@@ -777,127 +777,6 @@ void linear(const TX *x, long ldx, const TW *w, TX *y, long ldy, long M, long K,
 }
 
 // ---------------------------------------------------------------------------------------------
-// prompt attention: a prompt chunk's queries, float32, each over the keys at or before its position.
-//
-// q [T, H, D] (rows ldq elements apart, heads D apart), the chunk's tokens at positions [start,
-// start + T); k and v hold the keys and values of positions [0, start + T), float32 or bf16,
-// position j of kv head h at j * ld[0] + h * ld[1] in k, j * ld[2] + h * ld[3] in v (a first
-// chunk's own rows of the fused q/k/v product, or a slot of the cache). out [T, H, D] contiguous.
-// SDPA's causal flash kernel ran the bench model's 768-token prompt at 40-76 GFLOP/s a layer
-// (2-vCPU AVX2 EPYC), the linear layers beside it at ~170, and a later chunk by blocks of torch
-// products over the cache at 43-54: a prompt's attention then grows with the square of its length
-// at under half the speed of the rest.
-// Here the two products go through the GEMM's 6x16 tile: each kv head's keys packed once as
-// 16-position panels and its values as 16-column panels (float32), then a work item is PA_ROWS
-// queries of one head: their scores against every key up to the last of them (tiles wholly
-// above the diagonal skipped), masked, an exact softmax per row in float32 (max, exp, sum), and
-// the weighted sum of the values, each micro-panel of queries only over the keys its rows see.
-// Items go out longest first.
-#if defined(LLK_AVX2)
-#if defined(LLK_PA_ROWS)
-static constexpr long PA_ROWS = LLK_PA_ROWS;
-#else
-static constexpr long PA_ROWS = 48;
-#endif
-
-inline long round_up(long n, long m) { return (n + m - 1) / m * m; }
-
-// kt[(p * D + d) * GEMM_NR + j] = k[p * GEMM_NR + j][d] and vt[(c * Lp + j) * GEMM_NR + e] = v[j][c * GEMM_NR + e]
-// for L positions ldk and ldv apart, as float32, zero for positions j >= L (zero, not whatever memory holds:
-// a zero weight times a NaN is NaN).
-template <class TC>
-void pack_kv_head(const TC *k, long ldk, const TC *v, long ldv, long L, long Lp, long D, float *kt, float *vt) {
-    for (long p = 0; p < Lp / GEMM_NR; p++) {
-        const long j0 = p * GEMM_NR;
-        float *panel = kt + p * D * GEMM_NR;
-        if (j0 + GEMM_NR <= L) {
-            pack_panel(k + j0 * ldk, ldk, 0, D, panel);
-        } else {
-            for (long d = 0; d < D; d++)
-                for (long j = 0; j < GEMM_NR; j++) panel[d * GEMM_NR + j] = j0 + j < L ? to_f32(k[(j0 + j) * ldk + d]) : 0.0f;
-        }
-    }
-    for (long c = 0; c < D / GEMM_NR; c++)
-        for (long j = 0; j < Lp; j++) {
-            float *row = vt + (c * Lp + j) * GEMM_NR;
-            for (int e = 0; e < GEMM_NR; e += Vec::N)
-                Vec::store(row + e, j < L ? Vec::load(v + j * ldv + c * GEMM_NR + e) : Vec::zero());
-        }
-}
-
-// Row r of s (positions [0, span)) as softmax weights over its first `valid` positions, zeros after;
-// returns 1 / their sum.
-inline float softmax_row(float *s, long valid, long span, float scale) {
-    for (long j = valid; j < span; j++) s[j] = -INFINITY;
-    Vec::F m = Vec::set1(-INFINITY);
-    for (long j = 0; j < span; j += Vec::N) m = Vec::max(m, Vec::load(s + j));
-    const Vec::F shift = Vec::set1(-Vec::hmax(m) * scale), scaled = Vec::set1(scale);
-    Vec::F sum = Vec::zero();
-    for (long j = 0; j < span; j += Vec::N) {
-        const Vec::F e = vexp(Vec::fma(Vec::load(s + j), scaled, shift));
-        Vec::store(s + j, e);
-        sum = Vec::add(sum, e);
-    }
-    float total = Vec::hsum(sum);
-    for (long j = valid; j < span; j++) total -= s[j], s[j] = 0.0f;  // vexp clamps: exp(-inf) came out ~1e-38
-    return 1.0f / total;
-}
-
-// Queries [i0, i0 + rows) of the chunk at positions from first = start + i0, one head (q at the head's
-// first row), from the packed keys and values of its kv head (Lp positions).
-void prompt_attention_rows(const float *q, long ldq, const float *kt, const float *vt, long Lp, long D, long i0,
-                           long first, long rows, float scale, float *out, long ldo) {
-    thread_local std::vector<float, AlignedAlloc<float>> buffers;
-    const long groups = (rows + GEMM_MR - 1) / GEMM_MR, span = round_up(first + rows, GEMM_NR);
-    const long q_stride = round_up(D * GEMM_MR + 16, 16), p_stride = round_up(span * GEMM_MR + 16, 16);
-    buffers.resize((size_t)(groups * (q_stride + p_stride + GEMM_MR * span + GEMM_MR * D)));
-    float *qp = buffers.data(), *pp = qp + groups * q_stride, *s = pp + groups * p_stride, *o = s + groups * GEMM_MR * span;
-    float inv[PA_ROWS];
-    for (long g = 0; g < groups; g++) pack_rows(q + i0 * ldq, ldq, rows, 0, D, g, qp + g * q_stride);
-    // a panel of keys (in L1) against every group of queries that sees any of its positions
-    for (long p = 0; p < span / GEMM_NR; p++)
-        for (long g = std::max(0L, (p * GEMM_NR - first) / GEMM_MR); g < groups; g++)
-            gemm_tile(D, qp + g * q_stride, kt + p * D * GEMM_NR, s + g * GEMM_MR * span + p * GEMM_NR, span, true);
-    for (long r = 0; r < groups * GEMM_MR; r++) {
-        float *row = s + r * span;
-        if (r < rows) inv[r] = softmax_row(row, first + r + 1, span, scale);
-        else memset(row, 0, span * sizeof(float));
-    }
-    for (long g = 0; g < groups; g++) pack_rows(s, span, groups * GEMM_MR, 0, span, g, pp + g * p_stride);
-    // the values GEMM_KC positions at a time (a column panel's block in L1), each group to the positions it sees
-    for (long c = 0; c < D / GEMM_NR; c++)
-        for (long k0 = 0; k0 < span; k0 += GEMM_KC)
-            for (long g = 0; g < groups; g++) {
-                const long depth = std::min({span, first + g * GEMM_MR + GEMM_MR, k0 + GEMM_KC}) - k0;
-                if (depth > 0)
-                    gemm_tile(depth, pp + g * p_stride + k0 * GEMM_MR, vt + (c * Lp + k0) * GEMM_NR,
-                              o + g * GEMM_MR * D + c * GEMM_NR, D, k0 == 0);
-            }
-    for (long r = 0; r < rows; r++) {
-        const Vec::F f = Vec::set1(inv[r]);
-        for (long e = 0; e < D; e += Vec::N) Vec::store(out + (i0 + r) * ldo + e, Vec::mul(Vec::load(o + r * D + e), f));
-    }
-}
-
-template <class TC>
-void prompt_attention(const float *q, long ldq, const TC *k, const TC *v, const long *ld, long T, long start, long H,
-                      long Hkv, long D, float scale, float *out, int threads) {
-    const long L = start + T, Lp = round_up(L, GEMM_NR), head_floats = Lp * D, G = H / Hkv;
-    AlignedFloats packed((size_t)(2 * Hkv * head_floats));
-    float *kt = packed.data(), *vt = kt + Hkv * head_floats;
-    pool().run(Hkv, threads, [&](long h) {
-        pack_kv_head(k + h * ld[1], ld[0], v + h * ld[3], ld[2], L, Lp, D, kt + h * head_floats, vt + h * head_floats);
-    });
-    const long blocks = (T + PA_ROWS - 1) / PA_ROWS;
-    pool().run(blocks * H, threads, [&](long c) {
-        const long b = blocks - 1 - c / H, h = c % H, i0 = b * PA_ROWS;
-        prompt_attention_rows(q + h * D, ldq, kt + (h / G) * head_floats, vt + (h / G) * head_floats, Lp, D, i0,
-                              start + i0, std::min(PA_ROWS, T - i0), scale, out + h * D, H * D);
-    });
-}
-#endif
-
-// ---------------------------------------------------------------------------------------------
 // decode attention: one query per row and head over the row's cached keys and values.
 //
 // q, out: [rows, H, D]; k, v: one layer's cache [slots, Hkv, Lmax, D]; row b attends to
@@ -1119,6 +998,115 @@ int decode_attention_d(const void *q, long ldq, const void *k, const void *v, co
 #undef LLK_ATTEND
     return -1;
 }
+
+// ---------------------------------------------------------------------------------------------
+// prompt attention: a prompt chunk's queries, float32, each over the keys at or before its position.
+//
+// q [T, H, D] (rows ldq elements apart, heads D apart), the chunk's tokens at positions [start,
+// start + T); k and v hold the keys and values of positions [0, start + T), float32 or bf16,
+// position j of kv head h at j * ld[0] + h * ld[1] in k, j * ld[2] + h * ld[3] in v (a first
+// chunk's own rows of the fused q/k/v product, or a slot of the cache). out [T, H, D] contiguous.
+// SDPA's causal flash kernel ran the bench model's 768-token prompt at 40-76 GFLOP/s a layer
+// (2-vCPU AVX2 EPYC), the linear layers beside it at ~170, and a later chunk by blocks of torch
+// products over the cache at 43-54: a prompt's attention then grows with the square of its length
+// at under half the speed of the rest.
+// Here the two products go through the GEMM's 6x16 tile: each kv head's keys packed once as
+// 16-position panels and its values as 16-column panels (float32), then a work item is PA_ROWS
+// queries of one head: their scores against every key up to the last of them (tiles wholly
+// above the diagonal skipped), an exact softmax per row over the positions it sees (decode's), and
+// the weighted sum of the values, each micro-panel of queries only over the keys its rows see.
+// Items go out longest first.
+#if defined(LLK_AVX2)
+#if defined(LLK_PA_ROWS)
+static constexpr long PA_ROWS = LLK_PA_ROWS;
+#else
+static constexpr long PA_ROWS = 48;
+#endif
+
+inline long round_up(long n, long m) { return (n + m - 1) / m * m; }
+
+// kt[(p * D + d) * GEMM_NR + j] = k[p * GEMM_NR + j][d] and vt[(c * Lp + j) * GEMM_NR + e] = v[j][c * GEMM_NR + e]
+// for L positions ldk and ldv apart, as float32, zero for positions j >= L (zero, not whatever memory holds:
+// a zero weight times a NaN is NaN).
+template <class TC>
+void pack_kv_head(const TC *k, long ldk, const TC *v, long ldv, long L, long Lp, long D, float *kt, float *vt) {
+    for (long p = 0; p < Lp / GEMM_NR; p++) {
+        const long j0 = p * GEMM_NR;
+        float *panel = kt + p * D * GEMM_NR;
+        if (j0 + GEMM_NR <= L) {
+            pack_panel(k + j0 * ldk, ldk, 0, D, panel);
+        } else {
+            for (long d = 0; d < D; d++)
+                for (long j = 0; j < GEMM_NR; j++) panel[d * GEMM_NR + j] = j0 + j < L ? to_f32(k[(j0 + j) * ldk + d]) : 0.0f;
+        }
+    }
+    for (long c = 0; c < D / GEMM_NR; c++)
+        for (long j = 0; j < Lp; j++) {
+            float *row = vt + (c * Lp + j) * GEMM_NR;
+            for (int e = 0; e < GEMM_NR; e += Vec::N)
+                Vec::store(row + e, j < L ? Vec::load(v + j * ldv + c * GEMM_NR + e) : Vec::zero());
+        }
+}
+
+// Queries [i0, i0 + rows) of the chunk at positions from first = start + i0, one head (q at the head's
+// first row), from the packed keys and values of its kv head (Lp positions).
+void prompt_attention_rows(const float *q, long ldq, const float *kt, const float *vt, long Lp, long D, long i0,
+                           long first, long rows, float scale, float *out, long ldo) {
+    thread_local std::vector<float, AlignedAlloc<float>> buffers;
+    const long groups = (rows + GEMM_MR - 1) / GEMM_MR, span = round_up(first + rows, GEMM_NR);
+    const long q_stride = round_up(D * GEMM_MR + 16, 16), p_stride = round_up(span * GEMM_MR + 16, 16);
+    buffers.resize((size_t)(groups * (q_stride + p_stride + GEMM_MR * span + GEMM_MR * D)));
+    float *qp = buffers.data(), *pp = qp + groups * q_stride, *s = pp + groups * p_stride, *o = s + groups * GEMM_MR * span;
+    float inv[PA_ROWS];
+    const Vec::F scaled = Vec::set1(scale);  // scores come out scaled, as softmax_rows takes them
+    for (long g = 0; g < groups; g++) {
+        float *panel = qp + g * q_stride;
+        pack_rows(q + i0 * ldq, ldq, rows, 0, D, g, panel);
+        for (long e = 0; e < D * GEMM_MR; e += Vec::N) Vec::store(panel + e, Vec::mul(Vec::load(panel + e), scaled));
+    }
+    // a panel of keys (in L1) against every group of queries that sees any of its positions
+    for (long p = 0; p < span / GEMM_NR; p++)
+        for (long g = std::max(0L, (p * GEMM_NR - first) / GEMM_MR); g < groups; g++)
+            gemm_tile(D, qp + g * q_stride, kt + p * D * GEMM_NR, s + g * GEMM_MR * span + p * GEMM_NR, span, true);
+    for (long r = 0; r < groups * GEMM_MR; r++) {  // weights past a row's own position: zero, as are spare rows
+        float *row = s + r * span;
+        const long valid = r < rows ? first + r + 1 : 0;
+        if (valid) softmax_rows(row, valid, 1, inv + r);
+        memset(row + valid, 0, (span - valid) * sizeof(float));
+    }
+    for (long g = 0; g < groups; g++) pack_rows(s, span, groups * GEMM_MR, 0, span, g, pp + g * p_stride);
+    // the values GEMM_KC positions at a time (a column panel's block in L1), each group to the positions it sees
+    for (long c = 0; c < D / GEMM_NR; c++)
+        for (long k0 = 0; k0 < span; k0 += GEMM_KC)
+            for (long g = 0; g < groups; g++) {
+                const long depth = std::min({span, first + g * GEMM_MR + GEMM_MR, k0 + GEMM_KC}) - k0;
+                if (depth > 0)
+                    gemm_tile(depth, pp + g * p_stride + k0 * GEMM_MR, vt + (c * Lp + k0) * GEMM_NR,
+                              o + g * GEMM_MR * D + c * GEMM_NR, D, k0 == 0);
+            }
+    for (long r = 0; r < rows; r++) {
+        const Vec::F f = Vec::set1(inv[r]);
+        for (long e = 0; e < D; e += Vec::N) Vec::store(out + (i0 + r) * ldo + e, Vec::mul(Vec::load(o + r * D + e), f));
+    }
+}
+
+template <class TC>
+void prompt_attention(const float *q, long ldq, const TC *k, const TC *v, const long *ld, long T, long start, long H,
+                      long Hkv, long D, float scale, float *out, int threads) {
+    const long L = start + T, Lp = round_up(L, GEMM_NR), head_floats = Lp * D, G = H / Hkv;
+    AlignedFloats packed((size_t)(2 * Hkv * head_floats));
+    float *kt = packed.data(), *vt = kt + Hkv * head_floats;
+    pool().run(Hkv, threads, [&](long h) {
+        pack_kv_head(k + h * ld[1], ld[0], v + h * ld[3], ld[2], L, Lp, D, kt + h * head_floats, vt + h * head_floats);
+    });
+    const long blocks = (T + PA_ROWS - 1) / PA_ROWS;
+    pool().run(blocks * H, threads, [&](long c) {
+        const long b = blocks - 1 - c / H, h = c % H, i0 = b * PA_ROWS;
+        prompt_attention_rows(q + h * D, ldq, kt + (h / G) * head_floats, vt + (h / G) * head_floats, Lp, D, i0,
+                              start + i0, std::min(PA_ROWS, T - i0), scale, out + h * D, H * D);
+    });
+}
+#endif
 
 // ---------------------------------------------------------------------------------------------
 // The small operations of a step, fused: one call each instead of 3-8 torch ops, rounding to the
