@@ -685,18 +685,22 @@ def test_a_bf16_checkpoint_under_float32_gets_a_bf16_cache_and_its_logits_round_
     assert not torch.equal(got, want), "a bf16 cache rounds the keys and values"
 
 
-@pytest.mark.skipif(not cpu_kernels.ISA_NEEDS["avx2"] <= cpu_info.cpu_flags(), reason="this CPU cannot run avx2")
+#: The native kernels' instruction sets this CPU runs.
+RUNNABLE_ISAS = [isa for isa in cpu_kernels.ISAS if cpu_kernels.ISA_NEEDS[isa] <= cpu_info.cpu_flags()]
+
+
+@pytest.mark.parametrize("isa", RUNNABLE_ISAS)
 @pytest.mark.parametrize("kv_cache_dtype", ["float32", "bfloat16"])
 def test_float32_prompt_chunks_attend_through_the_native_prompt_kernel_and_keep_the_logits(tiny_model_dir, monkeypatch,
-                                                                                       kv_cache_dtype):
+                                                                                       kv_cache_dtype, isa):
     """A whole prompt, a first chunk and a later one (over the cache) go through ``prompt_attention``, once a
-    layer but the last (where only the row with logits attends, as a decode row); the logits are the plain
-    model's (a float32 cache) or within the bf16 cache's rounding."""
-    monkeypatch.setenv(cpu_kernels.ENV, "avx2")
+    layer but the last (where only the row with logits attends, as a decode row), on every build; the
+    logits are the plain model's (a float32 cache) or within the bf16 cache's rounding."""
+    monkeypatch.setenv(cpu_kernels.ENV, isa)
     backend = TorchSlotBackend.from_pretrained(str(tiny_model_dir), 2, 320, "float32", "cpu",
                                                kv_cache_dtype=kv_cache_dtype)
     kernels = backend._prompt_kernels
-    assert kernels is not None and kernels.isa == "avx2" and backend.kv_dtype == getattr(torch, kv_cache_dtype)
+    assert kernels is not None and kernels.isa == isa and backend.kv_dtype == getattr(torch, kv_cache_dtype)
     calls = []
     real = kernels.prompt_attention
     monkeypatch.setattr(kernels, "prompt_attention",
@@ -717,3 +721,45 @@ def test_float32_prompt_chunks_attend_through_the_native_prompt_kernel_and_keep_
         (last,) = backend.step_slots([], [], [PrefillChunk(1, ids[140:], 140)]).prefills
     assert calls == [(140, 0)] * layers + [(160, 140)] * layers
     assert_close(last, want[0][0], tolerance)
+
+
+@pytest.mark.parametrize("isa", RUNNABLE_ISAS)
+def test_bf16_prompt_chunks_attend_through_the_native_prompt_kernel_where_torch_would_by_blocks(bf16_checkpoint,
+                                                                                              monkeypatch, isa):
+    """bf16 arithmetic on a CPU without AMX (where torch's way is :class:`_PromptAttention`'s blocks): a whole
+    prompt, a first chunk and a later one go through ``prompt_attention`` once a layer but the last, on every
+    build, and the logits stay within bf16 rounding of the blocks'. An AMX CPU keeps SDPA's bf16 kernel."""
+    monkeypatch.setenv(cpu_kernels.ENV, isa)
+    backend = TorchSlotBackend.from_pretrained(str(bf16_checkpoint), 2, 320, "bfloat16", "cpu")
+    assert backend.dtype == backend.kv_dtype == torch.bfloat16
+    if cpu_info.is_amx(cpu_info.cpu_flags()):
+        assert backend._prompt_kernels is None and not backend._prompt_by_blocks
+        return
+    kernels = backend._prompt_kernels
+    assert kernels is not None and kernels.isa == isa and backend._prompt_by_blocks
+    calls = []
+    real = kernels.prompt_attention
+    monkeypatch.setattr(kernels, "prompt_attention",
+                        lambda q, k, v, scale, start=0: calls.append((q.dtype, q.shape[0], start))
+                        or real(q, k, v, scale, start))
+    layers = backend.model.config.num_hidden_layers - 1
+    ids = prompts(batch=1, length=300)[0][0].tolist()
+
+    def run(attend_natively: bool):
+        backend._prompt_kernels = kernels if attend_natively else None
+        backend.free_slot(0), backend.free_slot(1)
+        whole = backend.prefill_slot(0, ids)
+        backend.step_slots([], [], [PrefillChunk(1, ids[:140], 0)])
+        (last,) = backend.step_slots([], [], [PrefillChunk(1, ids[140:], 140)]).prefills
+        return whole.float(), last.float()
+
+    with torch.inference_mode():
+        native = run(True)
+        assert calls == [(torch.bfloat16, 300, 0)] * layers + [(torch.bfloat16, 140, 0)] * layers + [
+            (torch.bfloat16, 160, 140)] * layers
+        calls.clear()
+        blocks = run(False)
+    assert not calls
+    for got, want in zip(native, blocks):
+        assert_close(got, want)
+    assert not torch.equal(native[0], blocks[0]), "the blocks round their scores and weights to bf16; the kernel does not"

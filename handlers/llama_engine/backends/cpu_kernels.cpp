@@ -544,9 +544,9 @@ static constexpr int TILE_W = 4, TILE_X = 4;
 static constexpr int TILE_W = 3, TILE_X = 4;
 #endif
 
-#if defined(LLK_AVX2)
 // ---------------------------------------------------------------------------------------------
-// gemm: the same product for the many rows of a prompt, float32 arithmetic (AVX2 build).
+// gemm: the same product for the many rows of a prompt, float32 arithmetic (the AVX2 build's linear;
+// its tile, on 256-bit registers, is every build's prompt attention, below).
 //
 // The tiles above take w and x both along K (a dot product per pair of rows): each vector of x
 // they load feeds TILE_W multiply-adds, so a prompt's rows stream x from L2 at about the rate
@@ -617,6 +617,12 @@ inline void transpose8(__m256 r[8]) {
     }
 }
 
+// Eight elements as float32 in one 256-bit register, in every build (the tile's width).
+inline __m256 load8(const float *p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const bf16 *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
 // panel[k * GEMM_NR + j] = w[j][k0 + k] for the GEMM_NR rows of w at w, k < kc, as float32.
 template <class TW>
 inline void pack_panel(const TW *w, long K, long k0, long kc, float *panel) {
@@ -624,7 +630,7 @@ inline void pack_panel(const TW *w, long K, long k0, long kc, float *panel) {
     for (; k + 8 <= kc; k += 8)
         for (int g = 0; g < GEMM_NR; g += 8) {
             __m256 r[8];
-            for (int i = 0; i < 8; i++) r[i] = Vec::load(w + (g + i) * K + k0 + k);
+            for (int i = 0; i < 8; i++) r[i] = load8(w + (g + i) * K + k0 + k);
             transpose8(r);
             for (int i = 0; i < 8; i++) _mm256_storeu_ps(panel + (k + i) * GEMM_NR + g, r[i]);
         }
@@ -690,19 +696,22 @@ inline void gemm_tile_part(long mr, long kc, const float *a, const float *panel,
 // x[g * GEMM_MR + i][k0 + k], zero for rows past M. Eight k at a time go through an 8x8 transpose
 // whose columns (6 values and 2 zeros) are stored 6 floats apart, each store overwriting the last
 // one's 2 spare lanes: out needs 2 floats of room past kc * GEMM_MR.
-inline void pack_rows(const float *x, long ldx, long M, long k0, long kc, long g, float *out) {
+template <class TX>
+inline void pack_rows(const TX *x, long ldx, long M, long k0, long kc, long g, float *out) {
     const long row0 = g * GEMM_MR;
     long k = 0;
     for (; k + 8 <= kc; k += 8) {
         __m256 r[8];
         for (int i = 0; i < 8; i++)
-            r[i] = i < GEMM_MR && row0 + i < M ? _mm256_loadu_ps(x + (row0 + i) * ldx + k0 + k) : _mm256_setzero_ps();
+            r[i] = i < GEMM_MR && row0 + i < M ? load8(x + (row0 + i) * ldx + k0 + k) : _mm256_setzero_ps();
         transpose8(r);
         for (int j = 0; j < 8; j++) _mm256_storeu_ps(out + (k + j) * GEMM_MR, r[j]);
     }
     for (; k < kc; k++)
-        for (int i = 0; i < GEMM_MR; i++) out[k * GEMM_MR + i] = row0 + i < M ? x[(row0 + i) * ldx + k0 + k] : 0.0f;
+        for (int i = 0; i < GEMM_MR; i++) out[k * GEMM_MR + i] = row0 + i < M ? to_f32(x[(row0 + i) * ldx + k0 + k]) : 0.0f;
 }
+
+#if defined(LLK_AVX2)
 
 // Columns [n0, n1) of y (a multiple of GEMM_NR of them) for all M rows, from a: x packed by
 // pack_rows, the micro-panel of K's block b and rows group g at (b * groups + g) * GEMM_A_STRIDE.
@@ -1016,7 +1025,6 @@ int decode_attention_d(const void *q, long ldq, const void *k, const void *v, co
 // above the diagonal skipped), an exact softmax per row over the positions it sees (decode's), and
 // the weighted sum of the values, each micro-panel of queries only over the keys its rows see.
 // Items go out longest first.
-#if defined(LLK_AVX2)
 #if defined(LLK_PA_ROWS)
 static constexpr long PA_ROWS = LLK_PA_ROWS;
 #else
@@ -1050,8 +1058,9 @@ void pack_kv_head(const TC *k, long ldk, const TC *v, long ldv, long L, long Lp,
 
 // Queries [i0, i0 + rows) of the chunk at positions from first = start + i0, one head (q at the head's
 // first row), from the packed keys and values of its kv head (Lp positions).
-void prompt_attention_rows(const float *q, long ldq, const float *kt, const float *vt, long Lp, long D, long i0,
-                           long first, long rows, float scale, float *out, long ldo) {
+template <class TQ>
+void prompt_attention_rows(const TQ *q, long ldq, const float *kt, const float *vt, long Lp, long D, long i0,
+                           long first, long rows, float scale, TQ *out, long ldo) {
     thread_local std::vector<float, AlignedAlloc<float>> buffers;
     const long groups = (rows + GEMM_MR - 1) / GEMM_MR, span = round_up(first + rows, GEMM_NR);
     const long q_stride = round_up(D * GEMM_MR + 16, 16), p_stride = round_up(span * GEMM_MR + 16, 16);
@@ -1090,9 +1099,9 @@ void prompt_attention_rows(const float *q, long ldq, const float *kt, const floa
     }
 }
 
-template <class TC>
-void prompt_attention(const float *q, long ldq, const TC *k, const TC *v, const long *ld, long T, long start, long H,
-                      long Hkv, long D, float scale, float *out, int threads) {
+template <class TQ, class TC>
+void prompt_attention(const TQ *q, long ldq, const TC *k, const TC *v, const long *ld, long T, long start, long H,
+                      long Hkv, long D, float scale, TQ *out, int threads) {
     const long L = start + T, Lp = round_up(L, GEMM_NR), head_floats = Lp * D, G = H / Hkv;
     AlignedFloats packed((size_t)(2 * Hkv * head_floats));
     float *kt = packed.data(), *vt = kt + Hkv * head_floats;
@@ -1106,7 +1115,6 @@ void prompt_attention(const float *q, long ldq, const TC *k, const TC *v, const 
                               start + i0, std::min(PA_ROWS, T - i0), scale, out + h * D, H * D);
     });
 }
-#endif
 
 // ---------------------------------------------------------------------------------------------
 // The small operations of a step, fused: one call each instead of 3-8 torch ops, rounding to the
@@ -1301,28 +1309,32 @@ LLK_API int llk_linear(const void *x, long ldx, int x_dtype, const void *w, int 
     return -1;
 }
 
-// A prompt chunk's causal attention (prompt_attention): 0 on success, -1 where this build has no
-// such kernel (the AVX-512 builds), keys and values neither float32 nor bf16 (kv_dtype) or a head
-// size not a multiple of 16, -2 for a head count that is not a multiple of the kv heads'.
-// ld: k's position and head strides, then v's.
-LLK_API int llk_prompt_attention(const void *q, long ldq, const void *k, const void *v, int kv_dtype, const long *ld,
-                                 long T, long start, long H, long Hkv, long D, float scale, void *out, int threads) {
-#if defined(LLK_AVX2)
-    if ((kv_dtype != 0 && kv_dtype != 1) || D % GEMM_NR != 0 || D <= 0) return -1;
+// A prompt chunk's causal attention (prompt_attention): q and out float32 or bf16 (q_dtype), keys
+// and values float32 or bf16 (kv_dtype), arithmetic in float32. 0 on success, -1 for a dtype
+// neither of those or a head size not a multiple of 16, -2 for a head count that is not a
+// multiple of the kv heads'. ld: k's position and head strides, then v's.
+LLK_API int llk_prompt_attention(const void *q, long ldq, int q_dtype, const void *k, const void *v, int kv_dtype,
+                                 const long *ld, long T, long start, long H, long Hkv, long D, float scale, void *out,
+                                 int threads) {
+    if ((q_dtype != 0 && q_dtype != 1) || (kv_dtype != 0 && kv_dtype != 1) || D % GEMM_NR != 0 || D <= 0) return -1;
     if (Hkv < 1 || H % Hkv != 0) return -2;
     if (T <= 0) return 0;
-    if (kv_dtype == 0)
-        prompt_attention((const float *)q, ldq, (const float *)k, (const float *)v, ld, T, start, H, Hkv, D, scale,
-                         (float *)out, threads);
-    else
-        prompt_attention((const float *)q, ldq, (const bf16 *)k, (const bf16 *)v, ld, T, start, H, Hkv, D, scale,
-                         (float *)out, threads);
+    auto run = [&](auto *q_typed, auto *kv_typed) {
+        using TQ = std::remove_const_t<std::remove_pointer_t<decltype(q_typed)>>;
+        using TC = std::remove_const_t<std::remove_pointer_t<decltype(kv_typed)>>;
+        prompt_attention((const TQ *)q, ldq, (const TC *)k, (const TC *)v, ld, T, start, H, Hkv, D, scale, (TQ *)out,
+                         threads);
+    };
+    const float *f32 = nullptr;
+    const bf16 *b16 = nullptr;
+    if (q_dtype == 0) {
+        if (kv_dtype == 0) run(f32, f32);
+        else run(f32, b16);
+    } else {
+        if (kv_dtype == 0) run(b16, f32);
+        else run(b16, b16);
+    }
     return 0;
-#else
-    (void)q, (void)ldq, (void)k, (void)v, (void)kv_dtype, (void)ld, (void)T, (void)start, (void)H;
-    (void)Hkv, (void)D, (void)scale, (void)out, (void)threads;
-    return -1;
-#endif
 }
 
 // 0 on success, -1 for an unsupported dtype or head size, -2 for a head count that is not a

@@ -282,9 +282,12 @@ class TorchSlotBackend(OnePassSlotBackend):
         self._fused_ops = self._kernels is not None and self._fuses_small_ops()
         #: Prompt chunks attend by :class:`_PromptAttention` (see :func:`prompts_attend_by_blocks`).
         self._prompt_by_blocks = prompts_attend_by_blocks(self.dtype, self.kv_dtype, self.device)
-        #: Prompt chunks attend through these kernels (:class:`_NativePrompt`), where they run them.
-        self._prompt_kernels = kernels if kernels is not None and kernels.supports_prompt_attention(
-            self.dtype, self.kv_dtype, self.n_heads, self.n_kv_heads, self.head_dim) else None
+        #: Prompt chunks attend through these kernels (:class:`_NativePrompt`), where they run them: float32
+        #: arithmetic, and bf16 where the blocks would run (an AMX CPU keeps SDPA's bf16 flash kernel).
+        self._prompt_kernels = kernels if (
+            kernels is not None and (self.dtype == torch.float32 or self._prompt_by_blocks)
+            and kernels.supports_prompt_attention(self.dtype, self.kv_dtype, self.n_heads, self.n_kv_heads,
+                                                  self.head_dim)) else None
         #: Decode-only passes of up to ``_decode_layers_rows`` rows run their layers in one native call.
         self._decode_layers, self._decode_layers_rows = self._native_decode_layers()
 
@@ -646,16 +649,19 @@ class _Chunk:
 
 
 class _NativePrompt:
-    """A prompt chunk attending causally in float32 through the native kernel
-    (:meth:`.cpu_kernels.CpuKernels.prompt_attention`): both products on the prompt GEMM's tile and an
-    exact softmax between them. A first chunk attends over its own keys and values (float32, as
-    computed), a later one over its slot of the cache, which holds the earlier chunks' and its own.
+    """A prompt chunk attending causally through the native kernel
+    (:meth:`.cpu_kernels.CpuKernels.prompt_attention`): both products in float32 on the prompt GEMM's
+    tile and an exact softmax between them, whether the arithmetic is float32 or bf16. A first chunk
+    attends over its own keys and values (as computed), a later one over its slot of the cache,
+    which holds the earlier chunks' and its own.
 
     On the bench model's shapes (12 heads of 64, 2 threads, 2-vCPU AVX2 EPYC, one layer, best of
     15): a first chunk 1.4 against SDPA's 2.7 ms at 256 tokens, 7.7 against 11.2 at 768, 14.6
     against 21.8 at 1024, as exact (float64 reference: 6e-5 at 768 either way); a chunk of 256
     after 512 over a bf16 cache 3.9 against 7.7 ms by blocks of torch products
-    (:class:`_PromptAttention`), after 256 2.4 against 5.3.
+    (:class:`_PromptAttention`), after 256 2.4 against 5.3. bf16 arithmetic on a Zen 4 EPYC
+    (``avx512bf16`` build): whole prefills as fast as by bf16 blocks (1.00-1.02x), the scores and
+    weights not rounded to bf16 (7.6e-3 from float64 at 768 tokens against 1.3e-2).
     """
 
     def __init__(self, kernels, scale: float, slot: int, start: int):
@@ -670,7 +676,8 @@ class _NativePrompt:
 
 class _PromptAttention:
     """A prompt chunk's queries attending by blocks, in the arithmetic's dtype: for bf16 arithmetic on
-    a CPU without AMX, and float32 arithmetic over a bf16 cache (:func:`prompts_attend_by_blocks`).
+    a CPU without AMX, and float32 arithmetic over a bf16 cache (:func:`prompts_attend_by_blocks`), where
+    the native kernels do not load (:class:`_NativePrompt` otherwise).
 
     bf16 arithmetic gets a float32 KV cache where the native kernels do not load, so SDPA would
     run its flash kernel in float32; its bfloat16 kernel is no faster (768 tokens of the bench
