@@ -17,7 +17,8 @@ software prefetch ahead of it:
 * ``prompt_attention``: a prompt chunk's queries (float32 or bf16) over their own keys and values
   and those before them in the cache, both products in float32 on the prompt GEMM's tile (faster
   than SDPA's causal flash kernel, 1.4-1.9x on a Zen 3 EPYC, and than a later chunk's torch
-  products; on a Zen 4 EPYC 1.7-3.5x faster than bf16 attention by blocks);
+  products; on a Zen 4 EPYC as fast as bf16 products by blocks in a whole prefill, and without
+  their bf16 rounding of the scores);
 
 and the small ops of a step fused, rounding as the torch ops they replace: ``add_rmsnorm``,
 ``silu_mul`` and ``rope_store`` (the rotary embedding and the cache write).
