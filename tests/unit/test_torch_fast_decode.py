@@ -545,8 +545,8 @@ def test_decode_steps_run_their_layers_in_one_native_call_with_the_python_loops_
     native, python = backends
     bf16_cache = kv == "bfloat16" or dtype == "bfloat16" or weight_dtype == torch.bfloat16  # auto: the weights'
     assert native.kv_dtype == (torch.bfloat16 if bf16_cache else torch.float32)
-    if dtype == "bfloat16" and fast_linear.native_kernels_for(torch.bfloat16, torch.device("cpu")) is None:
-        assert native._decode_layers is None  # bf16 products are oneDNN's on this CPU
+    if weight_dtype is None and fast_linear.native_kernels_for(getattr(torch, dtype), torch.device("cpu")) is None:
+        assert native._decode_layers is None  # such products are oneDNN's on this CPU (float32 off avx2, bf16 on AMX)
         return
     assert native._decode_layers is not None
     python._decode_layers_rows = 0
@@ -572,17 +572,28 @@ def test_decode_steps_run_their_layers_in_one_native_call_with_the_python_loops_
 @needs_native
 def test_decode_layers_only_where_every_product_is_native_without_a_bias_or_unless_switched_off(tiny_model_dir,
                                                                                                 monkeypatch):
-    backend = TorchSlotBackend(load(tiny_model_dir, torch.float32), max_slots=1, max_length=32, owns_model=True)
-    assert backend._decode_layers is not None and backend._decode_layers_rows == fast_linear.native_max_rows(
-        backend._kernels)
-    shared = TorchSlotBackend(load(tiny_model_dir, torch.float32), max_slots=1, max_length=32)  # o/down not swapped
+    """float32 arithmetic over the products the native kernels run on this CPU: float32 weights on an
+    ``avx2`` CPU, bf16 weights on either build (float32 weights off ``avx2`` are oneDNN's: no such call)."""
+    cpu = torch.device("cpu")
+    if fast_linear.native_kernels_for(torch.float32, cpu) is not None:
+        options, max_rows = {}, fast_linear.native_max_rows
+    else:
+        assert TorchSlotBackend(load(tiny_model_dir, torch.float32), max_slots=1, max_length=32,
+                                owns_model=True)._decode_layers is None
+        options = {"weight_dtype": torch.bfloat16}
+        max_rows = lambda kernels: fast_linear.native_max_rows(kernels, fast_linear.BF16_WEIGHT_MAX_ROWS)  # noqa: E731
+    backend = TorchSlotBackend(load(tiny_model_dir, torch.float32), max_slots=1, max_length=32, owns_model=True,
+                               **options)
+    assert backend._decode_layers is not None and backend._decode_layers_rows == max_rows(backend._kernels)
+    shared = TorchSlotBackend(load(tiny_model_dir, torch.float32), max_slots=1, max_length=32,
+                              **options)  # o/down not swapped
     assert shared._fused_ops and shared._decode_layers is None and shared._decode_layers_rows == 0
     model = load(tiny_model_dir, torch.float32)
     model.model.layers[1].self_attn.o_proj.bias = torch.nn.Parameter(torch.zeros(model.config.hidden_size))
-    assert TorchSlotBackend(model, max_slots=1, max_length=32, owns_model=True)._decode_layers is None
+    assert TorchSlotBackend(model, max_slots=1, max_length=32, owns_model=True, **options)._decode_layers is None
     monkeypatch.setenv("LLAMA_DECODE_LAYERS", "0")
-    assert TorchSlotBackend(load(tiny_model_dir, torch.float32), max_slots=1, max_length=32,
-                            owns_model=True)._decode_layers is None
+    assert TorchSlotBackend(load(tiny_model_dir, torch.float32), max_slots=1, max_length=32, owns_model=True,
+                            **options)._decode_layers is None
 
 
 @needs_native
