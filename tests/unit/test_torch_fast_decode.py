@@ -8,6 +8,8 @@
   dropped, ``retain`` keeps the rows' logits, the cache grows for a larger batch, and a failed
   prefill leaves every slot free.
 """
+import logging
+import re
 import sys
 
 import pytest
@@ -15,7 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from llama_engine import cpu as cpu_info
-from llama_engine.backends import cpu_kernels, fast_linear
+from llama_engine.backends import cpu_kernels, fast_linear, torch_backend
 from llama_engine.backends.base import PrefillChunk
 from llama_engine.backends.fast_linear import NativeLinear, PackedLinear, pack_linears, packing_supported
 from llama_engine.backends.torch_backend import (
@@ -708,6 +710,7 @@ def test_float32_prompt_chunks_attend_through_the_native_prompt_kernel_and_keep_
     layer but the last (where only the row with logits attends, as a decode row), on every build; the
     logits are the plain model's (a float32 cache) or within the bf16 cache's rounding."""
     monkeypatch.setenv(cpu_kernels.ENV, isa)
+    monkeypatch.setattr(torch_backend, "native_prompt_pays", lambda *args: True)  # whatever this CPU measures
     backend = TorchSlotBackend.from_pretrained(str(tiny_model_dir), 2, 320, "float32", "cpu",
                                                kv_cache_dtype=kv_cache_dtype)
     kernels = backend._prompt_kernels
@@ -741,6 +744,7 @@ def test_bf16_prompt_chunks_attend_through_the_native_prompt_kernel_where_torch_
     prompt, a first chunk and a later one go through ``prompt_attention`` once a layer but the last, on every
     build, and the logits stay within bf16 rounding of the blocks'. An AMX CPU keeps SDPA's bf16 kernel."""
     monkeypatch.setenv(cpu_kernels.ENV, isa)
+    monkeypatch.setattr(torch_backend, "native_prompt_pays", lambda *args: True)  # whatever this CPU measures
     backend = TorchSlotBackend.from_pretrained(str(bf16_checkpoint), 2, 320, "bfloat16", "cpu")
     assert backend.dtype == backend.kv_dtype == torch.bfloat16
     if cpu_info.is_amx(cpu_info.cpu_flags()):
@@ -774,3 +778,26 @@ def test_bf16_prompt_chunks_attend_through_the_native_prompt_kernel_where_torch_
     for got, want in zip(native, blocks):
         assert_close(got, want)
     assert not torch.equal(native[0], blocks[0]), "the blocks round their scores and weights to bf16; the kernel does not"
+
+
+@needs_native
+def test_prompts_attend_natively_only_where_the_kernel_measures_as_fast_once_per_shape(tiny_model_dir, monkeypatch,
+                                                                                     caplog):
+    """:func:`native_prompt_pays` times the kernel against torch's way once per process and shape (logging
+    both), and the backend keeps torch's way where the kernel loses."""
+    monkeypatch.setattr(torch_backend, "_PROMPT_DECISIONS", {})
+    kernels = cpu_kernels.load()
+    calls = []
+    real = kernels.prompt_attention
+    monkeypatch.setattr(kernels, "prompt_attention", lambda *args: calls.append(args[0].shape) or real(*args))
+    with caplog.at_level(logging.INFO, logger=torch_backend.__name__):
+        decision = torch_backend.native_prompt_pays(kernels, torch.float32, torch.bfloat16, 4, 2, 32)
+        measured = len(calls)
+        assert torch_backend.native_prompt_pays(kernels, torch.float32, torch.bfloat16, 4, 2, 32) is decision
+    assert measured == 5 and len(calls) == measured  # a warm-up round and 4 timed ones, then the cached decision
+    assert calls[0] == (torch_backend.PROMPT_SAMPLE_TOKENS, 4, 32)
+    assert re.search(r"prompt attention, torch.float32 over a torch.bfloat16 cache, 512 tokens, \d+ threads: native "
+                     r"[\d.]+ ms, torch [\d.]+ ms \(best\) -> (native|torch)", caplog.text)
+    monkeypatch.setattr(torch_backend, "native_prompt_pays", lambda *args: False)
+    backend = TorchSlotBackend.from_pretrained(str(tiny_model_dir), 1, 64, "float32", "cpu", kv_cache_dtype="bfloat16")
+    assert backend._prompt_kernels is None and backend._prompt_by_blocks
