@@ -1009,7 +1009,8 @@ int decode_attention_d(const void *q, long ldq, const void *k, const void *v, co
 }
 
 // ---------------------------------------------------------------------------------------------
-// prompt attention: a prompt chunk's queries, float32, each over the keys at or before its position.
+// prompt attention: a prompt chunk's queries, float32 or bf16, each over the keys at or before its position,
+// in float32 arithmetic.
 //
 // q [T, H, D] (rows ldq elements apart, heads D apart), the chunk's tokens at positions [start,
 // start + T); k and v hold the keys and values of positions [0, start + T), float32 or bf16,

@@ -61,7 +61,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Dict, FrozenSet, Optional, Sequence
+from typing import Callable, Dict, FrozenSet, Hashable, Optional, Sequence
 
 import torch
 
@@ -407,13 +407,33 @@ def leading_bytes(weights: Sequence[torch.Tensor], limit: int) -> tuple:
     return len(weights), size
 
 
-def choose_prefetch(passes: Dict[int, Sequence[float]], default: int = PREFETCH_CANDIDATES[0],
-                    margin: float = PREFETCH_MARGIN) -> int:
-    """The distance whose passes were fastest, scored as the sum of its two fastest (a busy machine slows
+def alternate_passes(runs: Dict[Hashable, Callable[[], object]], rounds: int) -> Dict[Hashable, list]:
+    """Each of ``runs`` timed once a round, ``rounds`` rounds after a warm-up one, in an order that turns
+    round by round (a drifting machine slows each side alike); returns the seconds of each one's passes."""
+    order = list(runs)
+    passes: Dict[Hashable, list] = {name: [] for name in order}
+    with torch.inference_mode():
+        for round_ in range(rounds + 1):
+            for name in (order if round_ % 2 else order[::-1]):
+                start = time.perf_counter()
+                runs[name]()
+                if round_:  # the first round warms up
+                    passes[name].append(time.perf_counter() - start)
+    return passes
+
+
+def choose_fastest(passes: Dict[Hashable, Sequence[float]], default: Hashable, margin: float) -> Hashable:
+    """The side whose passes were fastest, scored as the sum of its two fastest (a busy machine slows
     every side; the minimum keeps what each can do), where it beats ``default``'s by ``margin``."""
-    score = {distance: sum(sorted(times)[:2]) for distance, times in passes.items()}
+    score = {side: sum(sorted(times)[:2]) for side, times in passes.items()}
     fastest = min(score, key=score.get)
     return fastest if score[fastest] < (1 - margin) * score.get(default, float("inf")) else default
+
+
+def choose_prefetch(passes: Dict[int, Sequence[float]], default: int = PREFETCH_CANDIDATES[0],
+                    margin: float = PREFETCH_MARGIN) -> int:
+    """:func:`choose_fastest` among prefetch distances: another replaces the default only by the margin."""
+    return choose_fastest(passes, default, margin)
 
 
 def tune_one_row_prefetch(kernels: CpuKernels, weights: Sequence[torch.Tensor], x_dtype: torch.dtype,
@@ -438,17 +458,13 @@ def tune_one_row_prefetch(kernels: CpuKernels, weights: Sequence[torch.Tensor], 
     count, size = leading_bytes(weights, PREFETCH_SAMPLE_BYTES)
     sample = list(weights[:count])
     inputs = [torch.randn(1, w.shape[1]).to(x_dtype) for w in sample]
-    passes: Dict[int, list] = {distance: [] for distance in PREFETCH_CANDIDATES}
-    with torch.inference_mode():
-        for round_ in range(rounds + 1):
-            order = PREFETCH_CANDIDATES if round_ % 2 else PREFETCH_CANDIDATES[::-1]
-            for distance in order:
-                kernels.one_row_prefetch[key] = distance
-                start = time.perf_counter()
-                for x, w in zip(inputs, sample):
-                    kernels.linear(x, w)
-                if round_:  # the first round warms up
-                    passes[distance].append(time.perf_counter() - start)
+
+    def one_pass(distance: int) -> None:
+        kernels.one_row_prefetch[key] = distance
+        for x, w in zip(inputs, sample):
+            kernels.linear(x, w)
+
+    passes = alternate_passes({d: (lambda d=d: one_pass(d)) for d in PREFETCH_CANDIDATES}, rounds)
     chosen = kernels.one_row_prefetch[key] = choose_prefetch(passes)
     logger.info("native linear, one row of %s over %s weights, %d threads, %.0f MB: best pass %s ms at %s bytes "
                 "ahead -> %d", x_dtype, weights[0].dtype, torch.get_num_threads(), size / 1e6,

@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import time
 from typing import Dict, FrozenSet, List, Optional, Sequence
 
 import torch
@@ -159,20 +158,12 @@ def native_prompt_pays(kernels, dtype: torch.dtype, kv: torch.dtype, heads: int,
     q = torch.randn(tokens, heads, head_dim, generator=gen).to(dtype)
     k, v = (torch.randn(tokens, kv_heads, head_dim, generator=gen).to(dtype) for _ in range(2))
     torch_way = _PromptAttention(0, 0, dtype)
-    sides = {"native": lambda: kernels.prompt_attention(q, k, v, scale),
-             "torch": lambda: torch_way(q, k, v, None, None, heads != kv_heads)}
-    times: Dict[str, list] = {side: [] for side in sides}
-    with torch.inference_mode():
-        for round_ in range(rounds + 1):
-            for side in (sorted(sides) if round_ % 2 else sorted(sides, reverse=True)):
-                start = time.perf_counter()
-                sides[side]()
-                if round_:  # the first round warms up
-                    times[side].append(time.perf_counter() - start)
-    score = {side: sum(sorted(t)[:2]) for side, t in times.items()}
-    decision = _PROMPT_DECISIONS[key] = score["native"] <= score["torch"]
+    passes = cpu_kernels.alternate_passes({"native": lambda: kernels.prompt_attention(q, k, v, scale),
+                                           "torch": lambda: torch_way(q, k, v, None, None, heads != kv_heads)},
+                                          rounds)
+    decision = _PROMPT_DECISIONS[key] = cpu_kernels.choose_fastest(passes, "native", margin=0.0) == "native"
     logger.info("prompt attention, %s over a %s cache, %d tokens, %d threads: native %.2f ms, torch %.2f ms (best) "
-                "-> %s", dtype, kv, tokens, key[-1], 1e3 * min(times["native"]), 1e3 * min(times["torch"]),
+                "-> %s", dtype, kv, tokens, key[-1], 1e3 * min(passes["native"]), 1e3 * min(passes["torch"]),
                 "native" if decision else "torch")
     return decision
 
