@@ -233,16 +233,12 @@ class TimedSink(MetricsSink, ABC):
                             (times.last_token - times.first_token) / (generated_tokens - 1))
             self.record("llama_e2e_request_latency_seconds", self.clock() - times.received)
             key = ("llama_request_success_total", (reason,))
-        with self._lock:
-            self._counts[key] += 1
-        self._maybe_flush()
+        self._count_outcome(key)
 
     def error(self, status: int, request=None) -> None:
         if not self._end(request):
             return
-        with self._lock:
-            self._counts[("llama_request_errors_total", (str(status),))] += 1
-        self._maybe_flush()
+        self._count_outcome(("llama_request_errors_total", (str(status),)))
 
     def steps(self, count: int, rows: int, seconds: float) -> None:
         with self._lock:
@@ -293,8 +289,15 @@ class TimedSink(MetricsSink, ABC):
                 self._ended_waiting += 1
             else:
                 self._ended_running += 1
-            self._counts[("llama_requests_total", ())] += 1
         return True
+
+    def _count_outcome(self, key: Tuple[str, tuple]) -> None:
+        """The outcome and ``llama_requests_total`` under one lock: a flush between them once
+        published two requests ended with one success (another thread's step flushed in between)."""
+        with self._lock:
+            self._counts[key] += 1
+            self._counts[("llama_requests_total", ())] += 1
+        self._maybe_flush()
 
     def _changed_gauges(self) -> Dict[str, float]:
         running = self._admitted - self._ended_running

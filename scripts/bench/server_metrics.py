@@ -9,7 +9,7 @@ Histogram quantiles are coarse (TorchServe's fixed buckets), so latencies are me
 from __future__ import annotations
 
 import time
-from typing import Optional
+from typing import Optional, Tuple
 
 from scripts.scrape_metrics import Samples, delta, scrape, summary, value
 
@@ -39,19 +39,38 @@ class ServerMetrics:
             last = now
 
     def since(self, before: Samples, requests: Optional[int] = None, timeout: float = 10.0) -> dict:
-        """Figures between ``before`` and now. With ``requests``, wait (up to ``timeout`` s) until the
-        server has counted that many more and an outcome for each: the frontend parses the worker's
-        metric lines a moment after the responses went out, and a request is counted when it
-        arrives, its outcome and tokens when the handler next flushes its counters; a server that counts
-        its forward passes has also counted the prefill of every prompt token it counted."""
-        deadline = time.monotonic() + timeout
+        """Figures between ``before`` and now; with ``requests``, once :meth:`settled`."""
+        if requests is None:
+            after = self.scrape()
+            return figures(summary(delta(after, before), self.model), value(after, "llama_batch_capacity", self.model))
+        got, after = self.settled(before, requests, timeout)
+        return figures(got, value(after, "llama_batch_capacity", self.model))
+
+    def settled(self, before: Samples, requests: int, timeout: float = 10.0, idle: bool = False,
+                settle: float = 0.1) -> Tuple[dict, Samples]:
+        """The :func:`summary` of what happened since ``before``, and the last scrape, once the server
+        has counted ``requests`` more and an outcome for each (``idle``: and none runs or waits), and two
+        scrapes ``settle`` s apart agree (up to ``timeout`` s).
+
+        The frontend parses the worker's metric lines a moment after the responses went out; a request
+        is counted when it ends, its tokens when the handler next flushes. A single scrape is no
+        snapshot either: the frontend collects one metric after another while it parses new lines, so a
+        scrape can read a request's outcome before that line was parsed and its count after. A server
+        that counts its forward passes has also counted the prefill of every prompt token it counted."""
+        deadline, last = time.monotonic() + timeout, None
         while True:
             after = self.scrape()
             got = summary(delta(after, before), self.model)
             counts_passes = value(after, "llama_forward_passes_total", self.model) > 0
-            if requests is None or _settled(got, requests, counts_passes) or time.monotonic() > deadline:
-                return figures(got, value(after, "llama_batch_capacity", self.model))
-            time.sleep(0.1)
+            ready = _settled(got, requests, counts_passes) and (not idle or _idle(after, self.model))
+            if (ready and last is not None and _llama(after) == _llama(last)) or time.monotonic() > deadline:
+                return got, after
+            last = after if ready else None
+            time.sleep(settle)
+
+
+def _idle(samples: Samples, model: str) -> bool:
+    return value(samples, "llama_requests_running", model) == value(samples, "llama_requests_waiting", model) == 0
 
 
 def _llama(samples: Samples) -> Samples:

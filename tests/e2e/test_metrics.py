@@ -20,7 +20,8 @@ import pytest
 import requests
 import yaml
 
-from scripts.scrape_metrics import HISTOGRAMS, buckets, scrape, summary, value
+from scripts.bench.server_metrics import ServerMetrics
+from scripts.scrape_metrics import HISTOGRAMS, buckets, scrape, value
 from scripts.tsctl import running
 
 from conftest import CONTINUOUS, MODEL as MICRO, ROOT
@@ -121,15 +122,10 @@ def generation(prompt: str, n: int, **extra) -> dict:
 
 
 def settle(server, model: str, before: dict, requests_expected: int) -> dict:
-    """Scrape until the model's ended requests reach ``requests_expected`` and nothing runs or
-    waits (the frontend parses the worker's metric lines after the responses went out); the delta."""
-    deadline = time.monotonic() + 60
-    while True:
-        now = summary(delta_of(server, before), model)
-        if (now["requests"] >= requests_expected and now["running"] == 0 and now["waiting"] == 0) \
-                or time.monotonic() > deadline:
-            return now
-        time.sleep(0.2)
+    """The delta since ``before`` once the model's ended requests reach ``requests_expected``, each
+    with its outcome, nothing runs or waits, and two scrapes agree (see ``ServerMetrics.settled``)."""
+    got, _ = ServerMetrics(server.url("metrics"), model).settled(before, requests_expected, timeout=60, idle=True)
+    return got
 
 
 def delta_of(server, before: dict) -> dict:

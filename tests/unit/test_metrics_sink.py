@@ -30,7 +30,7 @@ from llama_engine.metrics import (
     compile_cache_counts,
 )
 from llama_metrics import TorchServeMetrics, dimensions, model_metrics_yaml
-from scripts.scrape_metrics import parse, quantile, summary
+from scripts.scrape_metrics import parse, quantile, summary, value
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -169,6 +169,31 @@ def test_two_threads_flushing_at_once_keep_a_requests_outcome_after_its_tokens()
     first.join(5)
     names = [n for n, _, _ in sink.values]
     assert names.index("llama_generation_tokens_total") < names.index("llama_request_success_total"), names
+
+
+def test_a_flush_while_a_request_ends_never_publishes_it_counted_without_its_outcome():
+    """Another thread's flush may land while ``finished`` records the latencies: the count and the
+    outcome must go out in the same flush (a CI run once scraped two requests ended, one success)."""
+
+    class FlushesMidway(Recorder):
+        def record(self, name, value, labels=()):
+            super().record(name, value, labels)
+            if name == "llama_e2e_request_latency_seconds":
+                self.flush()  # what the step thread's flush does at this moment
+
+    sink, req = FlushesMidway(), request()
+    sink.received()
+    sink.admitted(req)
+    sink.token(req, 1)
+    sink.token(req, 2)
+    sink.finished(req, "length", 2)
+    sink.flush()
+    counted = succeeded = 0
+    for name, _, value in sink.values:
+        succeeded += value if name == "llama_request_success_total" else 0
+        counted += value if name == "llama_requests_total" else 0
+        assert counted <= succeeded, sink.values
+    assert counted == succeeded == 1
 
 
 def test_compile_cache_hits_and_misses_from_the_cache_report():
@@ -381,12 +406,36 @@ llama_request_success_total{{ModelName="m",finish_reason="length"}} {finished}
 llama_generation_tokens_total{{ModelName="m"}} {tokens}
 """)
 
-    scrapes = iter([scrape(2, 1, 10), scrape(2, 1, 10), scrape(2, 2, 20)])
+    scrapes = iter([scrape(2, 1, 10), scrape(2, 1, 10), scrape(2, 2, 20), scrape(2, 2, 20)])
     server = ServerMetrics("http://127.0.0.1:1/metrics", "m")
     monkeypatch.setattr(server, "scrape", lambda: next(scrapes))
     monkeypatch.setattr("scripts.bench.server_metrics.time.sleep", lambda s: None)
     got = server.since(parse(""), requests=2)
     assert got["generation_tokens"] == 20 and got["finish_reasons"] == {"length": 2}
+
+
+def test_the_bench_takes_figures_only_from_two_scrapes_that_agree(monkeypatch):
+    """A scrape is no snapshot: the frontend collects one metric after another while it parses the
+    worker's lines, so one scrape can hold a flush's outcomes and count but not its tokens (collected
+    before the lines were parsed), or a count of two with one success (a CI run read that)."""
+    from scripts.bench.server_metrics import ServerMetrics
+
+    def scrape(requests, finished, tokens, running=0):
+        return parse(f"""llama_requests_total{{ModelName="m"}} {requests}
+llama_request_success_total{{ModelName="m",finish_reason="length"}} {finished}
+llama_generation_tokens_total{{ModelName="m"}} {tokens}
+llama_requests_running{{ModelName="m"}} {running}
+""")
+
+    server = ServerMetrics("http://127.0.0.1:1/metrics", "m")
+    monkeypatch.setattr("scripts.bench.server_metrics.time.sleep", lambda s: None)
+    scrapes = iter([scrape(2, 2, 10), scrape(2, 2, 20), scrape(2, 2, 20)])
+    monkeypatch.setattr(server, "scrape", lambda: next(scrapes))
+    assert server.since(parse(""), requests=2)["generation_tokens"] == 20
+    scrapes = iter([scrape(2, 1, 20), scrape(2, 2, 20, running=1), scrape(2, 2, 20), scrape(2, 2, 20)])
+    got, after = server.settled(parse(""), 2, idle=True)
+    assert got["success_by_finish_reason"] == {"length": 2} and value(after, "llama_requests_running", "m") == 0
+    assert next(scrapes, None) is None
 
 
 def test_the_bench_waits_for_the_forward_passes_of_every_counted_prompt_token(monkeypatch):
@@ -403,7 +452,7 @@ llama_forward_prefill_tokens_total{{ModelName="m",kind="prefill",rows="1"}} {pre
 llama_forward_passes_total{{ModelName="m",kind="decode",rows="1"}} 5
 """)
 
-    scrapes = iter([scrape(0), scrape(0), scrape(96)])
+    scrapes = iter([scrape(0), scrape(0), scrape(96), scrape(96)])
     server = ServerMetrics("http://127.0.0.1:1/metrics", "m")
     monkeypatch.setattr(server, "scrape", lambda: next(scrapes))
     monkeypatch.setattr("scripts.bench.server_metrics.time.sleep", lambda s: None)
