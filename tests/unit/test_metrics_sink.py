@@ -30,7 +30,7 @@ from llama_engine.metrics import (
     compile_cache_counts,
 )
 from llama_metrics import TorchServeMetrics, dimensions, model_metrics_yaml
-from scripts.scrape_metrics import parse, quantile, summary, value
+from scripts.scrape_metrics import parse, quantile, summary
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -434,7 +434,7 @@ llama_requests_running{{ModelName="m"}} {running}
     assert server.since(parse(""), requests=2)["generation_tokens"] == 20
     scrapes = iter([scrape(2, 1, 20), scrape(2, 2, 20, running=1), scrape(2, 2, 20), scrape(2, 2, 20)])
     got, after = server.settled(parse(""), 2, idle=True)
-    assert got["success_by_finish_reason"] == {"length": 2} and value(after, "llama_requests_running", "m") == 0
+    assert got["success_by_finish_reason"] == {"length": 2} and summary(after, "m")["running"] == 0
     assert next(scrapes, None) is None
 
 
