@@ -12,10 +12,14 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import mmap
 import os
 import sys
 from pathlib import Path
-from typing import Dict, FrozenSet, Optional
+from typing import TYPE_CHECKING, Dict, FrozenSet, Optional, Tuple
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -185,6 +189,47 @@ def _mallopt(param: int, value: int) -> bool:
         return bool(libc.mallopt(param, value))
     except (OSError, AttributeError):
         return False
+
+
+#: A transparent huge page on x86-64 Linux.
+HUGE_PAGE = 2 << 20
+THP_MODE_FILE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def transparent_huge_pages(mode_file: Path = THP_MODE_FILE) -> str:
+    """The kernel's transparent huge page mode (``always``, ``madvise`` or ``never``); ``""`` without one."""
+    try:
+        text = mode_file.read_text()
+    except OSError:
+        return ""
+    return next((word[1:-1] for word in text.split() if word.startswith("[")), "")
+
+
+def huge_page_empty(numel: int, dtype: "torch.dtype") -> Tuple["torch.Tensor", bool]:
+    """``numel`` uninitialised elements of ``dtype`` in an anonymous mapping of their own, from a 2 MiB
+    boundary, advised for transparent huge pages before any page is touched; and whether the kernel
+    took the advice (False off Linux or with THP ``never``: plain pages, still one block).
+
+    A weight streamed from 4 KiB pages takes a TLB miss every 4 KiB. Advised before it is touched, the
+    kernel maps 2 MiB pages as the block is written (malloc's blocks may be touched already: the
+    advice then waits for khugepaged). The mapping is freed with the last tensor over it.
+    """
+    import torch
+
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    size = numel * itemsize
+    block = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # shared: shmem, no THP
+    address = ctypes.addressof(ctypes.c_char.from_buffer(block))
+    start = -address % HUGE_PAGE
+    advised = False
+    if hasattr(mmap, "MADV_HUGEPAGE") and transparent_huge_pages() in ("always", "madvise"):
+        try:
+            block.madvise(mmap.MADV_HUGEPAGE)
+            advised = True
+        except OSError as exc:
+            logger.info("transparent huge pages refused (%s): plain pages", exc)
+    raw = torch.frombuffer(block, dtype=torch.uint8)
+    return raw[start:start + size].view(dtype), advised
 
 
 #: ``omp_pause_soft`` (OpenMP 5.0): free the calling thread's worker threads, keep the runtime.

@@ -599,6 +599,38 @@ def test_decode_layers_only_where_every_product_is_native_without_a_bias_or_unle
 
 
 @needs_native
+def test_a_slot_backend_of_its_own_model_gathers_the_weights_a_decode_step_streams_in_its_order(tiny_model_dir,
+                                                                                               monkeypatch):
+    """q/k/v, o, gate/up and down of every layer, one after another in one block (``gather_weights``), with
+    the logits and cache of the weights where they were loaded, bit for bit; ``LLAMA_GATHER_WEIGHTS=0``
+    leaves them there. Over bf16 weights, which every native build runs (float32 ones only ``avx2``)."""
+    def backend():
+        return TorchSlotBackend(load(tiny_model_dir, torch.float32), max_slots=2, max_length=64, owns_model=True,
+                                weight_dtype=torch.bfloat16)
+
+    def run(b):
+        with torch.inference_mode():
+            got = [b.prefill_slot(0, prompts(batch=1, length=11)[0][0].tolist())]
+            got += [b.decode_slots([0], [int(got[-1].argmax())])[0] for _ in range(3)]
+        return torch.stack(got)
+
+    gathered = backend()
+    products = gathered._step_products(gathered._fused)
+    assert len(products) == 4 * gathered.model.config.num_hidden_layers and gathered._decode_layers is not None
+    storages = {p.weight.untyped_storage().data_ptr() for p in products}
+    pointers = [p.weight.data_ptr() for p in products]
+    assert len(storages) == 1 and pointers == sorted(pointers)
+    for earlier, later in zip(products, products[1:]):
+        end = earlier.weight.data_ptr() + earlier.weight.numel() * earlier.weight.element_size()
+        assert 0 <= later.weight.data_ptr() - end < fast_linear.GATHER_ALIGN
+    monkeypatch.setenv(fast_linear.GATHER_ENV, "0")
+    loaded = backend()
+    assert len({p.weight.untyped_storage().data_ptr() for p in loaded._step_products(loaded._fused)}) == len(products)
+    assert torch.equal(run(gathered), run(loaded))
+    assert torch.equal(gathered.k_cache, loaded.k_cache) and torch.equal(gathered.v_cache, loaded.v_cache)
+
+
+@needs_native
 def test_native_linear_keeps_bf16_weights_for_float32_rows_on_either_side_of_its_row_limit(monkeypatch):
     """``weight_dtype`` bfloat16 under float32 arithmetic: half the bytes kept, the product of the widened
     weight in float32 (natively up to ``max_rows`` rows, over a float32 copy beyond)."""

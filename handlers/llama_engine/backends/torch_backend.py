@@ -11,7 +11,14 @@ import torch
 from ..cpu import auto_dtype, is_amx, keep_freed_memory
 from . import cpu_kernels
 from .base import Backend, OnePassSlotBackend, PrefillChunk, SlotBatchBackend
-from .fast_linear import FusedLlamaProjections, NativeLinear, bf16_weight_kernels, pack_linears, tune_native_prefetch
+from .fast_linear import (
+    FusedLlamaProjections,
+    NativeLinear,
+    bf16_weight_kernels,
+    gather_weights,
+    pack_linears,
+    tune_native_prefetch,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -405,8 +412,19 @@ class TorchSlotBackend(OnePassSlotBackend):
                 FusedLlamaProjections.drop_originals(layer)
         if owns_model:
             pack_linears(self.model, weight_dtype=self.weight_dtype)
+            gather_weights(self._step_products(fused) or [])
         tune_native_prefetch([self.model, *fused])
         return fused
+
+    def _step_products(self, fused: List[Optional[FusedLlamaProjections]]) -> Optional[List[NativeLinear]]:
+        """Every layer's q/k/v, o, gate/up and down product in the order a decode step runs them, where
+        all are :class:`NativeLinear` (the products a decode step streams); else None."""
+        products = []
+        for layer, projections in zip(self.model.model.layers, fused):
+            if projections is None:
+                return None
+            products += [projections.qkv_proj, layer.self_attn.o_proj, projections.gate_up_proj, layer.mlp.down_proj]
+        return products if all(isinstance(p, NativeLinear) for p in products) else None
 
     @torch.inference_mode()
     def _rope_tables(self):
