@@ -216,6 +216,8 @@ def huge_page_empty(numel: int, dtype: "torch.dtype") -> Tuple["torch.Tensor", b
     """
     import torch
 
+    if not hasattr(mmap, "MAP_ANONYMOUS"):  # Windows: no private anonymous mappings to advise
+        return torch.empty(numel, dtype=dtype), False
     itemsize = torch.empty(0, dtype=dtype).element_size()
     size = numel * itemsize
     block = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # shared: shmem, no THP

@@ -49,6 +49,14 @@ def test_a_huge_page_block_starts_on_2_mib_and_is_mapped_with_huge_pages_where_t
         assert huge_pages_of(block.data_ptr()) >= 2048, "the kernel mapped no huge page over the advised block"
 
 
+def test_without_anonymous_mappings_the_block_is_a_plain_tensor(monkeypatch):
+    import mmap
+
+    monkeypatch.delattr(mmap, "MAP_ANONYMOUS")
+    block, advised = cpu_info.huge_page_empty(1000, torch.float32)
+    assert block.shape == (1000,) and block.dtype == torch.float32 and not advised
+
+
 def native_linears(shapes, dtype=torch.bfloat16):
     torch.manual_seed(0)
     return [NativeLinear(nn.Linear(k, n, bias=False).to(dtype), kernels=None) for n, k in shapes]
