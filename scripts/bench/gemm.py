@@ -55,6 +55,22 @@ def _torch_threads(threads: int):
         torch.set_num_threads(before)
 
 
+def _on_native(library, weights: list) -> list:
+    return [lambda x, w=w: library.linear(x, w) for w in weights]
+
+
+def _gathered(weights: list) -> list:
+    """Copies of ``weights`` one after another in one block on huge pages, as the backend gathers a decode
+    step's weights (``fast_linear.gather_weights``; the last, the LM head, stays apart there too)."""
+    from llama_engine.backends.fast_linear import gathered_block
+
+    *layers, head = weights
+    _, places, _ = gathered_block(layers)
+    for place, weight in zip(places, layers):
+        place.copy_(weight)
+    return places + [head]
+
+
 def _kernels(weights: list, torch_dtype, native: bool = False) -> dict:
     """The products each kernel the torch backend may run computes, by kernel name (``native``: with the
     native kernel that :class:`NativeLinear` runs for a decode step's rows, where it serves this dtype).
@@ -75,12 +91,14 @@ def _kernels(weights: list, torch_dtype, native: bool = False) -> dict:
         if library is None:
             raise ValueError(f"no native kernels run {torch_dtype} over {weights[0].dtype} weights on this CPU")
         tune_one_row_prefetch(library, weights, torch_dtype)
-        return {"native, bf16 weights": [lambda x, w=w: library.linear(x, w) for w in weights]}
+        return {"native, bf16 weights": [lambda x, w=w: library.linear(x, w) for w in weights],
+                "native, bf16 weights, gathered": _on_native(library, _gathered(weights))}
     kernels = {"nn.Linear": [lambda x, w=w: torch.nn.functional.linear(x, w) for w in weights]}
     library = native_kernels_for(torch_dtype, torch.device("cpu")) if native else None
     if library is not None:
         tune_one_row_prefetch(library, weights, torch_dtype)
-        kernels["native"] = [lambda x, w=w: library.linear(x, w) for w in weights]
+        kernels["native"] = _on_native(library, weights)
+        kernels["native, gathered"] = _on_native(library, _gathered(weights))
     if packing_supported(torch_dtype, torch.device("cpu")):
         packed = []
         for w in weights:

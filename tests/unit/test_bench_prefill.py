@@ -73,12 +73,28 @@ def test_decode_products_of_bf16_weights_under_float32_stream_two_bytes_a_weight
     (tmp_path / "config.json").write_text(json.dumps(dict(LLAMA_GQA, vocab_size=100)))
     got = decode_products(tmp_path, "float32", threads=1, repeats=2, weight_dtype="bfloat16")
     assert got["bytes"] == 2 * (3 * (64 * 96 + 64 * 64 + 64 * 320 + 160 * 64) + 64 * 100)
-    assert list(got["by_kernel_tokens_per_s"]) == ["native, bf16 weights"] == [got["kernel"]]
+    assert list(got["by_kernel_tokens_per_s"]) == ["native, bf16 weights", "native, bf16 weights, gathered"]
+    assert got["kernel"] in got["by_kernel_tokens_per_s"]
     assert (got["dtype"], got["weight_dtype"]) == ("float32", "bfloat16")
     # one row read as far ahead as the served backend reads it (measured once per process, as it is)
     import torch
 
     assert for_device("cpu").one_row_prefetch[(torch.float32, torch.bfloat16)] in PREFETCH_CANDIDATES
+
+
+def test_the_products_bound_also_streams_the_layers_weights_gathered_as_the_backend_gathers_them():
+    """The backend streams a decode step's weights from one block (``gather_weights``); the bound times
+    copies laid out the same way beside the weights as loaded, with the LM head apart as served."""
+    import torch
+
+    from scripts.bench.gemm import _gathered
+
+    weights = [torch.randn(n, k).to(torch.bfloat16) for n, k in ((96, 64), (64, 64), (320, 64), (64, 160), (100, 64))]
+    gathered = _gathered(weights)
+    assert all(torch.equal(a, b) for a, b in zip(gathered, weights))
+    assert gathered[-1] is weights[-1]
+    storage = {w.untyped_storage().data_ptr() for w in gathered[:-1]}
+    assert len(storage) == 1 and [w.data_ptr() for w in gathered[:-1]] == sorted(w.data_ptr() for w in gathered[:-1])
 
 
 def test_the_bench_describes_the_weights_as_served(tmp_path):

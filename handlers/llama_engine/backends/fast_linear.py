@@ -46,7 +46,7 @@ import logging
 import os
 import sys
 import time
-from typing import Dict, FrozenSet, Optional, Sequence
+from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -267,10 +267,25 @@ def _swap_native(targets, dtype: torch.dtype, kernels, max_rows: int, weight_dty
                  f"{stored}native up to {max_rows} rows, {kernels.isa}")
 
 
+def gathered_block(tensors: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, List[torch.Tensor], bool]:
+    """One uninitialised block with room for ``tensors`` one after another (each from a cache line), from
+    a 2 MiB boundary and advised for transparent huge pages (:func:`.cpu.huge_page_empty`); returns the
+    block, each tensor's place in it (a view of its shape), and whether the kernel took the advice."""
+    dtype, itemsize = tensors[0].dtype, tensors[0].element_size()
+    step = max(GATHER_ALIGN // itemsize, 1)
+    offsets, total = [], 0
+    for tensor in tensors:
+        offsets.append(total)
+        total += -(-tensor.numel() // step) * step
+    block, huge = huge_page_empty(total, dtype)
+    places = [block[offset:offset + t.numel()].view(t.shape) for t, offset in zip(tensors, offsets)]
+    return block, places, huge
+
+
 def gather_weights(linears: Sequence["NativeLinear"]) -> Optional[torch.Tensor]:
     """Move the weights of ``linears`` into one block, one after another in this order (a decode step's), on
-    transparent huge pages where the kernel gives them; returns the block (None where ``LLAMA_GATHER_WEIGHTS``
-    is 0, or the weights are not all of one dtype).
+    transparent huge pages where the kernel gives them (:func:`gathered_block`); returns the block (None where
+    ``LLAMA_GATHER_WEIGHTS`` is 0, or the weights are not all of one dtype).
 
     A decode step streams every weight once. As loaded, each weight sat apart on 4 KiB pages: every
     product's stream started cold (its first lines not prefetched), and took a TLB miss every 4 KiB.
@@ -284,21 +299,14 @@ def gather_weights(linears: Sequence["NativeLinear"]) -> Optional[torch.Tensor]:
     dtype = linears[0].weight.dtype
     if any(linear.weight.dtype != dtype or linear.weight.device.type != "cpu" for linear in linears):
         return None
-    itemsize = linears[0].weight.element_size()
-    step = max(GATHER_ALIGN // itemsize, 1)
-    offsets, total = [], 0
-    for linear in linears:
-        offsets.append(total)
-        total += -(-linear.weight.numel() // step) * step
-    block, huge = huge_page_empty(total, dtype)
+    block, places, huge = gathered_block([linear.weight for linear in linears])
     with torch.no_grad():
-        for linear, offset in zip(linears, offsets):
-            weight = linear.weight
-            gathered = block[offset:offset + weight.numel()].view(weight.shape)
-            gathered.copy_(weight)
-            linear.weight = gathered  # the loaded weight is freed here, not after the loop
+        for linear, place in zip(linears, places):
+            place.copy_(linear.weight)
+            linear.weight = place  # the loaded weight is freed here, not after the loop
     logger.info("gathered %d weights (%.0f MB, %s) into one block in decode order, %s", len(linears),
-                total * itemsize / 1e6, dtype, "on transparent huge pages" if huge else "on the kernel's pages")
+                block.numel() * block.element_size() / 1e6, dtype,
+                "on transparent huge pages" if huge else "on the kernel's pages")
     return block
 
 
