@@ -56,6 +56,7 @@ def _torch_threads(threads: int):
 
 
 def _on_native(library, weights: list) -> list:
+    """One product per weight on the native kernel library."""
     return [lambda x, w=w: library.linear(x, w) for w in weights]
 
 
@@ -91,7 +92,7 @@ def _kernels(weights: list, torch_dtype, native: bool = False) -> dict:
         if library is None:
             raise ValueError(f"no native kernels run {torch_dtype} over {weights[0].dtype} weights on this CPU")
         tune_one_row_prefetch(library, weights, torch_dtype)
-        return {"native, bf16 weights": [lambda x, w=w: library.linear(x, w) for w in weights],
+        return {"native, bf16 weights": _on_native(library, weights),
                 "native, bf16 weights, gathered": _on_native(library, _gathered(weights))}
     kernels = {"nn.Linear": [lambda x, w=w: torch.nn.functional.linear(x, w) for w in weights]}
     library = native_kernels_for(torch_dtype, torch.device("cpu")) if native else None
