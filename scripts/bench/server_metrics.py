@@ -27,23 +27,17 @@ class ServerMetrics:
         lines one by one, a moment after the responses went out, so a scrape taken right after the
         previous run can hold half of its last flush (its prompt tokens, not yet the passes that
         prefilled them), and the next run would be counted the rest. At rest, two scrapes ``settle`` s
-        apart agree and every counted prompt token was prefilled (up to ``timeout`` s)."""
-        deadline, last = time.monotonic() + timeout, self.scrape()
-        while True:
-            time.sleep(settle)
-            now = self.scrape()
-            counts_passes = value(now, "llama_forward_passes_total", self.model) > 0
-            at_rest = _llama(now) == _llama(last) and _prefilled_every_prompt(summary(now, self.model), counts_passes)
-            if at_rest or time.monotonic() > deadline:
-                return now
-            last = now
+        apart agree and every counted prompt token was prefilled (up to ``timeout`` s): :meth:`settled`
+        over the whole count."""
+        return self.settled({}, 0, timeout, settle=settle)[1]
 
     def since(self, before: Samples, requests: Optional[int] = None, timeout: float = 10.0) -> dict:
         """Figures between ``before`` and now; with ``requests``, once :meth:`settled`."""
         if requests is None:
             after = self.scrape()
-            return figures(summary(delta(after, before), self.model), value(after, "llama_batch_capacity", self.model))
-        got, after = self.settled(before, requests, timeout)
+            got = summary(delta(after, before), self.model)
+        else:
+            got, after = self.settled(before, requests, timeout)
         return figures(got, value(after, "llama_batch_capacity", self.model))
 
     def settled(self, before: Samples, requests: int, timeout: float = 10.0, idle: bool = False,
