@@ -74,7 +74,8 @@ def _gathered(weights: list) -> list:
 
 def _kernels(weights: list, torch_dtype, native: bool = False) -> dict:
     """The products each kernel the torch backend may run computes, by kernel name (``native``: with the
-    native kernel that :class:`NativeLinear` runs for a decode step's rows, where it serves this dtype).
+    native kernel that :class:`NativeLinear` runs for a decode step's rows, where it serves this dtype or
+    the backend times it at load).
     Weights of another dtype than ``torch_dtype`` (bf16 under float32) run on the native kernel alone,
     as :class:`NativeLinear` runs them for a decode step's rows."""
     import torch
@@ -83,6 +84,7 @@ def _kernels(weights: list, torch_dtype, native: bool = False) -> dict:
     from llama_engine.backends.fast_linear import (
         PackedLinear,
         bf16_weight_kernels,
+        measured_native_kernels,
         native_kernels_for,
         packing_supported,
     )
@@ -95,7 +97,8 @@ def _kernels(weights: list, torch_dtype, native: bool = False) -> dict:
         return {"native, bf16 weights": _on_native(library, weights),
                 "native, bf16 weights, gathered": _on_native(library, _gathered(weights))}
     kernels = {"nn.Linear": [lambda x, w=w: torch.nn.functional.linear(x, w) for w in weights]}
-    library = native_kernels_for(torch_dtype, torch.device("cpu")) if native else None
+    cpu = torch.device("cpu")
+    library = (native_kernels_for(torch_dtype, cpu) or measured_native_kernels(torch_dtype, cpu)) if native else None
     if library is not None:
         tune_one_row_prefetch(library, weights, torch_dtype)
         kernels["native"] = _on_native(library, weights)

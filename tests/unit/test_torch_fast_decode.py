@@ -11,6 +11,7 @@
 import logging
 import re
 import sys
+import time
 
 import pytest
 import torch
@@ -205,28 +206,71 @@ def test_pack_linears_swaps_every_linear_and_keeps_logits(tiny_model_dir, dtype,
         assert_close(got, want, dtype)
 
 
-@pytest.mark.parametrize("packed_is_slower", [True, False])
-def test_float32_packing_follows_a_measurement_of_both_kernels(tiny_model_dir, monkeypatch, packed_is_slower):
+def _slowed(cls, monkeypatch):
+    """``cls.forward`` 0.2 ms slower per call; returns a function that puts the real one back."""
+    real = cls.forward
+
+    def slowed(self, x):
+        time.sleep(2e-4)
+        return real(self, x)
+
+    monkeypatch.setattr(cls, "forward", slowed)
+    return lambda: monkeypatch.setattr(cls, "forward", real)
+
+
+FP32_SIDES = {"plain": torch.nn.Linear, "onednn": PackedLinear, "native": NativeLinear}
+
+
+@FP32
+@pytest.mark.parametrize("fastest, native", [("plain", False), ("onednn", False),
+                                             pytest.param("plain", True, marks=needs_native),
+                                             pytest.param("onednn", True, marks=needs_native),
+                                             pytest.param("native", True, marks=needs_native)])
+def test_float32_linears_go_to_the_kernel_a_measurement_finds_fastest(tiny_model_dir, monkeypatch, fastest, native):
+    """Off the ``avx2`` class (``native_kernels_for`` None for float32), a float32 model's linears stay
+    ``nn.Linear``, are packed by oneDNN, or run on the native kernels, whichever times fastest at load (the
+    others slowed during the measurement); without native kernels only the first two are timed."""
     monkeypatch.delenv(fast_linear.ENV)
     monkeypatch.setattr(fast_linear, "_FP32_DECISIONS", {})
     monkeypatch.setattr(fast_linear, "native_kernels_for", lambda *args: None)  # as on a CPU above avx2
-    plain_forward, packed_forward = torch.nn.Linear.forward, PackedLinear.forward
-    slow = packed_forward if packed_is_slower else plain_forward
-
-    def slowed(self, x):
-        fast_linear.time.sleep(2e-4)
-        return slow(self, x)
-
-    target = PackedLinear if packed_is_slower else torch.nn.Linear
+    if not native:
+        monkeypatch.setattr(cpu_kernels, "for_device", lambda device: None)
+    restore = [_slowed(cls, monkeypatch) for side, cls in FP32_SIDES.items() if side != fastest]
     model = load(tiny_model_dir, torch.float32)
     linears = sum(type(m) is torch.nn.Linear for m in model.modules())
-    monkeypatch.setattr(target, "forward", slowed)  # during the measurement only
     swapped = pack_linears(model)
-    monkeypatch.setattr(target, "forward", slow)
-    assert swapped == (0 if packed_is_slower else linears)
-    assert fast_linear._FP32_DECISIONS == {torch.get_num_threads(): not packed_is_slower}
-    # one measurement per process and thread count: the next model follows it without measuring
-    assert pack_linears(load(tiny_model_dir, torch.float32)) == swapped
+    for undo in restore:
+        undo()
+    assert swapped == (0 if fastest == "plain" else linears)
+    kinds = {type(m) for m in model.modules() if type(m) in FP32_SIDES.values()}
+    assert kinds == {FP32_SIDES[fastest]}
+    assert fast_linear._FP32_DECISIONS == {(torch.get_num_threads(), NATIVE.isa if native else None): fastest}
+    # one measurement per process, thread count and build: the next model follows it without measuring
+    again = load(tiny_model_dir, torch.float32)
+    monkeypatch.setattr(fast_linear.cpu_kernels, "alternate_passes", None)
+    assert pack_linears(again) == swapped
+
+
+@FP32
+@needs_native
+def test_a_tie_goes_to_the_native_kernels_and_the_switch_overrides_the_measurement(tiny_model_dir, monkeypatch):
+    """Native products within ``NATIVE_FP32_FAVOUR`` of oneDNN's take the model (its decode step then
+    runs in one native call); ``LLAMA_PACKED_LINEAR=native`` and ``=1`` decide without measuring."""
+    monkeypatch.setattr(fast_linear, "native_kernels_for", lambda *args: None)
+    times = {"plain": 1.0, "onednn": 0.50, "native": 0.52}
+    monkeypatch.setattr(cpu_kernels, "alternate_passes", lambda runs, rounds: {side: [times[side]] for side in runs})
+    monkeypatch.setattr(fast_linear, "_FP32_DECISIONS", {})
+    linears = [torch.nn.Linear(64, 64) for _ in range(3)]
+    assert fast_linear.float32_linear_kernel(linears, NATIVE) == "native"
+    times["native"] = 0.56
+    monkeypatch.setattr(fast_linear, "_FP32_DECISIONS", {})
+    assert fast_linear.float32_linear_kernel(linears, NATIVE) == "onednn"
+    monkeypatch.setattr(cpu_kernels, "alternate_passes", None)  # no measurement below
+    for setting, kind in (("native", NativeLinear), ("1", PackedLinear)):
+        monkeypatch.setenv(fast_linear.ENV, setting)
+        model = load(tiny_model_dir, torch.float32)
+        pack_linears(model)
+        assert {type(m) for m in model.modules() if type(m) in FP32_SIDES.values()} == {kind}
 
 
 @FP32
@@ -538,19 +582,29 @@ class CountedCalls:
                                                      ("float32", torch.bfloat16, "bfloat16"),
                                                      pytest.param("bfloat16", None, "auto", marks=BF16)])
 def test_decode_steps_run_their_layers_in_one_native_call_with_the_python_loops_numbers(tiny_model_dir, dtype,
-                                                                                        weight_dtype, kv):
+                                                                                        weight_dtype, kv,
+                                                                                        monkeypatch):
     """Decode-only passes (one row, rows of different lengths in slots out of order) through
     ``DecodeLayers``: the logits and K/V cache of the Python layer loop, bit for bit; a mixed pass and a
-    pass of more rows than the call runs keep the Python loop. A bf16 cache under float32 arithmetic too."""
-    backends = [TorchSlotBackend(load(tiny_model_dir, getattr(torch, dtype)), max_slots=4, max_length=96,
+    pass of more rows than the call runs keep the Python loop. A bf16 cache under float32 arithmetic too.
+    float32 weights off the ``avx2`` class run natively where the load-time measurement picks the native
+    kernels (here forced by ``LLAMA_PACKED_LINEAR=native``); their weights are gathered as well."""
+    cpu, torch_dtype = torch.device("cpu"), getattr(torch, dtype)
+    measured = weight_dtype is None and fast_linear.native_kernels_for(torch_dtype, cpu) is None
+    if measured and fast_linear.measured_native_kernels(torch_dtype, cpu) is not None:
+        monkeypatch.setenv(fast_linear.ENV, "native")
+        measured = False
+    backends = [TorchSlotBackend(load(tiny_model_dir, torch_dtype), max_slots=4, max_length=96,
                                  owns_model=True, weight_dtype=weight_dtype, kv_cache_dtype=kv) for _ in range(2)]
     native, python = backends
     bf16_cache = kv == "bfloat16" or dtype == "bfloat16" or weight_dtype == torch.bfloat16  # auto: the weights'
     assert native.kv_dtype == (torch.bfloat16 if bf16_cache else torch.float32)
-    if weight_dtype is None and fast_linear.native_kernels_for(getattr(torch, dtype), torch.device("cpu")) is None:
-        assert native._decode_layers is None  # such products are oneDNN's on this CPU (float32 off avx2, bf16 on AMX)
+    if measured:
+        assert native._decode_layers is None  # such products are oneDNN's on this CPU (bf16 on AMX)
         return
     assert native._decode_layers is not None
+    products = native._step_products(native._fused)
+    assert len({p.weight.untyped_storage().data_ptr() for p in products}) == 1  # gathered into one block
     python._decode_layers_rows = 0
     native._decode_layers = counted = CountedCalls(native._decode_layers)
     prompts_ = [prompts(batch=1, length=n, seed=n)[0][0].tolist() for n in (30, 5, 17, 12)]

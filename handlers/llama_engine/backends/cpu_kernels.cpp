@@ -525,7 +525,13 @@ void linear_rows(const TX *x, long ldx, const TW *w, TX *y, long ldy, long M, lo
 // one row ran 1 KB ahead faster in each of 8 alternated rounds, by 15-25% (best 7.9 against 10.6
 // ms, bf16 weights under float32), and several rows ran 1-2 KB ahead 5-20% slower than 4 KB. So
 // the one-row distance is the caller's (the Python side measures it at load; 0: this default).
-static const long PREFETCH_ONE_ROW = 4096, PREFETCH_ROWS = 4096;
+// Several rows prefetch a number of weights ahead, not of bytes: each weight costs them the same
+// time whatever its type, so float32 weights go 8 KB ahead where bf16 go 4 KB. One pass over the
+// bench model's float32 weights (Zen 4 EPYC, 2 threads, 8 alternated rounds, best), 8 KB ahead
+// against 4 KB: avx512bf16 build 11.1 / 14.1 / 20.9 / 29.5 ms against 12.5 / 15.7 / 22.3 / 32.4 at
+// 2 / 4 / 8 / 16 rows; avx2 build 11.6 / 14.9 against 13.3 / 18.3 at 2 / 4 rows (from 8 its tiles
+// spread their prefetch instead: SPREAD_PREFETCH). bf16 weights 8 KB ahead: no faster.
+static const long PREFETCH_ONE_ROW = 4096, PREFETCH_ROWS_WEIGHTS = 2048;
 static const long CHUNK_BYTES = 256 << 10;
 // A tile of a product of several rows: TILE_W rows of w against TILE_X rows of x, in TILE_W x TILE_X
 // accumulators beside TILE_W vectors of w and one of x. AVX-512's 32 registers hold 4 x 4; AVX2's 16
@@ -771,7 +777,7 @@ void linear(const TX *x, long ldx, const TW *w, TX *y, long ldy, long M, long K,
     if (gemm(x, ldx, w, y, ldy, M, K, N, threads)) return;
 #endif
     const long one_row = one_row_prefetch > 0 ? one_row_prefetch : PREFETCH_ONE_ROW;
-    const long pf = (M == 1 ? one_row : PREFETCH_ROWS) / (long)sizeof(TW);
+    const long pf = M == 1 ? one_row / (long)sizeof(TW) : PREFETCH_ROWS_WEIGHTS;
     const int R = M == 1 ? 1 : TILE_W;
     auto run = [&](long n0, long n1) {
         if (M == 1) linear_rows<TX, TW, 1, 1>(x, ldx, w, y, ldy, M, K, n0, n1, pf);

@@ -17,9 +17,11 @@ kernel wins depends on the CPU: on an AMX Xeon, ``nn.Linear`` (MKL's sgemm) and 
 measured alike end to end; on an AVX2-only AMD EPYC, MKL's sgemm ran the bench model's weights
 at 15 GFLOPS for 8 rows where oneDNN's packed kernel ran at 33 (118 vs 55 ms per pass over all
 of them at 2 threads, minimum of 20) and 1 row ~12% slower. So :func:`pack_linears` times the
-model's first linears both ways at 1 and at 8 rows when it loads (well under a second) and
-packs float32 only if that is faster by 10%; it logs the timings. ``LLAMA_PACKED_LINEAR=0``
-turns all packing off, ``=1`` packs float32 without measuring.
+model's first linears each way at 1 and at 8 rows when it loads (about a second) and packs
+float32 only if that is faster by 10%; off the ``avx2`` class, where the native kernels load, it
+times them too (:func:`float32_linear_kernel`); it logs the timings. ``LLAMA_PACKED_LINEAR=0``
+turns all packing off, ``=1`` packs float32 without measuring, ``=native`` puts float32 on the
+native kernels without measuring.
 
 oneDNN weights are packed for 8 rows (:data:`ONEDNN_BATCH_HINT`), in either dtype: streaming
 the bench model's 85 bf16 weights once at 2 threads took 26.5 ms packed for 8 rows against 34.9
@@ -45,7 +47,6 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import time
 from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 import torch
@@ -60,9 +61,20 @@ logger = logging.getLogger(__name__)
 GATHER_ENV = "LLAMA_GATHER_WEIGHTS"
 #: Each weight :func:`gather_weights` places starts on a cache line.
 GATHER_ALIGN = 64
-#: Environment switch: "0" disables packing, "1" packs float32 without measuring, default: bf16/fp16
-#: always, float32 where it measures faster.
+#: Environment switch: "0" disables packing, "1" packs float32 without measuring, "native" runs float32 on
+#: the native kernels without measuring (where they load), default: bf16/fp16 always, float32 on
+#: whichever kernel measures fastest (:func:`float32_linear_kernel`).
 ENV = "LLAMA_PACKED_LINEAR"
+#: :func:`float32_linear_kernel` takes the native kernels while they score within this share of the fastest
+#: other kernel: their products are the only part of a decode step that the measurement times. With them, the
+#: step gathers its weights (:func:`gather_weights`) and runs its layers in one native call. The bench
+#: model's float32 checkpoint on a Zen 4 EPYC (2 threads, 8 alternated rounds of 20 steps, medians): one-row
+#: steps 10.4 ms native against 20.0 with oneDNN's packed products, where one pass over the products took
+#: 13.9 (gathered) against 22.0; 8 rows 28.1 against 30.6, where the products took 22.4 against 22.5: at
+#: equal products, the native step was 8% faster. The measurement's scores there, four loads: native
+#: 20.1 / 21.7 / 24.4 / 24.5 ms against oneDNN's 23.2 / 24.9 / 25.3 / 26.6; with a 5% favour, one of
+#: three ``decode_profile`` runs had loaded oneDNN's (a step of 22 ms where native's took 14-15).
+NATIVE_FP32_FAVOUR = 0.10
 #: The most rows :class:`NativeLinear` runs on the native kernel; oneDNN (over the same plain weight)
 #: takes more. One pass over the bench model's bf16 weights (Zen 5 EPYC, 2 threads, best of 6), native
 #: against oneDNN plain: 8 rows 6.4 against 9.9 ms, 16 rows 8.9 against 12.1, 32 rows 14.3 against
@@ -181,14 +193,16 @@ def packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 def native_kernels_for(dtype: torch.dtype, device: torch.device, flags: Optional[FrozenSet[str]] = None):
-    """The native kernels where :class:`NativeLinear` serves ``dtype`` weights on ``device``, else None:
-    bfloat16 on a CPU whose kernels multiply bf16 pairs natively (the ``avx512bf16`` build) and that
-    has no AMX; float32 on an ``avx2``-class CPU, where oneDNN has no wider instructions than the
-    ``avx2`` build. ``flags``: the CPU's (default: this machine's).
+    """The native kernels where :class:`NativeLinear` serves ``dtype`` weights on ``device`` without a
+    measurement, else None: bfloat16 on a CPU whose kernels multiply bf16 pairs natively (the
+    ``avx512bf16`` build) and that has no AMX; float32 on an ``avx2``-class CPU, where oneDNN has no
+    wider instructions than the ``avx2`` build. ``flags``: the CPU's (default: this machine's). float32
+    on the other x86 classes is measured at load (:func:`measured_native_kernels`).
 
     Elsewhere oneDNN's packed products were as fast or faster (bench model, one pass over the
     weights, 2 threads). Zen 5 EPYC: float32 against oneDNN's AVX-512, 1 row 11.0 ms native against
-    11.8 packed, 8 rows 14.6 against 13.3, and prompts ~5% faster packed; bf16 through the ``avx2``
+    11.8 packed, 8 rows 14.6 against 13.3, and prompts ~5% faster packed (on a Zen 4 EPYC, 1 row 9.7
+    against 15.8, 8 rows 22.8 against 17.0: hence the measurement); bf16 through the ``avx2``
     build (which converts to float32), 1 row 6.3 against 6.1, 8 rows 13.2 against 7.4. AMX Xeon,
     bf16, where oneDNN multiplies on the AMX tiles: 1 row 8.4 against 8.9, 2 rows 9.8 against 8.7,
     8 rows 16.9 against 9.1; a decode step at 8 rows took 13.8 ms with oneDNN's linears and the
@@ -206,6 +220,15 @@ def native_kernels_for(dtype: torch.dtype, device: torch.device, flags: Optional
         return None
     kernels = cpu_kernels.for_device(device)
     return kernels if kernels is not None and kernels.isa == isa else None
+
+
+def measured_native_kernels(dtype: torch.dtype, device: torch.device, flags: Optional[FrozenSet[str]] = None):
+    """The native kernels that :func:`float32_linear_kernel` times against oneDNN's for ``dtype`` weights on
+    ``device``, else None: float32 where the kernels load and :func:`native_kernels_for` does not already
+    take them (an x86 CPU above the ``avx2`` class)."""
+    if dtype != torch.float32 or not packing_supported(dtype, device) or native_kernels_for(dtype, device, flags):
+        return None
+    return cpu_kernels.for_device(device)
 
 
 def bf16_weight_kernels(dtype: torch.dtype, weight_dtype: torch.dtype, device: torch.device):
@@ -253,8 +276,12 @@ def pack_linears(model: nn.Module, batch_hint: Optional[int] = None, weight_dtyp
     if kernels is not None:
         return _swap_native(targets, weight.dtype, kernels, native_max_rows(kernels))
     fp32 = weight.dtype == torch.float32
-    if fp32 and setting not in ("1", "true", "on", "yes") and not fp32_packing_pays([t[2] for t in targets]):
-        return 0
+    if fp32:
+        kind, kernels = _float32_kind(setting, [t[2] for t in targets], weight.device)
+        if kind == "plain":
+            return 0
+        if kind == "native":
+            return _swap_native(targets, weight.dtype, kernels, native_max_rows(kernels))
     return _swap(targets, weight.dtype,
                  lambda linear: PackedLinear(linear, batch_hint or (FP32_BATCH_HINT if fp32 else ONEDNN_BATCH_HINT)),
                  "onednn", check=fp32)
@@ -339,45 +366,83 @@ def _swap(targets, dtype: torch.dtype, make, kind: str, check: bool = False) -> 
     return swapped
 
 
-#: float32 decisions of this process, by torch thread count: one measurement serves every model loaded.
-_FP32_DECISIONS: Dict[int, bool] = {}
-#: Weights the measurement streams (the model's first linears): enough to leave the caches.
-SAMPLE_BYTES = 64 * 2**20
+#: float32 decisions of this process, by torch thread count and native build (None where there is none to
+#: time): one measurement serves every model loaded.
+_FP32_DECISIONS: Dict[tuple, str] = {}
+#: Weights the measurement streams: enough to leave a server CPU's caches (:func:`_streamed_sample`).
+SAMPLE_BYTES = cpu_kernels.PREFETCH_SAMPLE_BYTES
 
 
-def fp32_packing_pays(linears: Sequence[nn.Linear], repeats: int = 9) -> bool:
-    """Whether oneDNN-packed float32 products beat ``nn.Linear`` on this CPU by 10%, measured.
+def _float32_kind(setting: str, linears: Sequence[nn.Linear], device: torch.device):
+    """``(kind, kernels)`` for a float32 model's linears: ``"onednn"``, ``"plain"`` or ``"native"`` (with the
+    kernels), as ``LLAMA_PACKED_LINEAR`` says or else :func:`float32_linear_kernel` measures."""
+    native = measured_native_kernels(torch.float32, device)
+    if setting in ("1", "true", "on", "yes"):
+        return "onednn", None
+    if setting == "native":
+        if native is not None:
+            return "native", native
+        logger.warning("%s=native: no native kernels time float32 here (the avx2 class runs them anyway, "
+                       "and elsewhere they did not load); measuring oneDNN against nn.Linear", ENV)
+    kind = float32_linear_kernel(linears, native)
+    return kind, native if kind == "native" else None
 
-    The first linears (up to :data:`SAMPLE_BYTES` of weights) run plain and packed, alternately,
-    at 1 row and at ``ONEDNN_BATCH_HINT`` rows (a decode step alone and in a full batch); each
-    side's score is the sum of its two fastest passes, so a busy machine slows both and the
-    minimum keeps what each kernel can do.
+
+def _streamed_sample(linears: Sequence[nn.Linear], limit: int = SAMPLE_BYTES) -> List[nn.Linear]:
+    """Linears of the shapes of ``linears``, taken in turn, over zeroed weights of their own, until those pass
+    ``limit`` bytes. The model's linears that :func:`pack_linears` sees first may be one layer's (26 MB of
+    the bench model's float32 weights, which a 32 MB last-level cache held): timed over them, the native
+    kernels' 8-row products beat oneDNN's by 1.36x on a Zen 4 EPYC, and from memory, as a decode step
+    streams them, lost by 1.34x."""
+    sample, size = [], 0
+    while size < limit:
+        for linear in linears:
+            weight = torch.zeros(linear.out_features, linear.in_features, dtype=linear.weight.dtype)
+            copy = nn.Linear(linear.in_features, linear.out_features, bias=False, device="meta")
+            copy.weight = nn.Parameter(weight, requires_grad=False)
+            sample.append(copy.eval())
+            size += weight.numel() * weight.element_size()
+            if size >= limit:
+                break
+    return sample
+
+
+def float32_linear_kernel(linears: Sequence[nn.Linear], native=None, repeats: int = 5) -> str:
+    """The kernel that runs float32 products fastest on this CPU, measured: ``"onednn"`` (packed) where it beats
+    ``nn.Linear`` by 10%, else ``"plain"``; ``"native"`` where ``native`` (kernels of
+    :func:`measured_native_kernels`) scores within :data:`NATIVE_FP32_FAVOUR` of the faster of those two.
+
+    Linears of the shapes of ``linears`` (:data:`SAMPLE_BYTES` of weights, :func:`_streamed_sample`) run
+    each way, in turns (:func:`cpu_kernels.alternate_passes`), at 1 row and at ``ONEDNN_BATCH_HINT`` rows
+    (a decode step alone and in a full batch); each side's score is the sum of its fastest pass at each,
+    so a busy machine slows every side and the minimum keeps what each kernel can do.
     """
-    threads = torch.get_num_threads()
-    if threads in _FP32_DECISIONS:
-        return _FP32_DECISIONS[threads]
-    count, size = cpu_kernels.leading_bytes([linear.weight for linear in linears], SAMPLE_BYTES)
-    sample = list(linears[:count])
-    packed = [PackedLinear(linear, FP32_BATCH_HINT) for linear in sample]
-    best = {"plain": {}, "packed": {}}
-    with torch.inference_mode():
-        for rows in (1, ONEDNN_BATCH_HINT):
-            inputs = [torch.randn(rows, linear.in_features) for linear in sample]
-            for _ in range(repeats):
-                for side, layers in (("plain", sample), ("packed", packed)):
-                    start = time.perf_counter()
-                    for layer, x in zip(layers, inputs):
-                        layer(x)
-                    elapsed = time.perf_counter() - start
-                    best[side][rows] = min(best[side].get(rows, elapsed), elapsed)
-    plain, onednn = sum(best["plain"].values()), sum(best["packed"].values())
-    pays = _FP32_DECISIONS[threads] = onednn < 0.9 * plain
-    logger.info("float32 linears, %d threads, %.0f MB of weights: nn.Linear %s ms, oneDNN packed %s ms "
-                "(1 / %d rows) -> %s", threads, size / 1e6,
-                " / ".join(f"{1e3 * t:.2f}" for t in best["plain"].values()), " / ".join(
-                    f"{1e3 * t:.2f}" for t in best["packed"].values()), ONEDNN_BATCH_HINT,
-                "oneDNN packed" if pays else "nn.Linear")
-    return pays
+    key = (torch.get_num_threads(), None if native is None else native.isa)
+    if key in _FP32_DECISIONS:
+        return _FP32_DECISIONS[key]
+    sample = _streamed_sample(linears)
+    size = sum(linear.weight.numel() * linear.weight.element_size() for linear in sample)
+    sides = {"plain": sample, "onednn": [PackedLinear(linear, FP32_BATCH_HINT) for linear in sample]}
+    if native is not None:
+        sides["native"] = [NativeLinear(linear, native, NATIVE_MAX_ROWS) for linear in sample]
+    best: Dict[str, list] = {side: [] for side in sides}
+    for rows in (1, ONEDNN_BATCH_HINT):
+        inputs = [torch.randn(rows, linear.in_features) for linear in sample]
+        passes = cpu_kernels.alternate_passes(
+            {side: (lambda layers=layers, inputs=inputs: [layer(x) for layer, x in zip(layers, inputs)])
+             for side, layers in sides.items()}, repeats)
+        for side, times in passes.items():
+            best[side].append(min(times))
+    score = {side: sum(times) for side, times in best.items()}
+    kind = "onednn" if score["onednn"] < 0.9 * score["plain"] else "plain"
+    if native is not None and score["native"] <= (1 + NATIVE_FP32_FAVOUR) * min(score["onednn"], score["plain"]):
+        kind = "native"
+    _FP32_DECISIONS[key] = kind
+    names = {"plain": "nn.Linear", "onednn": "oneDNN packed", "native": f"native ({key[1]})"}
+    logger.info("float32 linears, %d threads, %.0f MB of weights, 1 / %d rows: %s -> %s", key[0], size / 1e6,
+                ONEDNN_BATCH_HINT, ", ".join(f"{names[side]} " + " / ".join(f"{1e3 * t:.2f}" for t in times) + " ms"
+                                             for side, times in best.items()), names[kind])
+    return kind
 
 
 def concat_linears(linears) -> nn.Linear:
