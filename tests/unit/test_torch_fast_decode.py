@@ -232,6 +232,7 @@ def test_float32_linears_go_to_the_kernel_a_measurement_finds_fastest(tiny_model
     others slowed during the measurement); without native kernels only the first two are timed."""
     monkeypatch.delenv(fast_linear.ENV)
     monkeypatch.setattr(fast_linear, "_FP32_DECISIONS", {})
+    monkeypatch.setattr(fast_linear, "SAMPLE_MAX_LINEARS", 16)  # the slowed calls are what tells them apart
     monkeypatch.setattr(fast_linear, "native_kernels_for", lambda *args: None)  # as on a CPU above avx2
     if not native:
         monkeypatch.setattr(cpu_kernels, "for_device", lambda device: None)
@@ -887,3 +888,18 @@ def test_prompts_attend_natively_only_where_the_kernel_measures_as_fast_once_per
     monkeypatch.setattr(torch_backend, "native_prompt_pays", lambda *args: False)
     backend = TorchSlotBackend.from_pretrained(str(tiny_model_dir), 1, 64, "float32", "cpu", kv_cache_dtype="bfloat16")
     assert backend._prompt_kernels is None and backend._prompt_by_blocks
+
+
+def test_the_float32_measurement_streams_fresh_weights_of_the_models_shapes_past_the_caches(monkeypatch):
+    """Products of the given linears' shapes, taken in turn, over zeroed weights of their own (not the
+    model's: its first layer may sit in the last-level cache), until they pass the sample's bytes or count."""
+    linears = [torch.nn.Linear(64, 96, bias=True), torch.nn.Linear(160, 64, bias=False)]
+    monkeypatch.setattr(fast_linear, "SAMPLE_BYTES", 2 * (96 * 64 + 64 * 160) * 4 + 1)  # two of each, and one
+    sample = fast_linear._streamed_sample(linears, fast_linear.SAMPLE_BYTES)
+    shapes = [tuple(linear.weight.shape) for linear in sample]
+    assert shapes == [(96, 64), (64, 160)] * 2 + [(96, 64)]
+    assert all(linear.bias is None and not linear.weight.any() for linear in sample)
+    storages = {linear.weight.untyped_storage().data_ptr() for linear in sample + linears}
+    assert len(storages) == len(sample) + len(linears)
+    monkeypatch.setattr(fast_linear, "SAMPLE_MAX_LINEARS", 3)
+    assert len(fast_linear._streamed_sample(linears, fast_linear.SAMPLE_BYTES)) == 3

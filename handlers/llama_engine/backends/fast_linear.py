@@ -16,10 +16,10 @@ native bf16 support, always; float32 weights where a measurement at load says so
 kernel wins depends on the CPU: on an AMX Xeon, ``nn.Linear`` (MKL's sgemm) and packed kernels
 measured alike end to end; on an AVX2-only AMD EPYC, MKL's sgemm ran the bench model's weights
 at 15 GFLOPS for 8 rows where oneDNN's packed kernel ran at 33 (118 vs 55 ms per pass over all
-of them at 2 threads, minimum of 20) and 1 row ~12% slower. So :func:`pack_linears` times the
-model's first linears each way at 1 and at 8 rows when it loads (about a second) and packs
-float32 only if that is faster by 10%; off the ``avx2`` class, where the native kernels load, it
-times them too (:func:`float32_linear_kernel`); it logs the timings. ``LLAMA_PACKED_LINEAR=0``
+of them at 2 threads, minimum of 20) and 1 row ~12% slower. So :func:`pack_linears` times
+products of the model's shapes each way at 1 and at 8 rows when it loads (about a second) and
+packs float32 only if that is faster by 10%; off the ``avx2`` class, where the native kernels
+load, it times them too (:func:`float32_linear_kernel`); it logs the timings. ``LLAMA_PACKED_LINEAR=0``
 turns all packing off, ``=1`` packs float32 without measuring, ``=native`` puts float32 on the
 native kernels without measuring.
 
@@ -371,6 +371,9 @@ def _swap(targets, dtype: torch.dtype, make, kind: str, check: bool = False) -> 
 _FP32_DECISIONS: Dict[tuple, str] = {}
 #: Weights the measurement streams: enough to leave a server CPU's caches (:func:`_streamed_sample`).
 SAMPLE_BYTES = cpu_kernels.PREFETCH_SAMPLE_BYTES
+#: The most linears it streams: a small model's would take thousands to fill :data:`SAMPLE_BYTES`, each
+#: pass mostly calls, and its decode steps read weights that its caches largely hold anyway.
+SAMPLE_MAX_LINEARS = 512
 
 
 def _float32_kind(setting: str, linears: Sequence[nn.Linear], device: torch.device):
@@ -382,27 +385,27 @@ def _float32_kind(setting: str, linears: Sequence[nn.Linear], device: torch.devi
     if setting == "native":
         if native is not None:
             return "native", native
-        logger.warning("%s=native: no native kernels time float32 here (the avx2 class runs them anyway, "
-                       "and elsewhere they did not load); measuring oneDNN against nn.Linear", ENV)
+        logger.warning("%s=native: the native kernels did not load here; measuring oneDNN against nn.Linear",
+                       ENV)
     kind = float32_linear_kernel(linears, native)
     return kind, native if kind == "native" else None
 
 
-def _streamed_sample(linears: Sequence[nn.Linear], limit: int = SAMPLE_BYTES) -> List[nn.Linear]:
+def _streamed_sample(linears: Sequence[nn.Linear], limit: int) -> List[nn.Linear]:
     """Linears of the shapes of ``linears``, taken in turn, over zeroed weights of their own, until those pass
-    ``limit`` bytes. The model's linears that :func:`pack_linears` sees first may be one layer's (26 MB of
-    the bench model's float32 weights, which a 32 MB last-level cache held): timed over them, the native
-    kernels' 8-row products beat oneDNN's by 1.36x on a Zen 4 EPYC, and from memory, as a decode step
-    streams them, lost by 1.34x."""
+    ``limit`` bytes (or :data:`SAMPLE_MAX_LINEARS` of them). The model's linears that :func:`pack_linears`
+    sees first may be one layer's (26 MB of the bench model's float32 weights, which a 32 MB last-level
+    cache held): timed over them, the native kernels' 8-row products beat oneDNN's by 1.36x on a Zen 4
+    EPYC, and from memory, as a decode step streams them, lost by 1.34x."""
     sample, size = [], 0
-    while size < limit:
+    while size < limit and len(sample) < SAMPLE_MAX_LINEARS:
         for linear in linears:
             weight = torch.zeros(linear.out_features, linear.in_features, dtype=linear.weight.dtype)
             copy = nn.Linear(linear.in_features, linear.out_features, bias=False, device="meta")
             copy.weight = nn.Parameter(weight, requires_grad=False)
             sample.append(copy.eval())
             size += weight.numel() * weight.element_size()
-            if size >= limit:
+            if size >= limit or len(sample) == SAMPLE_MAX_LINEARS:
                 break
     return sample
 
@@ -420,7 +423,7 @@ def float32_linear_kernel(linears: Sequence[nn.Linear], native=None, repeats: in
     key = (torch.get_num_threads(), None if native is None else native.isa)
     if key in _FP32_DECISIONS:
         return _FP32_DECISIONS[key]
-    sample = _streamed_sample(linears)
+    sample = _streamed_sample(linears, SAMPLE_BYTES)
     size = sum(linear.weight.numel() * linear.weight.element_size() for linear in sample)
     sides = {"plain": sample, "onednn": [PackedLinear(linear, FP32_BATCH_HINT) for linear in sample]}
     if native is not None:
