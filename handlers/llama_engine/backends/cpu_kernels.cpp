@@ -206,6 +206,15 @@ inline Vec::F vexp(Vec::F x) {
 }
 
 inline void prefetch(const void *p) { _mm_prefetch((const char *)p, _MM_HINT_T0); }
+// A weight for a product of several rows, into L2 only (see linear_rows). -DLLK_ROWS_HINT=.. for an A/B.
+#if !defined(LLK_ROWS_HINT)
+#define LLK_ROWS_HINT _MM_HINT_T1
+#endif
+inline void prefetch_rows(const void *p) { _mm_prefetch((const char *)p, LLK_ROWS_HINT); }
+#if !defined(LLK_ONE_ROW_HINT)
+#define LLK_ONE_ROW_HINT _MM_HINT_T0
+#endif
+inline void prefetch_one_row(const void *p) { _mm_prefetch((const char *)p, LLK_ONE_ROW_HINT); }
 
 // ---------------------------------------------------------------------------------------------
 // The kernels' threads: the caller and helper threads claim chunks of a job from one counter.
@@ -342,14 +351,14 @@ inline float dot_unrolled(const TX *x, const TW *w, long K, long pf) {
     Vec::F a0 = Vec::zero(), a1 = a0, a2 = a0, a3 = a0;
     long k = 0;
     for (; k + STEP <= K; k += STEP) {
-        for (long i = 0; i < STEP; i += LINE) prefetch(w + k + i + pf);
+        for (long i = 0; i < STEP; i += LINE) prefetch_one_row(w + k + i + pf);
         a0 = Vec::fma(Vec::load(w + k), Vec::load(x + k), a0);
         a1 = Vec::fma(Vec::load(w + k + Vec::N), Vec::load(x + k + Vec::N), a1);
         a2 = Vec::fma(Vec::load(w + k + 2 * Vec::N), Vec::load(x + k + 2 * Vec::N), a2);
         a3 = Vec::fma(Vec::load(w + k + 3 * Vec::N), Vec::load(x + k + 3 * Vec::N), a3);
     }
     for (; k + Vec::N <= K; k += Vec::N) {
-        prefetch(w + k + pf);
+        prefetch_one_row(w + k + pf);
         a0 = Vec::fma(Vec::load(w + k), Vec::load(x + k), a0);
     }
     float sum = Vec::hsum(Vec::add(Vec::add(a0, a1), Vec::add(a2, a3)));
@@ -375,11 +384,11 @@ inline void linear_block(const TX *x, long ldx, const TW *w, long K, long pf, fl
     for (; k + Vec::N <= K; k += Vec::N) {
         Vec::F wv[R];
         if (spread) {
-            prefetch(ahead);
+            prefetch_rows(ahead);
             ahead += ahead_step;
         }
         for (int r = 0; r < R; r++) {
-            if (!spread) prefetch(w + R * k + r * Vec::N + pf);
+            if (!spread) prefetch_rows(w + R * k + r * Vec::N + pf);
             wv[r] = Vec::load(w + r * K + k);
         }
         for (int m = 0; m < MB; m++) {
@@ -402,14 +411,14 @@ inline float dot_dp(const bf16 *x, const bf16 *w, long K, long pf) {
     __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     long k = 0;
     for (; k + 128 <= K; k += 128) {
-        for (int i = 0; i < 128; i += 32) prefetch(w + k + i + pf);
+        for (int i = 0; i < 128; i += 32) prefetch_one_row(w + k + i + pf);
         a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(w + k), (__m512bh)_mm512_loadu_si512(x + k));
         a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(w + k + 32), (__m512bh)_mm512_loadu_si512(x + k + 32));
         a2 = _mm512_dpbf16_ps(a2, (__m512bh)_mm512_loadu_si512(w + k + 64), (__m512bh)_mm512_loadu_si512(x + k + 64));
         a3 = _mm512_dpbf16_ps(a3, (__m512bh)_mm512_loadu_si512(w + k + 96), (__m512bh)_mm512_loadu_si512(x + k + 96));
     }
     for (; k + 32 <= K; k += 32) {
-        prefetch(w + k + pf);
+        prefetch_one_row(w + k + pf);
         a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(w + k), (__m512bh)_mm512_loadu_si512(x + k));
     }
     if (k < K) {
@@ -433,7 +442,7 @@ inline void linear_block_dp(const bf16 *x, long ldx, const bf16 *w, long K, long
     for (; k + 32 <= K; k += 32) {
         __m512bh wv[R];
         for (int r = 0; r < R; r++) {
-            prefetch(w + R * k + r * 32 + pf);
+            prefetch_rows(w + R * k + r * 32 + pf);
             wv[r] = (__m512bh)_mm512_loadu_si512(w + r * K + k);
         }
         for (int m = 0; m < MB; m++) {
@@ -525,13 +534,23 @@ void linear_rows(const TX *x, long ldx, const TW *w, TX *y, long ldy, long M, lo
 // one row ran 1 KB ahead faster in each of 8 alternated rounds, by 15-25% (best 7.9 against 10.6
 // ms, bf16 weights under float32), and several rows ran 1-2 KB ahead 5-20% slower than 4 KB. So
 // the one-row distance is the caller's (the Python side measures it at load; 0: this default).
-// Several rows prefetch a number of weights ahead, not of bytes: each weight costs them the same
-// time whatever its type, so float32 weights go 8 KB ahead where bf16 go 4 KB. One pass over the
-// bench model's float32 weights (Zen 4 EPYC, 2 threads, 8 alternated rounds, best), 8 KB ahead
-// against 4 KB: avx512bf16 build 11.1 / 14.1 / 20.9 / 29.5 ms against 12.5 / 15.7 / 22.3 / 32.4 at
-// 2 / 4 / 8 / 16 rows; avx2 build 11.6 / 14.9 against 13.3 / 18.3 at 2 / 4 rows (from 8 its tiles
-// spread their prefetch instead: SPREAD_PREFETCH). bf16 weights 8 KB ahead: no faster.
-static const long PREFETCH_ONE_ROW = 4096, PREFETCH_ROWS_WEIGHTS = 2048;
+// Several rows prefetch a number of weights ahead, not of bytes (each weight costs them the same
+// time whatever its type), and into L2 only (prefetch_rows): a block of w is read from memory by its
+// first tile and from cache by the others. Into L1, the product cost about its streaming time plus
+// its arithmetic (our reading: the lines ahead held L1's few fill buffers and crowded the tiles'
+// operands); into L2 the two overlap, and the tiles' loads find the block one level down. One pass over
+// the bench model's weights (Zen 4 EPYC, 2 threads, 10 alternated rounds, best), 4096 weights ahead
+// into L2 against 2048 into L1: float32 on the avx512bf16 build 15.4 / 16.0 / 23.2 ms against 16.8 /
+// 22.3 / 29.9 at 4 / 8 / 16 rows (oneDNN packed: 17.6 / 20.2 / 25.4); bf16 7.6 / 7.7 / 8.1 / 13.5
+// against 8.8 / 9.0 / 10.1 / 15.4 at 2 / 4 / 8 / 16 (oneDNN 12.1 / 10.6 / 11.8 / 14.7); float32 on the
+// avx2 build 14.6 / 15.3 / 21.9 against 16.2 / 24.1 / 25.5 at 4 / 8 / 16. Whole decode steps of the
+// bench model (`python -m scripts.bench.decode_profile --batches 1,4,8,16`): bf16 1.05x / 1.15x / 1.10x
+// and float32 1.05x / 1.27x / 1.18x faster at 4 / 8 / 16 rows. (Before, 4 KB into L1 against 8 KB:
+// float32 8 KB ahead ran 1.07-1.2x faster at 2-16 rows, bf16 no faster.)
+#if !defined(LLK_ROWS_WEIGHTS)
+#define LLK_ROWS_WEIGHTS 4096
+#endif
+static const long PREFETCH_ONE_ROW = 4096, PREFETCH_ROWS_WEIGHTS = LLK_ROWS_WEIGHTS;
 static const long CHUNK_BYTES = 256 << 10;
 // A tile of a product of several rows: TILE_W rows of w against TILE_X rows of x, in TILE_W x TILE_X
 // accumulators beside TILE_W vectors of w and one of x. AVX-512's 32 registers hold 4 x 4; AVX2's 16
