@@ -206,15 +206,12 @@ inline Vec::F vexp(Vec::F x) {
 }
 
 inline void prefetch(const void *p) { _mm_prefetch((const char *)p, _MM_HINT_T0); }
-// A weight for a product of several rows, into L2 only (see linear_rows). -DLLK_ROWS_HINT=.. for an A/B.
-#if !defined(LLK_ROWS_HINT)
-#define LLK_ROWS_HINT _MM_HINT_T1
+// A product's weights ahead of its reads, into L2 only (see PREFETCH_ROWS_WEIGHTS). -DLLK_WEIGHT_HINT=..
+// for an A/B.
+#if !defined(LLK_WEIGHT_HINT)
+#define LLK_WEIGHT_HINT _MM_HINT_T1
 #endif
-inline void prefetch_rows(const void *p) { _mm_prefetch((const char *)p, LLK_ROWS_HINT); }
-#if !defined(LLK_ONE_ROW_HINT)
-#define LLK_ONE_ROW_HINT _MM_HINT_T0
-#endif
-inline void prefetch_one_row(const void *p) { _mm_prefetch((const char *)p, LLK_ONE_ROW_HINT); }
+inline void prefetch_weight(const void *p) { _mm_prefetch((const char *)p, LLK_WEIGHT_HINT); }
 
 // ---------------------------------------------------------------------------------------------
 // The kernels' threads: the caller and helper threads claim chunks of a job from one counter.
@@ -351,14 +348,14 @@ inline float dot_unrolled(const TX *x, const TW *w, long K, long pf) {
     Vec::F a0 = Vec::zero(), a1 = a0, a2 = a0, a3 = a0;
     long k = 0;
     for (; k + STEP <= K; k += STEP) {
-        for (long i = 0; i < STEP; i += LINE) prefetch_one_row(w + k + i + pf);
+        for (long i = 0; i < STEP; i += LINE) prefetch_weight(w + k + i + pf);
         a0 = Vec::fma(Vec::load(w + k), Vec::load(x + k), a0);
         a1 = Vec::fma(Vec::load(w + k + Vec::N), Vec::load(x + k + Vec::N), a1);
         a2 = Vec::fma(Vec::load(w + k + 2 * Vec::N), Vec::load(x + k + 2 * Vec::N), a2);
         a3 = Vec::fma(Vec::load(w + k + 3 * Vec::N), Vec::load(x + k + 3 * Vec::N), a3);
     }
     for (; k + Vec::N <= K; k += Vec::N) {
-        prefetch_one_row(w + k + pf);
+        prefetch_weight(w + k + pf);
         a0 = Vec::fma(Vec::load(w + k), Vec::load(x + k), a0);
     }
     float sum = Vec::hsum(Vec::add(Vec::add(a0, a1), Vec::add(a2, a3)));
@@ -384,11 +381,11 @@ inline void linear_block(const TX *x, long ldx, const TW *w, long K, long pf, fl
     for (; k + Vec::N <= K; k += Vec::N) {
         Vec::F wv[R];
         if (spread) {
-            prefetch_rows(ahead);
+            prefetch_weight(ahead);
             ahead += ahead_step;
         }
         for (int r = 0; r < R; r++) {
-            if (!spread) prefetch_rows(w + R * k + r * Vec::N + pf);
+            if (!spread) prefetch_weight(w + R * k + r * Vec::N + pf);
             wv[r] = Vec::load(w + r * K + k);
         }
         for (int m = 0; m < MB; m++) {
@@ -411,14 +408,14 @@ inline float dot_dp(const bf16 *x, const bf16 *w, long K, long pf) {
     __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     long k = 0;
     for (; k + 128 <= K; k += 128) {
-        for (int i = 0; i < 128; i += 32) prefetch_one_row(w + k + i + pf);
+        for (int i = 0; i < 128; i += 32) prefetch_weight(w + k + i + pf);
         a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(w + k), (__m512bh)_mm512_loadu_si512(x + k));
         a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(w + k + 32), (__m512bh)_mm512_loadu_si512(x + k + 32));
         a2 = _mm512_dpbf16_ps(a2, (__m512bh)_mm512_loadu_si512(w + k + 64), (__m512bh)_mm512_loadu_si512(x + k + 64));
         a3 = _mm512_dpbf16_ps(a3, (__m512bh)_mm512_loadu_si512(w + k + 96), (__m512bh)_mm512_loadu_si512(x + k + 96));
     }
     for (; k + 32 <= K; k += 32) {
-        prefetch_one_row(w + k + pf);
+        prefetch_weight(w + k + pf);
         a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(w + k), (__m512bh)_mm512_loadu_si512(x + k));
     }
     if (k < K) {
@@ -442,7 +439,7 @@ inline void linear_block_dp(const bf16 *x, long ldx, const bf16 *w, long K, long
     for (; k + 32 <= K; k += 32) {
         __m512bh wv[R];
         for (int r = 0; r < R; r++) {
-            prefetch_rows(w + R * k + r * 32 + pf);
+            prefetch_weight(w + R * k + r * 32 + pf);
             wv[r] = (__m512bh)_mm512_loadu_si512(w + r * K + k);
         }
         for (int m = 0; m < MB; m++) {
@@ -535,7 +532,7 @@ void linear_rows(const TX *x, long ldx, const TW *w, TX *y, long ldy, long M, lo
 // ms, bf16 weights under float32), and several rows ran 1-2 KB ahead 5-20% slower than 4 KB. So
 // the one-row distance is the caller's (the Python side measures it at load; 0: this default).
 // Several rows prefetch a number of weights ahead, not of bytes (each weight costs them the same
-// time whatever its type), and into L2 only (prefetch_rows): a block of w is read from memory by its
+// time whatever its type), and into L2 only (prefetch_weight): a block of w is read from memory by its
 // first tile and from cache by the others. Into L1, the product cost about its streaming time plus
 // its arithmetic (our reading: the lines ahead held L1's few fill buffers and crowded the tiles'
 // operands); into L2 the two overlap, and the tiles' loads find the block one level down. One pass over
@@ -546,7 +543,11 @@ void linear_rows(const TX *x, long ldx, const TW *w, TX *y, long ldy, long M, lo
 // avx2 build 14.6 / 15.3 / 21.9 against 16.2 / 24.1 / 25.5 at 4 / 8 / 16. Whole decode steps of the
 // bench model (`python -m scripts.bench.decode_profile --batches 1,4,8,16`): bf16 1.05x / 1.15x / 1.10x
 // and float32 1.05x / 1.27x / 1.18x faster at 4 / 8 / 16 rows. (Before, 4 KB into L1 against 8 KB:
-// float32 8 KB ahead ran 1.07-1.2x faster at 2-16 rows, bf16 no faster.)
+// float32 8 KB ahead ran 1.07-1.2x faster at 2-16 rows, bf16 no faster.) One row, into L2 against
+// L1, each build at its default distance (no load-time tuning): bf16 weights under float32 7.3 against
+// 10.3 ms on the avx512 build, 6.2 against 10.7 on the avx512bf16 build, 5.8 against 6.2 on the avx2
+// build; float32 8.8 against 9.7 on the avx512 build, even on avx2; whole one-row decode steps (its
+// distance tuned at load): bf16 1.11x and 1.20x faster in two runs, float32 1.02-1.05x.
 #if !defined(LLK_ROWS_WEIGHTS)
 #define LLK_ROWS_WEIGHTS 4096
 #endif
