@@ -84,8 +84,7 @@ def _kernels(weights: list, torch_dtype, native: bool = False) -> dict:
     from llama_engine.backends.fast_linear import (
         PackedLinear,
         bf16_weight_kernels,
-        measured_native_kernels,
-        native_kernels_for,
+        native_kernels_considered,
         packing_supported,
     )
 
@@ -97,8 +96,7 @@ def _kernels(weights: list, torch_dtype, native: bool = False) -> dict:
         return {"native, bf16 weights": _on_native(library, weights),
                 "native, bf16 weights, gathered": _on_native(library, _gathered(weights))}
     kernels = {"nn.Linear": [lambda x, w=w: torch.nn.functional.linear(x, w) for w in weights]}
-    cpu = torch.device("cpu")
-    library = (native_kernels_for(torch_dtype, cpu) or measured_native_kernels(torch_dtype, cpu)) if native else None
+    library = native_kernels_considered(torch_dtype, torch.device("cpu")) if native else None
     if library is not None:
         tune_one_row_prefetch(library, weights, torch_dtype)
         kernels["native"] = _on_native(library, weights)

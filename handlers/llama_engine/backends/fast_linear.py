@@ -231,6 +231,12 @@ def measured_native_kernels(dtype: torch.dtype, device: torch.device, flags: Opt
     return cpu_kernels.for_device(device)
 
 
+def native_kernels_considered(dtype: torch.dtype, device: torch.device):
+    """The native kernels that :func:`pack_linears` may put ``dtype`` products on: those it takes
+    (:func:`native_kernels_for`), else those it times at load (:func:`measured_native_kernels`), else None."""
+    return native_kernels_for(dtype, device) or measured_native_kernels(dtype, device)
+
+
 def bf16_weight_kernels(dtype: torch.dtype, weight_dtype: torch.dtype, device: torch.device):
     """The native kernels that run ``dtype`` arithmetic over ``weight_dtype`` weights on ``device``, else None:
     float32 over bfloat16 on an x86 CPU whose kernels load (either build)."""
