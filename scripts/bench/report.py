@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import statistics
 from pathlib import Path
@@ -644,11 +645,43 @@ def cpu_label(machine: dict) -> str:
 
 # -- ratios by CPU class: the latest full run's ratios on each class, kept beside the docs page ----
 
+def cpu_short(cpu: str) -> str:
+    """``Intel 6/207`` for ``Intel(R) Xeon(R) Processor (family 6, model 207)``: the vendor, and the
+    family and model where the name has them."""
+    vendor = next((v for v in ("Intel", "AMD") if v in cpu), cpu.split(" ")[0] if cpu else "unknown")
+    numbers = re.search(r"\(family (\d+), model (\d+)\)", cpu)
+    return f"{vendor} {numbers.group(1)}/{numbers.group(2)}" if numbers else vendor
+
+
+def _same_cpu(a: str, b: str) -> bool:
+    """Runs from before the family and model were recorded name the CPU bare."""
+    bare = re.compile(r" \(family \d+, model \d+\)$")
+    return a == b or (bare.sub("", a) == bare.sub("", b) and (not bare.search(a) or not bare.search(b)))
+
+
+def cpu_column(machine: dict, table: dict) -> str:
+    """The column a run takes among the ratios by CPU class (``table``): its class, or, where that
+    class's column holds another CPU's run, the class on this CPU (``avx512-bf16 on Intel 6/207``).
+
+    One class spans CPUs whose ratios differ (an AVX512_BF16 Zen 4 and an Emerald Rapids Xeon
+    without AMX): each keeps its latest run, and a CPU's rerun replaces its own."""
+    label = cpu_label(machine)
+    held = table.get(label)
+    if held is None or _same_cpu(held.get("cpu", ""), machine.get("cpu", "")):
+        return label
+    return f"{label} on {cpu_short(machine.get('cpu', ''))}"
+
+
+def _read_by_cpu(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
 def update_by_cpu(results: dict, path: Path) -> dict:
-    """Record this run's ratios as its CPU class's latest (``path``, JSON); return every class's."""
-    table = json.loads(path.read_text()) if path.exists() else {}
+    """Record this run's ratios as its CPU's latest in its class (``path``, JSON; :func:`cpu_column`);
+    return every column's."""
+    table = _read_by_cpu(path)
     m = results["machine"]
-    table[cpu_label(m)] = {
+    table[cpu_column(m, table)] = {
         "timestamp": results["timestamp"], "mode": results["mode"], "cpu": m["cpu"], "logical_cpus": m["logical_cpus"],
         "dtype": dtype_label(results["model"]), "git": results["versions"].get("git"),
         "ratios": {name: r["value"] for name, r in results["ratios"].items()},
@@ -812,7 +845,9 @@ Needs `build/tiny-llama` (its tokenizer; `make build` or `python scripts/build_t
 and matplotlib. Outputs go to `build/bench/`: `results-<timestamp>.json` and `latest.json` (every
 figure, the machine, versions, config and plan), `results.md` (this section's tables), and
 `ttft_vs_input.png`, `throughput_vs_concurrency.png`, `latency_percentiles.png`, `poisson_latency.png`;
-then `docs/benchmarks-<class>.md` (its plots in `docs/benchmarks-<class>-plots/`) and this index.
+then `docs/benchmarks-<class>.md` (its plots in `docs/benchmarks-<class>-plots/`) and this index. A second CPU
+of a class already measured gets a page and a column of its own (`benchmarks-avx512-bf16-intel-6-207.md`,
+`avx512-bf16 on Intel 6/207`), so that a Xeon's run never replaces a Zen's.
 Options: `--dtype float32`, `--checkpoint float32`, `--threads N`, `--no-peers`, `--llama-gguf PATH`, `--max-minutes M`, `--out DIR`,
 `--docs PATH`/`--no-docs`, `--systems A,B`, `--scenarios A,B` (length, ttft, concurrency, paired, poisson, poisson-wide, poisson-steady),
 `--poisson-rate R`, `--poisson-duration S`, `--poisson-rounds N`, `--cpu-class CLASS` (measure as a CPU of a
@@ -955,10 +990,15 @@ ahead of micro-batching on the Poisson load at all: `.venv/bin/python -m scripts
 def default_docs(machine: dict) -> Path:
     """The page a full run rewrites: its CPU class's own (``docs/benchmarks-avx2.md``; for a run on an
     emulated class ``docs/benchmarks-avx2-emulated.md``), so that a run on one class never replaces
-    another's. ``docs/benchmarks.md`` is their index (:func:`render_index`)."""
+    another's; where another CPU of the class holds its column (:func:`cpu_column`), this CPU's
+    (``docs/benchmarks-avx512-bf16-intel-6-207.md``). ``docs/benchmarks.md`` is their index
+    (:func:`render_index`)."""
+    column = cpu_column(machine, _read_by_cpu(by_cpu_path(DOCS_PAGE)))
+    on_cpu = column[len(cpu_label(machine)):].removeprefix(" on ")
+    slug = "-" + re.sub(r"[^a-z0-9]+", "-", on_cpu.lower()).strip("-") if on_cpu else ""
     if machine.get("emulated_on"):
-        return DOCS_PAGE.with_name(f"{DOCS_PAGE.stem}-{machine['cpu_class']}-emulated.md")
-    return DOCS_PAGE.with_name(f"{DOCS_PAGE.stem}-{cpu_label(machine)}.md")
+        return DOCS_PAGE.with_name(f"{DOCS_PAGE.stem}-{machine['cpu_class']}{slug}-emulated.md")
+    return DOCS_PAGE.with_name(f"{DOCS_PAGE.stem}-{cpu_label(machine)}{slug}.md")
 
 
 def is_class_page(docs: Path) -> bool:
@@ -1017,7 +1057,7 @@ def render_docs(results: dict, plots: List[Path], docs: Path) -> str:
                 f"and clocks were the host's: it measures the instruction set, not a chip of that class.\n\n"
                 if machine.get("emulated_on") else "")
     if is_class_page(docs):  # how a run works and the ratios of every class are on the index
-        title = f"# Benchmarks on the `{cpu_label(machine)}` CPU class"
+        title = f"# Benchmarks on the `{cpu_column(machine, by_cpu)}` CPU class"
         method = (f"The latest full run on this class of CPU, rewritten by `python -m scripts.bench` when it runs on "
                   f"(or, with `--cpu-class`, as) it. How a run works, what each figure means, and the ratios of every "
                   f"class measured: [{DOCS_PAGE.name}]({DOCS_PAGE.name}).\n\n")

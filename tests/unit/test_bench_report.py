@@ -138,6 +138,51 @@ def test_each_cpu_class_keeps_its_latest_ratios(tmp_path):
     assert "| peer_ratio_llama.cpp | >= 1.0 | 1.000 | 2.500 |" in text
 
 
+def test_two_cpus_of_one_class_each_keep_their_latest_run_and_page(tmp_path, monkeypatch):
+    """An Intel Xeon without AMX and a Zen 4 are both avx512-bf16: the second CPU measured gets a
+    column and a page of its own, and each CPU's rerun replaces only its own."""
+    monkeypatch.setattr(report, "DOCS_PAGE", tmp_path / "docs" / "benchmarks.md")
+    (tmp_path / "docs").mkdir()
+    by_cpu = report.by_cpu_path(report.DOCS_PAGE)
+    zen4, xeon = "AMD EPYC (family 25, model 17)", "Intel(R) Xeon(R) Processor (family 6, model 207)"
+    assert report.cpu_short(xeon) == "Intel 6/207" and report.cpu_short("AMD EPYC") == "AMD"
+
+    def run(cpu, tps, emulated_on=None):
+        runs = [_run("torchserve", "concurrency", 100.0, concurrency=8), _run("llama.cpp", "concurrency", tps, concurrency=8)]
+        results = _results(runs, "avx512-bf16" if not emulated_on else "avx2")
+        results["machine"].update(cpu=cpu, **({"emulated_on": emulated_on} if emulated_on else {}))
+        results["ratios"] = report.ratios(results)
+        return results
+
+    first = run(zen4, 50.0)
+    assert report.default_docs(first["machine"]) == tmp_path / "docs" / "benchmarks-avx512-bf16.md"
+    report.update_by_cpu(first, by_cpu)
+    assert report.default_docs(first["machine"]) == tmp_path / "docs" / "benchmarks-avx512-bf16.md"
+    second = run(xeon, 80.0)
+    assert report.default_docs(second["machine"]) == tmp_path / "docs" / "benchmarks-avx512-bf16-intel-6-207.md"
+    report.update_by_cpu(second, by_cpu)
+    report.update_by_cpu(run(xeon, 40.0), by_cpu)
+    report.update_by_cpu(run(zen4, 25.0), by_cpu)
+    table = json.loads(by_cpu.read_text())
+    assert {k: v["ratios"]["peer_ratio_llama.cpp"] for k, v in table.items()} == \
+        {"avx512-bf16": 4.0, "avx512-bf16 on Intel 6/207": 2.5}
+    emulated = run(xeon, 50.0, emulated_on="avx512-bf16")
+    assert report.default_docs(emulated["machine"]) == tmp_path / "docs" / "benchmarks-avx2-emulated.md"
+    report.update_by_cpu(emulated, by_cpu)
+    assert report.default_docs(run(zen4, 50.0, emulated_on="avx512-bf16")["machine"]) == \
+        tmp_path / "docs" / "benchmarks-avx2-amd-25-17-emulated.md"
+
+
+def test_a_cpu_named_before_its_family_was_recorded_is_the_same_cpu():
+    bare, numbered = "Intel(R) Xeon(R) Processor", "Intel(R) Xeon(R) Processor (family 6, model 143)"
+    table = {"amx": {"cpu": bare}}
+    assert report.cpu_column({"cpu_class": "amx", "cpu": numbered}, table) == "amx"
+    assert report.cpu_column({"cpu_class": "amx", "cpu": "AMD EPYC (family 26, model 2)"}, table) == "amx on AMD 26/2"
+    table = {"amx": {"cpu": numbered}}
+    assert report.cpu_column({"cpu_class": "amx", "cpu": "Intel(R) Xeon(R) Processor (family 6, model 207)"}, table) \
+        == "amx on Intel 6/207"
+
+
 def test_each_class_has_its_own_page_and_one_table_of_ratios_by_class(tmp_path, monkeypatch):
     """A run on an avx2 CPU and one with --cpu-class avx2 on an avx512-bf16 host are two columns and two
     pages, and every class page shares the table of ratios by class beside docs/benchmarks.md."""
