@@ -8,6 +8,7 @@ import sys
 import time
 from importlib import metadata
 from pathlib import Path
+from typing import Optional
 
 from llama_engine import cpu as cpu_features
 from llama_engine.cpu_limits import usable_cpus
@@ -70,11 +71,28 @@ def openmp_as_served() -> dict:
     return {key: os.environ[key] for key in wanted}
 
 
+def last_level_cache_bytes(root: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> Optional[int]:
+    """The size of the first CPU's last-level cache (sysfs ``indexN/size`` at the highest ``level``),
+    None where sysfs does not say. A bench model whose weights fit it decodes partly from the cache."""
+    caches = []
+    for index in sorted(root.glob("index*")):
+        try:
+            level, size = int((index / "level").read_text()), (index / "size").read_text().strip()
+        except (OSError, ValueError):
+            continue
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        number, unit = (size[:-1], units[size[-1]]) if size[-1:] in units else (size, 1)
+        if number.isdigit():
+            caches.append((level, int(number) * unit))
+    return max(caches)[1] if caches else None
+
+
 def machine_info() -> dict:
     flags, host_class = cpu_features.cpu_flags(), cpu_features.cpu_class(cpu_features.host_cpu_flags())
     info = {"cpu": _cpu_model(), "logical_cpus": os.cpu_count(), "cpu_flags": cpu_features.reported_flags(flags),
             "cpu_class": cpu_features.cpu_class(flags), "auto_dtype": cpu_features.auto_dtype("cpu", flags),
             "platform": platform.platform()}
+    info["last_level_cache_bytes"] = last_level_cache_bytes()
     info["openmp_env"] = {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     usable = usable_cpus()  # what the served worker's threads default to (a container's share of the host)
     info["usable_cpus"], info["usable_cpus_source"] = usable.count, usable.source

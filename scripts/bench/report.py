@@ -544,6 +544,18 @@ def decode_products_line(results: dict) -> str:
             f"{products['bytes'] / 1e6:.1f} MB streamed at {products['gb_per_s']:.1f} GB/s (tok/s by kernel: {kernels}).\n")
 
 
+def cache_caveat(results: dict) -> str:
+    """A warning where the bench model's weights fit the CPU's last-level cache: batch-1 decode then
+    reads them partly from the cache, and its efficiency against ``x.sum()``'s memory bandwidth can
+    pass 1 (an Emerald Rapids Xeon's 260 MB L3 holds the bench model's 226 MB of bf16 weights)."""
+    cache, weights = results["machine"].get("last_level_cache_bytes"), results["decode_bound"]["weight_bytes_per_token"]
+    if not cache or weights > cache:
+        return ""
+    return (f"**The model's weights fit this CPU's last-level cache** ({weights / 1e6:.0f} MB of weights per token, "
+            f"{cache / 1e6:.0f} MB of cache): batch-1 decode reads them partly from the cache, so its efficiency "
+            f"against the memory bandwidth above can pass 1, and says little of a model larger than the cache.\n")
+
+
 def queue_grew(run: dict) -> bool:
     """Whether a Poisson row's server fell behind its arrivals: it completed fewer requests per second
     than were offered, and its last request finished later after the last arrival than a typical
@@ -595,7 +607,7 @@ def markdown(results: dict, plots: List[Path]) -> str:
 
 **Memory bandwidth** (`x.sum()` over {list(bw.values())[0]['bytes'] / 1e9:.2f} GB of float32, best of 5 passes and of the samples at the start and the end): {bw_text}.
 Batch-1 decode bound = {bound['bandwidth_gb_per_s']:.1f} GB/s / {bound['weight_bytes_per_token'] / 1e6:.1f} MB of weights per token = **{bound['tokens_per_s']:.1f} tok/s** (the KV cache adds {model['kv_cache_bytes_per_position'] / 1e3:.1f} kB per position of context).
-{prefill_bound_line(results)}{decode_products_line(results)}{fp32_line}
+{cache_caveat(results)}{prefill_bound_line(results)}{decode_products_line(results)}{fp32_line}
 ### Ratios (CPU class `{cpu_label(m)}`, {dtype_label(model)})
 
 {ratios_table(results['ratios'])}

@@ -34,3 +34,15 @@ def test_too_late_once_torch_is_loaded_unless_the_environment_already_had_them()
     preset = _python("import torch; from scripts.bench import machine; print(machine.openmp_as_served())",
                      OMP_WAIT_POLICY="PASSIVE", GOMP_SPINCOUNT="20000")
     assert preset.returncode == 0 and "'GOMP_SPINCOUNT': '20000'" in preset.stdout, preset.stderr
+
+
+def test_the_last_level_cache_is_the_highest_level_sysfs_lists(tmp_path):
+    from scripts.bench import machine
+
+    for index, level, size in (("index0", "1", "48K"), ("index2", "2", "2048K"), ("index3", "3", "266240K")):
+        (tmp_path / index).mkdir()
+        (tmp_path / index / "level").write_text(level + "\n")
+        (tmp_path / index / "size").write_text(size + "\n")
+    (tmp_path / "index1").mkdir()  # a cache sysfs does not describe is skipped
+    assert machine.last_level_cache_bytes(tmp_path) == 266240 * 1024
+    assert machine.last_level_cache_bytes(tmp_path / "missing") is None

@@ -639,3 +639,14 @@ def test_the_serving_overhead_says_whether_serving_cost_the_first_token_or_every
     del runs[0]["itl_ms"]  # a run from before the paired rows kept latencies: the ratio alone
     row = report.ratios(_results(runs))["serving_overhead_batch1"]
     assert row["value"] == 0.9 and "TTFT" not in row["definition"] and "ttft_p50_ms" not in row["inputs"]
+
+
+def test_a_model_whose_weights_fit_the_last_level_cache_is_flagged():
+    """On a CPU whose L3 holds the bench model, batch-1 decode can beat the DRAM bandwidth: say so."""
+    results = _results([])  # 4e8 bytes of weights per token
+    assert report.cache_caveat(results) == ""
+    results["machine"]["last_level_cache_bytes"] = 32 << 20
+    assert report.cache_caveat(results) == ""
+    results["machine"]["last_level_cache_bytes"] = 260 << 20
+    results["decode_bound"]["weight_bytes_per_token"] = 226e6
+    assert "fit this CPU's last-level cache** (226 MB of weights per token, 273 MB of cache)" in report.cache_caveat(results)
