@@ -903,3 +903,49 @@ def test_the_float32_measurement_streams_fresh_weights_of_the_models_shapes_past
     assert len(storages) == len(sample) + len(linears)
     monkeypatch.setattr(fast_linear, "SAMPLE_MAX_LINEARS", 3)
     assert len(fast_linear._streamed_sample(linears, fast_linear.SAMPLE_BYTES)) == 3
+
+
+def test_bf16_prompt_products_run_in_float32_where_that_measures_faster(monkeypatch):
+    """Without AMX, oneDNN's bf16 products can be slower than float32 ones over a copy of the weight (an
+    Emerald Rapids Xeon: 1.32x at 256 rows): the faster by 5% is taken, once per thread count; the switch
+    decides without measuring."""
+    monkeypatch.delenv(fast_linear.WIDE_ENV, raising=False)
+    times = {"bfloat16": 1.0, "float32": 0.9}
+    monkeypatch.setattr(cpu_kernels, "alternate_passes", lambda runs, rounds: {side: [times[side]] for side in runs})
+    linears = [torch.nn.Linear(64, 32).to(torch.bfloat16) for _ in range(2)]
+    monkeypatch.setattr(fast_linear, "_WIDE_DECISIONS", {})
+    assert fast_linear.bf16_wide_in_float32(linears) is True
+    times["float32"] = 0.97  # within 5%: bf16 stays
+    assert fast_linear.bf16_wide_in_float32(linears) is True  # decided for this thread count already
+    monkeypatch.setattr(fast_linear, "_WIDE_DECISIONS", {})
+    assert fast_linear.bf16_wide_in_float32(linears) is False
+    monkeypatch.setattr(cpu_kernels, "alternate_passes", None)  # no measurement below
+    for setting, wide in (("float32", True), ("bfloat16", False)):
+        monkeypatch.setenv(fast_linear.WIDE_ENV, setting)
+        assert fast_linear.bf16_wide_in_float32(linears) is wide
+
+
+@needs_native
+def test_a_bf16_models_prompt_rows_in_float32_round_once_to_bf16(tiny_model_dir, monkeypatch):
+    """With the float32 choice a prompt's products (more rows than the native kernel keeps) are the float32
+    product of the bf16 inputs and weights, rounded to bf16 once; a decode step's rows stay native."""
+    monkeypatch.setenv(fast_linear.WIDE_ENV, "float32")
+    model = load(tiny_model_dir, torch.bfloat16)
+    assert pack_linears(model) > 0
+    linear = next(m for m in model.modules() if isinstance(m, NativeLinear))
+    assert linear.wide_in_float32 and linear.bias is None
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(linear.max_rows + 16, linear.in_features, generator=gen).to(torch.bfloat16)
+    with torch.inference_mode():
+        y = linear(x)
+        expected = (x.float() @ linear.weight.float().T).to(torch.bfloat16)
+        bf16 = torch.ops.mkldnn._linear_pointwise(x, linear.weight, None, "none", [], "")
+        few = linear(x[:4])
+    assert y.dtype == torch.bfloat16
+    assert torch.equal(y, expected)
+    torch.testing.assert_close(y.float(), bf16.float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(few.float(), expected[:4].float(), rtol=2e-2, atol=2e-2)
+    monkeypatch.setenv(fast_linear.WIDE_ENV, "bfloat16")
+    again = load(tiny_model_dir, torch.bfloat16)
+    pack_linears(again)
+    assert not any(m.wide_in_float32 for m in again.modules() if isinstance(m, NativeLinear))

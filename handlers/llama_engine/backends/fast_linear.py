@@ -65,6 +65,12 @@ GATHER_ALIGN = 64
 #: the native kernels without measuring (where they load), default: bf16/fp16 always, float32 on
 #: whichever kernel measures fastest (:func:`float32_linear_kernel`).
 ENV = "LLAMA_PACKED_LINEAR"
+#: Environment switch for a bf16 model's products of more rows than :class:`NativeLinear` keeps (a prompt's):
+#: "float32" multiplies them in float32 over a copy of the weight made for the call, "bfloat16" on oneDNN's
+#: bf16 product; default: whichever measures faster at load (:func:`bf16_wide_in_float32`).
+WIDE_ENV = "LLAMA_BF16_PROMPT_PRODUCTS"
+#: The rows :func:`bf16_wide_in_float32` times (a prompt's), and the bytes of weights it streams.
+WIDE_ROWS, WIDE_SAMPLE_BYTES = 256, 64 << 20
 #: :func:`float32_linear_kernel` takes the native kernels while they score within this share of the fastest
 #: other kernel: their products are the only part of a decode step that the measurement times. With them, the
 #: step gathers its weights (:func:`gather_weights`) and runs its layers in one native call. The bench
@@ -118,10 +124,11 @@ class NativeLinear(nn.Module):
     multiply a float32 copy made for the call)."""
 
     def __init__(self, linear: nn.Linear, kernels, max_rows: Optional[int] = None,
-                 weight_dtype: Optional[torch.dtype] = None):
+                 weight_dtype: Optional[torch.dtype] = None, wide_in_float32: bool = False):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.kernels, self.max_rows = kernels, NATIVE_MAX_ROWS if max_rows is None else max_rows
+        self.wide_in_float32 = wide_in_float32
         weight = linear.weight.detach()
         self.compute_dtype = weight.dtype
         self.register_buffer("weight", weight.to(weight_dtype or weight.dtype).contiguous(), persistent=False)
@@ -131,6 +138,9 @@ class NativeLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
         if rows > self.max_rows:
+            if self.wide_in_float32:
+                bias = None if self.bias is None else self.bias.float()
+                return torch.ops.mkldnn._linear_pointwise(x.float(), self.weight.float(), bias, "none", [], "").to(x.dtype)
             weight = self.weight if self.weight.dtype == x.dtype else self.weight.to(x.dtype)
             return torch.ops.mkldnn._linear_pointwise(x, weight, self.bias, "none", [], "")
         flat = x.reshape(rows, self.in_features)
@@ -280,7 +290,8 @@ def pack_linears(model: nn.Module, batch_hint: Optional[int] = None, weight_dtyp
         return 0
     kernels = native_kernels_for(weight.dtype, weight.device)
     if kernels is not None:
-        return _swap_native(targets, weight.dtype, kernels, native_max_rows(kernels))
+        wide = weight.dtype == torch.bfloat16 and bf16_wide_in_float32([t[2] for t in targets])
+        return _swap_native(targets, weight.dtype, kernels, native_max_rows(kernels), wide_in_float32=wide)
     fp32 = weight.dtype == torch.float32
     if fp32:
         kind, kernels = _float32_kind(setting, [t[2] for t in targets], weight.device)
@@ -293,11 +304,13 @@ def pack_linears(model: nn.Module, batch_hint: Optional[int] = None, weight_dtyp
                  "onednn", check=fp32)
 
 
-def _swap_native(targets, dtype: torch.dtype, kernels, max_rows: int, weight_dtype: Optional[torch.dtype] = None) -> int:
+def _swap_native(targets, dtype: torch.dtype, kernels, max_rows: int, weight_dtype: Optional[torch.dtype] = None,
+                 wide_in_float32: bool = False) -> int:
     """:func:`_swap` for :class:`NativeLinear` (its weights kept in ``weight_dtype`` when given)."""
     stored = f"{weight_dtype} weights, " if weight_dtype is not None else ""
-    return _swap(targets, dtype, lambda linear: NativeLinear(linear, kernels, max_rows, weight_dtype),
-                 f"{stored}native up to {max_rows} rows, {kernels.isa}")
+    wide = ", more rows in float32" if wide_in_float32 else ""
+    return _swap(targets, dtype, lambda linear: NativeLinear(linear, kernels, max_rows, weight_dtype, wide_in_float32),
+                 f"{stored}native up to {max_rows} rows{wide}, {kernels.isa}")
 
 
 def gathered_block(tensors: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, List[torch.Tensor], bool]:
@@ -452,6 +465,39 @@ def float32_linear_kernel(linears: Sequence[nn.Linear], native=None, repeats: in
                 ONEDNN_BATCH_HINT, ", ".join(f"{names[side]} " + " / ".join(f"{1e3 * t:.2f}" for t in times) + " ms"
                                              for side, times in best.items()), names[kind])
     return kind
+
+
+_WIDE_DECISIONS: Dict[int, bool] = {}
+
+
+def bf16_wide_in_float32(linears: Sequence[nn.Linear], repeats: int = 3) -> bool:
+    """Whether a bf16 model's products of a prompt's rows run faster in float32, over a copy of the weight made
+    for each call, than on oneDNN's bf16 product: measured once per process and thread count
+    (:data:`WIDE_ENV` forces either).
+
+    Native bf16 arithmetic is not always the faster: on an Emerald Rapids Xeon without AMX (2 threads, best of
+    4 alternated), oneDNN's bf16 products over the bench model's layers took 323 / 1,004 ms at 256 / 768 rows,
+    float32 over a per-call copy 244 / 693; with AMX, or on a Zen 4 (bf16 at 424-437 GFLOP/s), bf16 wins.
+    Linears of the shapes of ``linears`` (:data:`WIDE_SAMPLE_BYTES`, :func:`_streamed_sample`) run each way in
+    turns at :data:`WIDE_ROWS` rows; float32 is taken where its fastest pass beats bf16's by 5%."""
+    setting = os.environ.get(WIDE_ENV, "auto").strip().lower()
+    if setting in ("float32", "bfloat16"):
+        return setting == "float32"
+    key = torch.get_num_threads()
+    if key not in _WIDE_DECISIONS:
+        sample = _streamed_sample(linears, WIDE_SAMPLE_BYTES)
+        inputs = [torch.randn(WIDE_ROWS, linear.in_features).to(torch.bfloat16) for linear in sample]
+        sides = {"bfloat16": [NativeLinear(linear, None, 0) for linear in sample],
+                 "float32": [NativeLinear(linear, None, 0, wide_in_float32=True) for linear in sample]}
+        passes = cpu_kernels.alternate_passes(
+            {side: (lambda layers=layers: [layer(x) for layer, x in zip(layers, inputs)]) for side, layers in sides.items()},
+            repeats)
+        best = {side: min(times) for side, times in passes.items()}
+        _WIDE_DECISIONS[key] = best["float32"] < 0.95 * best["bfloat16"]
+        logger.info("bf16 prompt products, %d threads, %d rows: oneDNN bf16 %.1f ms, float32 over a copy %.1f ms -> %s",
+                    key, WIDE_ROWS, 1e3 * best["bfloat16"], 1e3 * best["float32"],
+                    "float32" if _WIDE_DECISIONS[key] else "bf16")
+    return _WIDE_DECISIONS[key]
 
 
 def concat_linears(linears) -> nn.Linear:
