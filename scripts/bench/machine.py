@@ -71,6 +71,9 @@ def openmp_as_served() -> dict:
     return {key: os.environ[key] for key in wanted}
 
 
+_SIZE_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
 def last_level_cache_bytes(root: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> Optional[int]:
     """The size of the first CPU's last-level cache (sysfs ``indexN/size`` at the highest ``level``),
     None where sysfs does not say. A bench model whose weights fit it decodes partly from the cache."""
@@ -80,8 +83,7 @@ def last_level_cache_bytes(root: Path = Path("/sys/devices/system/cpu/cpu0/cache
             level, size = int((index / "level").read_text()), (index / "size").read_text().strip()
         except (OSError, ValueError):
             continue
-        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-        number, unit = (size[:-1], units[size[-1]]) if size[-1:] in units else (size, 1)
+        number, unit = (size[:-1], _SIZE_UNITS[size[-1]]) if size[-1:] in _SIZE_UNITS else (size, 1)
         if number.isdigit():
             caches.append((level, int(number) * unit))
     return max(caches)[1] if caches else None

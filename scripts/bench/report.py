@@ -665,10 +665,13 @@ def cpu_short(cpu: str) -> str:
     return f"{vendor} {numbers.group(1)}/{numbers.group(2)}" if numbers else vendor
 
 
+_FAMILY_MODEL = re.compile(r" \(family \d+, model \d+\)$")
+
+
 def _same_cpu(a: str, b: str) -> bool:
     """Runs from before the family and model were recorded name the CPU bare."""
-    bare = re.compile(r" \(family \d+, model \d+\)$")
-    return a == b or (bare.sub("", a) == bare.sub("", b) and (not bare.search(a) or not bare.search(b)))
+    return a == b or (_FAMILY_MODEL.sub("", a) == _FAMILY_MODEL.sub("", b)
+                      and not (_FAMILY_MODEL.search(a) and _FAMILY_MODEL.search(b)))
 
 
 def cpu_column(machine: dict, table: dict) -> str:
@@ -1005,9 +1008,9 @@ def default_docs(machine: dict) -> Path:
     another's; where another CPU of the class holds its column (:func:`cpu_column`), this CPU's
     (``docs/benchmarks-avx512-bf16-intel-6-207.md``). ``docs/benchmarks.md`` is their index
     (:func:`render_index`)."""
-    column = cpu_column(machine, _read_by_cpu(by_cpu_path(DOCS_PAGE)))
-    on_cpu = column[len(cpu_label(machine)):].removeprefix(" on ")
-    slug = "-" + re.sub(r"[^a-z0-9]+", "-", on_cpu.lower()).strip("-") if on_cpu else ""
+    qualified = cpu_column(machine, _read_by_cpu(by_cpu_path(DOCS_PAGE))) != cpu_label(machine)
+    cpu = cpu_short(machine.get("cpu", ""))
+    slug = "-" + re.sub(r"[^a-z0-9]+", "-", cpu.lower()).strip("-") if qualified else ""
     if machine.get("emulated_on"):
         return DOCS_PAGE.with_name(f"{DOCS_PAGE.stem}-{machine['cpu_class']}{slug}-emulated.md")
     return DOCS_PAGE.with_name(f"{DOCS_PAGE.stem}-{cpu_label(machine)}{slug}.md")
