@@ -677,10 +677,39 @@ def test_the_pool_runs_every_chunk_of_every_job_exactly_once(kernels):
 def test_the_build_step_ships_every_instruction_set_or_says_why_not(tmp_path, monkeypatch, capsys):
     from scripts import build_archive
 
+    monkeypatch.setenv(cpu_kernels.CACHE_ENV, str(tmp_path / "cache"))
     built = build_archive.ship_native_kernels(tmp_path / "with")
     assert sorted(p.name for p in built) == sorted(cpu_kernels.library_name(isa) for isa in cpu_kernels.ISAS)
     assert all(p.parent == tmp_path / "with" and p.stat().st_size > 0 for p in built)
+    monkeypatch.setenv(cpu_kernels.CACHE_ENV, str(tmp_path / "empty-cache"))
     monkeypatch.setenv("CXX", "/nonexistent/g++")
     assert build_archive.ship_native_kernels(tmp_path / "without") == []
     assert "native CPU kernels not shipped" in capsys.readouterr().out
     assert not list((tmp_path / "without").glob("*.so"))
+
+
+def test_a_second_build_ships_the_cached_libraries_without_compiling(tmp_path, monkeypatch):
+    """The libraries compiled for one archive are copied into the next (same source and flags, same name)."""
+    monkeypatch.setattr(cpu_kernels, "ISAS", ("avx2", "avx512"))  # two compile faster than three, and show it
+    monkeypatch.setenv(cpu_kernels.CACHE_ENV, str(tmp_path / "cache"))
+    first = cpu_kernels.build_all(tmp_path / "first")
+    cached = {p.name: p.read_bytes() for p in (tmp_path / "cache").glob("*.so")}
+    assert sorted(cached) == sorted(p.name for p in first)
+    monkeypatch.setenv("CXX", "/nonexistent/g++")  # nothing may be compiled now
+    second = cpu_kernels.build_all(tmp_path / "second")
+    assert {p.name: p.read_bytes() for p in second} == cached
+    assert all(p.parent == tmp_path / "second" for p in second)
+    cpu_kernels.CpuKernels(second[0], "avx2")  # loads
+    (tmp_path / "cache" / cpu_kernels.library_name("avx512")).unlink()  # one missing: it is compiled again
+    with pytest.raises(cpu_kernels.KernelBuildError, match="/nonexistent/g.. .*-DLLK_AVX512 "):
+        cpu_kernels.build_all(tmp_path / "third")
+
+
+def test_an_unwritable_cache_compiles_into_the_archive(tmp_path, monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "ISAS", ("avx2",))
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    monkeypatch.setenv(cpu_kernels.CACHE_ENV, str(blocked / "cache"))  # under a file: mkdir fails
+    built = cpu_kernels.build_all(tmp_path / "archive")
+    assert sorted(p.name for p in built) == sorted(cpu_kernels.library_name(isa) for isa in cpu_kernels.ISAS)
+    assert all(p.parent == tmp_path / "archive" and p.stat().st_size > 0 for p in built)
