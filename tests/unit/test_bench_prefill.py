@@ -50,6 +50,20 @@ def test_prefill_bound_takes_each_products_faster_kernel(tmp_path):
     assert bound["tokens_per_s"] >= max(by_kernel.values()) * 0.999
 
 
+def test_a_bf16_prefill_bound_also_times_float32_over_per_call_copies(tmp_path):
+    """A bf16 model's prompt products run in float32 over per-call copies of the weights where that times
+    faster at load (fast_linear.bf16_wide_in_float32), so the bound times that way too."""
+    import torch
+
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_GQA))
+    bound = prefill_bound(tmp_path, "bfloat16", threads=1, tokens=32, repeats=2)
+    by_kernel = bound["by_kernel_tokens_per_s"]
+    assert ("float32 over per-call copies" in by_kernel) == torch.backends.mkldnn.is_available()
+    assert bound["tokens_per_s"] >= max(by_kernel.values()) * 0.999
+    assert "float32 over per-call copies" not in prefill_bound(tmp_path, "float32", threads=1, tokens=32,
+                                                               repeats=1)["by_kernel_tokens_per_s"]
+
+
 def test_decode_products_stream_every_layers_weights_and_the_lm_head_once(tmp_path):
     import torch
 
