@@ -339,6 +339,12 @@ def steady_rate(bound: dict, utilization: float) -> dict:
                 micro_capacity_per_s=round(capacity, 4), micro_tps=round(bound["micro_tps"], 2))
 
 
+def served_capacity(output_tokens_per_s: float, schedule) -> float:
+    """The requests/s of ``schedule`` (arrival s, prompt, output tokens) that a server streaming
+    ``output_tokens_per_s`` keeps up with: its rate over the mean output tokens of a request."""
+    return output_tokens_per_s * len(schedule) / sum(out for _, _, out in schedule)
+
+
 def overload_rate(bound: dict, overload: float) -> dict:
     """The arrival rate at ``overload`` times what the ideal continuous batcher serves of ``bound``'s requests.
 

@@ -62,7 +62,8 @@ WIDE_QUICK = dict(WIDE, requests=40, outputs=[8] * 15 + [480])
 #: load is, every queue grows until the arrivals stop, and a p99 TTFT is the backlog of the last
 #: arrivals, set by throughput and the run's length rather than by how the scheduler admits
 #: requests. Paced to the CPU at hand, both servers keep up (on
-#: the in-process step costs), and TTFT measures the wait each scheduler imposes. ``rate`` is the
+#: the in-process step costs, or on what micro-batching served on the mixed load where that is less:
+#: ``BenchRun._steady_at_served_capacity``), and TTFT measures the wait each scheduler imposes. ``rate`` is the
 #: pace when the run measures no continuous bound to derive it from (``--smoke``).
 STEADY = dict(requests=30, utilization=0.6, rate=None, inputs=[128, 256, 512, 768], outputs=[32, 64, 128, 256])
 LOADS = ("mixed", "wide", "steady")
@@ -191,6 +192,14 @@ class Prompts:
         if load in self.rates:
             raise ValueError(f"the {load} load is paced already (at {self.rates[load]}/s)")
         self.schedules[load] = [(t / rate, ids, out) for t, ids, out in self.schedules[load]]
+        self.rates[load] = rate
+
+    def repace(self, load: str, rate: float) -> None:
+        """Arrivals of a paced ``load`` at ``rate`` per second instead (the same requests, spread again)."""
+        if load not in self.rates:
+            raise ValueError(f"the {load} load is not paced yet: pace it")
+        scale = self.rates[load] / rate
+        self.schedules[load] = [(t * scale, ids, out) for t, ids, out in self.schedules[load]]
         self.rates[load] = rate
 
 

@@ -366,8 +366,10 @@ def continuous_ratios(runs, extra: Optional[dict] = None) -> dict:
     micro_s, cont_s = poisson_run(runs, SERVED, "steady"), poisson_run(runs, CONTINUOUS, "steady")
     if micro_s and cont_s:
         pace = (extra or {}).get("steady_load", {})
-        paced = (f"{pace['utilization']:.0%} of micro-batching's requests/s on this CPU, "
-                 if pace.get("utilization") else "")
+        paced = ("" if not pace.get("utilization") else
+                 f"{pace['utilization']:.0%} of the requests/s micro-batching served on the mixed load, "
+                 if pace.get("served_micro_capacity_per_s") else
+                 f"{pace['utilization']:.0%} of micro-batching's requests/s on this CPU, ")
         out["continuous_p99_ttft_vs_micro_steady"] = _p99_ttft_ratio(
             cont_s, micro_s, bounds.get("steady", {}), "<= 0.5", lambda v: v <= 0.5,
             f"Poisson run (steady load: {cont_s['requests'] // max(cont_s.get('rounds') or 1, 1)} requests of "
@@ -925,8 +927,9 @@ ahead of micro-batching on the Poisson load at all: `.venv/bin/python -m scripts
    continuous / micro per round. Two more loads run the same way, on the two variants only: the wide
    load (128 short prompts, fifteen answers in sixteen of 8 tokens and one of 960, paced as the mixed load:
    where continuous batching's refilled rows count most) and the steady load (30 requests of the mixed
-   load's lengths, paced at 60% of the requests/s that micro-batching serves in the same replay;
-   `extra.steady_load` holds its pace): a load both servers keep up with, so that TTFT measures the
+   load's lengths, paced at 60% of the requests/s that micro-batching serves in the same replay, or
+   of what it served on the mixed load where that is less, as it is when serving costs more than the
+   replay's in-process steps; `extra.steady_load` holds its pace): a load both servers keep up with, so that TTFT measures the
    wait each scheduler imposes rather than a backlog. The in-process engine has no scheduler, so it does not run the Poisson
    loads. Before the Poisson rounds, the two variants also run the same static wave (full run: 8 streams,
    256 in, 128 out) back to back, alternated over 3 pairs (the "paired-variants" rows;

@@ -482,6 +482,8 @@ class BenchRun:
                        concurrency=[c for c in plan["paired_concurrency"] if c > 1])
                 self.phases["paired_variants_s"] = time.perf_counter() - t
             for load, scenario in (("mixed", "poisson"), ("wide", "poisson-wide"), ("steady", "poisson-steady")):
+                if load == "steady":
+                    self._steady_at_served_capacity()
                 if scenario in plan["scenarios"] and prompts.schedules[load] and self._paced(load):
                     self.poisson_rounds(names, load)
         except Exception:  # noqa: BLE001 - reported, the peers still run
@@ -499,6 +501,36 @@ class BenchRun:
             return True
         log(f"skipping the {load} load: its rate comes from the continuous bound, which this run did not measure")
         return False
+
+    def _steady_at_served_capacity(self) -> None:
+        """Pace the steady load at its utilization of what micro-batching served on the mixed load (the same
+        lengths, offered past capacity: its throughput there is its capacity), where that is below the
+        in-process replay's capacity it was paced to. Served, micro-batching falls short of its in-process
+        step costs: a full bench on an Emerald Rapids Xeon replayed 186 tok/s and served 132, so its
+        "steady" load, at 60% of the replay, was 85% of what it served, and both servers' queues grew
+        (micro-batching's TTFT p50 4.8-5.5 s). The ideal's and the replay's p99 TTFT follow the new pace."""
+        from scripts.bench.continuous_bound import on_arrivals, served_capacity
+
+        pace = self.results["extra"].get("steady_load")
+        mixed = next((r for r in self.runs if r["system"] == "torchserve" and r.get("load") == "mixed"
+                      and r["scenario"] == "poisson" and r.get("output_tokens_per_s")), None)
+        if not pace or "utilization" not in pace or mixed is None or "steady" not in self.prompts.rates:
+            return
+        served = served_capacity(mixed["output_tokens_per_s"], self.prompts.schedules["steady"])
+        if served >= pace["micro_capacity_per_s"]:
+            return
+        rate = round(pace["utilization"] * served, 4)
+        self.prompts.repace("steady", rate)
+        bound = self.results["extra"].get("continuous_bound", {}).get("steady")
+        if bound:
+            bound.update(on_arrivals(bound, lengths_of(self.prompts.schedules["steady"])))
+        self._record_pace("steady", dict(pace, rate=rate, served_micro_capacity_per_s=round(served, 4),
+                                         served_micro_tps=mixed["output_tokens_per_s"], basis=(
+                                             "utilization x micro-batching's requests/s as served on the mixed load "
+                                             "(below its in-process replay's micro_capacity_per_s)")))
+        log(f"steady load re-paced at {rate:.3f} requests/s: {pace['utilization']:.0%} of the {served:.3f}/s "
+            f"micro-batching served on the mixed load ({mixed['output_tokens_per_s']:.1f} tok/s), below the "
+            f"{pace['micro_capacity_per_s']:.3f}/s of its in-process replay")
 
     def _record_pace(self, load: str, pace: dict) -> None:
         """``extra.load_paces[load]``: the rate a load's arrivals were paced to, and why (the steady load's

@@ -485,6 +485,75 @@ def test_the_steady_load_is_the_same_requests_paced_to_what_micro_batching_serve
     assert slow["p99_ttft_bound"] == pytest.approx(slow["ideal_p99_ttft_s"] / slow["micro_p99_ttft_s"])
 
 
+def _steady_run_state(micro_tps):
+    """A BenchRun's state after the mixed load: the steady load paced from the in-process replay (1 request/s
+    of 100 output tokens each), micro-batching's mixed-load row at ``micro_tps``, and the steady bound."""
+    from types import SimpleNamespace
+
+    from scripts.bench.continuous_bound import on_arrivals
+
+    class Factory:
+        def make(self, n):
+            return list(range(n))
+
+    plan = {"lengths": [], "ttft_probes": 0, "paired_concurrency": [], "concurrency": [], "rounds": 0,
+            "poisson": dict(rate=1.0, duration=5.0, inputs=[8], outputs=[4]), "poisson_wide": dict(rate=1.0, duration=0.0,
+            inputs=[8], outputs=[4]), "poisson_steady": dict(requests=6, utilization=0.6, rate=None, inputs=[8], outputs=[100])}
+    from scripts.bench.plan import Prompts
+
+    prompts = Prompts(Factory(), plan, 1024, seed=0)
+    prompts.pace("steady", 0.6)
+    bound = dict(BOUND, step_ms={r: 10.0 + r for r in range(1, 9)})
+    bound.update(on_arrivals(bound, [(t, len(ids), out) for t, ids, out in prompts.schedules["steady"]]))
+    mixed = {"system": "torchserve", "scenario": "poisson", "load": "mixed", "output_tokens_per_s": micro_tps}
+    paces = []
+    state = SimpleNamespace(prompts=prompts, runs=[mixed], results={"extra": {
+        "steady_load": {"rate": 0.6, "utilization": 0.6, "micro_capacity_per_s": 1.0, "micro_tps": 100.0},
+        "continuous_bound": {"steady": bound}}})
+    state._record_pace = lambda load, pace: (paces.append((load, pace)),
+                                             state.results["extra"].__setitem__("steady_load", pace))
+    return state, paces
+
+
+def test_the_steady_load_is_repaced_to_what_micro_batching_served_where_that_is_less():
+    """Served, micro-batching can fall well short of its in-process replay (an Emerald Rapids Xeon: 132 against
+    186 tok/s), and 60% of the replay's capacity was no steady load there: both queues grew."""
+    from scripts.bench.continuous_bound import served_capacity
+    from scripts.bench.run import BenchRun
+
+    assert served_capacity(50.0, [(0.0, [1], 100), (1.0, [1], 300)]) == 0.25
+    state, paces = _steady_run_state(micro_tps=50.0)  # served: 0.5 requests/s of 100 tokens, half the replay's
+    before = list(state.prompts.schedules["steady"])
+    p99_before = state.results["extra"]["continuous_bound"]["steady"]["micro_p99_ttft_s"]
+    BenchRun._steady_at_served_capacity(state)
+    assert state.prompts.rates["steady"] == 0.3
+    after = state.prompts.schedules["steady"]
+    assert [t * 2 for t, _, _ in before] == pytest.approx([t for t, _, _ in after])
+    assert [(ids, out) for _, ids, out in before] == [(ids, out) for _, ids, out in after]
+    (load, pace), = paces
+    assert load == "steady" and pace["rate"] == 0.3 and pace["served_micro_capacity_per_s"] == 0.5
+    assert pace["micro_capacity_per_s"] == 1.0 and "served on the mixed load" in pace["basis"]
+    assert state.results["extra"]["continuous_bound"]["steady"]["micro_p99_ttft_s"] <= p99_before  # the new arrivals
+    steady_runs = [_steady("torchserve", 12_000.0, rate=0.3), _steady("torchserve-continuous", 3_000.0, rate=0.3)]
+    rs = report.ratios(_results(steady_runs, extra=state.results["extra"]))
+    assert "60% of the requests/s micro-batching served on the mixed load" in \
+        rs["continuous_p99_ttft_vs_micro_steady"]["definition"]
+    with pytest.raises(ValueError, match="not paced yet"):
+        state.prompts.repace("wide", 1.0)
+
+
+def test_the_steady_load_keeps_its_pace_where_micro_batching_served_as_much_as_its_replay():
+    from scripts.bench.run import BenchRun
+
+    state, paces = _steady_run_state(micro_tps=120.0)  # 1.2 requests/s served: more than the replay's 1.0
+    BenchRun._steady_at_served_capacity(state)
+    assert state.prompts.rates["steady"] == 0.6 and not paces
+    state, paces = _steady_run_state(micro_tps=50.0)
+    state.runs = []  # micro-batching did not run the mixed load
+    BenchRun._steady_at_served_capacity(state)
+    assert state.prompts.rates["steady"] == 0.6 and not paces
+
+
 def test_the_mixed_and_wide_loads_are_paced_past_what_the_ideal_continuous_batcher_serves():
     """A fixed rate stops saturating the servers as soon as they get faster (the wide load's 3/s on the Zen 5
     EPYC measured the offer, 1.30x, where the bound allowed 3.24x): those loads are paced from the bound."""
