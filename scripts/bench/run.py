@@ -521,13 +521,14 @@ class BenchRun:
             return
         rate = round(pace["utilization"] * served, 4)
         self.prompts.repace("steady", rate)
+        new_pace = dict(pace, rate=rate, served_micro_capacity_per_s=round(served, 4),
+                        served_micro_tps=mixed["output_tokens_per_s"], basis=(
+                            "utilization x micro-batching's requests/s as served on the mixed load "
+                            "(below its in-process replay's micro_capacity_per_s)"))
         bound = self.results["extra"].get("continuous_bound", {}).get("steady")
         if bound:
-            bound.update(on_arrivals(bound, lengths_of(self.prompts.schedules["steady"])))
-        self._record_pace("steady", dict(pace, rate=rate, served_micro_capacity_per_s=round(served, 4),
-                                         served_micro_tps=mixed["output_tokens_per_s"], basis=(
-                                             "utilization x micro-batching's requests/s as served on the mixed load "
-                                             "(below its in-process replay's micro_capacity_per_s)")))
+            bound.update(on_arrivals(bound, lengths_of(self.prompts.schedules["steady"])), pace=new_pace)
+        self._record_pace("steady", new_pace)
         log(f"steady load re-paced at {rate:.3f} requests/s: {pace['utilization']:.0%} of the {served:.3f}/s "
             f"micro-batching served on the mixed load ({mixed['output_tokens_per_s']:.1f} tok/s), below the "
             f"{pace['micro_capacity_per_s']:.3f}/s of its in-process replay")

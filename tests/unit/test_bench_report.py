@@ -533,7 +533,8 @@ def test_the_steady_load_is_repaced_to_what_micro_batching_served_where_that_is_
     (load, pace), = paces
     assert load == "steady" and pace["rate"] == 0.3 and pace["served_micro_capacity_per_s"] == 0.5
     assert pace["micro_capacity_per_s"] == 1.0 and "served on the mixed load" in pace["basis"]
-    assert state.results["extra"]["continuous_bound"]["steady"]["micro_p99_ttft_s"] <= p99_before  # the new arrivals
+    steady_bound = state.results["extra"]["continuous_bound"]["steady"]
+    assert steady_bound["micro_p99_ttft_s"] <= p99_before and steady_bound["pace"] == pace  # the new arrivals
     steady_runs = [_steady("torchserve", 12_000.0, rate=0.3), _steady("torchserve-continuous", 3_000.0, rate=0.3)]
     rs = report.ratios(_results(steady_runs, extra=state.results["extra"]))
     assert "60% of the requests/s micro-batching served on the mixed load" in \
