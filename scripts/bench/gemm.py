@@ -72,21 +72,23 @@ def _gathered(weights: list) -> list:
     return places + [head]
 
 
+def _linear_over(weight):
+    """An ``nn.Linear`` without bias over ``weight`` itself (made on the meta device: nothing initialised)."""
+    import torch
+
+    linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    linear.weight = torch.nn.Parameter(weight, requires_grad=False)
+    return linear
+
+
 def _over_float32_copies(weights: list) -> list:
     """One product per bf16 weight in float32 over a copy of the weight made for the call, the rows
     rounded back to their own dtype: what :class:`NativeLinear` runs for a prompt's rows of bf16 weights
     under float32 arithmetic, and of a bf16 model where that times faster at load
     (``fast_linear.bf16_wide_in_float32``)."""
-    import torch
-
     from llama_engine.backends.fast_linear import NativeLinear
 
-    products = []
-    for w in weights:
-        linear = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")
-        linear.weight = torch.nn.Parameter(w, requires_grad=False)
-        products.append(NativeLinear(linear, None, 0, wide_in_float32=True))
-    return products
+    return [NativeLinear(_linear_over(w), None, 0, wide_in_float32=True) for w in weights]
 
 
 def _kernels(weights: list, torch_dtype, native: bool = False, prompt: bool = False) -> dict:
@@ -126,12 +128,7 @@ def _kernels(weights: list, torch_dtype, native: bool = False, prompt: bool = Fa
         kernels["native"] = _on_native(library, weights)
         kernels["native, gathered"] = _on_native(library, _gathered(weights))
     if packing_supported(torch_dtype, torch.device("cpu")):
-        packed = []
-        for w in weights:
-            linear = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")
-            linear.weight = torch.nn.Parameter(w, requires_grad=False)
-            packed.append(PackedLinear(linear))
-        kernels["oneDNN packed"] = packed
+        kernels["oneDNN packed"] = [PackedLinear(_linear_over(w)) for w in weights]
     return kernels
 
 

@@ -191,15 +191,16 @@ class Prompts:
         """Arrivals of ``load`` (drawn at 1 request/s) at ``rate`` per second: the same requests, spread in time."""
         if load in self.rates:
             raise ValueError(f"the {load} load is paced already (at {self.rates[load]}/s)")
-        self.schedules[load] = [(t / rate, ids, out) for t, ids, out in self.schedules[load]]
-        self.rates[load] = rate
+        self._spread(load, 1.0, rate)
 
     def repace(self, load: str, rate: float) -> None:
         """Arrivals of a paced ``load`` at ``rate`` per second instead (the same requests, spread again)."""
         if load not in self.rates:
             raise ValueError(f"the {load} load is not paced yet: pace it")
-        scale = self.rates[load] / rate
-        self.schedules[load] = [(t * scale, ids, out) for t, ids, out in self.schedules[load]]
+        self._spread(load, self.rates[load], rate)
+
+    def _spread(self, load: str, was: float, rate: float) -> None:
+        self.schedules[load] = [(t * was / rate, ids, out) for t, ids, out in self.schedules[load]]
         self.rates[load] = rate
 
 

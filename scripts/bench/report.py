@@ -366,10 +366,11 @@ def continuous_ratios(runs, extra: Optional[dict] = None) -> dict:
     micro_s, cont_s = poisson_run(runs, SERVED, "steady"), poisson_run(runs, CONTINUOUS, "steady")
     if micro_s and cont_s:
         pace = (extra or {}).get("steady_load", {})
-        paced = ("" if not pace.get("utilization") else
-                 f"{pace['utilization']:.0%} of the requests/s micro-batching served on the mixed load, "
-                 if pace.get("served_micro_capacity_per_s") else
-                 f"{pace['utilization']:.0%} of micro-batching's requests/s on this CPU, ")
+        paced = ""
+        if pace.get("utilization"):
+            of = ("the requests/s micro-batching served on the mixed load" if pace.get("served_micro_capacity_per_s")
+                  else "micro-batching's requests/s on this CPU")
+            paced = f"{pace['utilization']:.0%} of {of}, "
         out["continuous_p99_ttft_vs_micro_steady"] = _p99_ttft_ratio(
             cont_s, micro_s, bounds.get("steady", {}), "<= 0.5", lambda v: v <= 0.5,
             f"Poisson run (steady load: {cont_s['requests'] // max(cont_s.get('rounds') or 1, 1)} requests of "

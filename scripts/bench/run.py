@@ -512,9 +512,9 @@ class BenchRun:
         from scripts.bench.continuous_bound import on_arrivals, served_capacity
 
         pace = self.results["extra"].get("steady_load")
-        mixed = next((r for r in self.runs if r["system"] == "torchserve" and r.get("load") == "mixed"
-                      and r["scenario"] == "poisson" and r.get("output_tokens_per_s")), None)
-        if not pace or "utilization" not in pace or mixed is None or "steady" not in self.prompts.rates:
+        mixed = report.poisson_run(self.runs, report.SERVED, "mixed")
+        if not pace or "utilization" not in pace or not (mixed or {}).get("output_tokens_per_s") \
+                or "steady" not in self.prompts.rates:
             return
         served = served_capacity(mixed["output_tokens_per_s"], self.prompts.schedules["steady"])
         if served >= pace["micro_capacity_per_s"]:

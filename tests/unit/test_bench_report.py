@@ -505,7 +505,7 @@ def _steady_run_state(micro_tps):
     prompts.pace("steady", 0.6)
     bound = dict(BOUND, step_ms={r: 10.0 + r for r in range(1, 9)})
     bound.update(on_arrivals(bound, [(t, len(ids), out) for t, ids, out in prompts.schedules["steady"]]))
-    mixed = {"system": "torchserve", "scenario": "poisson", "load": "mixed", "output_tokens_per_s": micro_tps}
+    mixed = {"system": "torchserve", "scenario": "poisson", "load": "mixed", "ok": 6, "output_tokens_per_s": micro_tps}
     paces = []
     state = SimpleNamespace(prompts=prompts, runs=[mixed], results={"extra": {
         "steady_load": {"rate": 0.6, "utilization": 0.6, "micro_capacity_per_s": 1.0, "micro_tps": 100.0},

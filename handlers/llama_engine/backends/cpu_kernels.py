@@ -177,8 +177,7 @@ def build_all(directory: Path) -> list:
     try:
         missing = [isa for isa in ISAS if not (cache / library_name(isa)).is_file()]
         with ThreadPoolExecutor(max_workers=max(1, min(len(missing), os.cpu_count() or 1))) as pool:
-            for _ in pool.map(lambda isa: build(isa, cache), missing):
-                pass
+            list(pool.map(lambda isa: build(isa, cache), missing))  # raises the first build's error
         directory.mkdir(parents=True, exist_ok=True)
         return [Path(shutil.copy2(cache / library_name(isa), directory / library_name(isa))) for isa in ISAS]
     except OSError as exc:

@@ -138,12 +138,11 @@ class NativeLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        if rows > self.max_rows:
-            if self.wide_in_float32:
-                bias = None if self.bias is None else self.bias.float()
-                return torch.ops.mkldnn._linear_pointwise(x.float(), self.weight.float(), bias, "none", [], "").to(x.dtype)
-            weight = self.weight if self.weight.dtype == x.dtype else self.weight.to(x.dtype)
-            return torch.ops.mkldnn._linear_pointwise(x, weight, self.bias, "none", [], "")
+        if rows > self.max_rows:  # oneDNN, in float32 over copies made for the call where that was chosen
+            dtype = torch.float32 if self.wide_in_float32 else x.dtype
+            bias = None if self.bias is None else self.bias.to(dtype)
+            return torch.ops.mkldnn._linear_pointwise(x.to(dtype), self.weight.to(dtype), bias, "none", [],
+                                                      "").to(x.dtype)
         flat = x.reshape(rows, self.in_features)
         if flat.stride(-1) != 1:
             flat = flat.contiguous()
