@@ -244,7 +244,11 @@ def at_served_costs(bound: dict, forward: dict, schedule) -> Optional[dict]:
     ran fewer than :data:`MIN_PASSES` times: the in-process figure times the median served /
     in-process ratio of the others); prefill passes keep the in-process shape (prompt tokens /
     rate + merged decode rows), scaled so that the round's prefill passes cost what they did.
-    None without both decode and prefill passes to price.
+    ``micro_tps`` is micro-batching on the same arrivals at the same prices (:func:`simulate_micro`)
+    and ``bound`` the ideal's tok/s over it: what the load allows at the costs this server ran, where
+    the in-process ``bound`` holds step costs measured minutes away (a burst of a busy host had
+    priced a 1-row step at 1.7x what both servers then ran it at, and allowed 2.8x where these
+    prices allow 2.0-2.3x). None without both decode and prefill passes to price.
     """
     slots, inproc = bound["slots"], {int(r): ms for r, ms in bound["step_ms"].items()}
     served = {int(r): 1000 * shape["seconds"] / shape["passes"] for r, shape in forward.get("decode", {}).items()
@@ -264,7 +268,9 @@ def at_served_costs(bound: dict, forward: dict, schedule) -> Optional[dict]:
     tps, merged = bound["prefill_tokens_per_s"] / prefill_scale, bound["merged_rows_ms"] * prefill_scale
     # The served means already hold the round's contexts: no per-position term on top.
     sim = simulate(schedule, slots, step_ms, tps, bound["chunk"], merged, pass_ms=pass_ms * prefill_scale)
-    return dict(ideal_tps=sim["ideal_tps"], ideal_s=sim["ideal_s"], step_ms=step_ms, prefill_tokens_per_s=tps,
+    micro = simulate_micro(schedule, slots, step_ms, tps, pass_ms=pass_ms * prefill_scale)
+    return dict(ideal_tps=sim["ideal_tps"], ideal_s=sim["ideal_s"], micro_tps=micro["tps"],
+                bound=sim["ideal_tps"] / micro["tps"], step_ms=step_ms, prefill_tokens_per_s=tps,
                 merged_rows_ms=merged, decode_scale=decode_scale, prefill_scale=prefill_scale,
                 served_rows=sorted(served))
 

@@ -387,17 +387,37 @@ def continuous_ratios(runs, extra: Optional[dict] = None) -> dict:
     micro_w, cont_w = poisson_run(runs, SERVED, "wide"), poisson_run(runs, CONTINUOUS, "wide")
     if micro_w and cont_w:
         bound = bounds.get("wide", {})
+        at_micro, at_cont = allowed_at_served_costs(micro_w), allowed_at_served_costs(cont_w)
         out["continuous_throughput_vs_micro_wide"] = _ratio(
             cont_w["output_tokens_per_s"] / micro_w["output_tokens_per_s"], ">= 2.0", lambda v: v >= 2.0,
             "Poisson run (wide load" + (f": outputs {choices_text(cont_w['output_choices'])}"
                                         if cont_w.get("output_choices") else "")
             + "): continuous-batching output tok/s / micro-batching output tok/s"
-            + (f"; continuous_bound allows {bound['bound']:.2f}x" if bound else ""),
+            + (f"; continuous_bound allows {bound['bound']:.2f}x at the step costs measured in-process" if bound else "")
+            + (f", {at_micro:.2f}x at the forward passes micro-batching's server ran" if at_micro else "")
+            + (f" ({at_cont:.2f}x at continuous batching's)" if at_cont else ""),
             continuous=cont_w["output_tokens_per_s"], micro=micro_w["output_tokens_per_s"],
-            round_ratios=cont_w.get("round_ratios"), bound=bound.get("bound"))
+            round_ratios=cont_w.get("round_ratios"), bound=bound.get("bound"),
+            bound_at_micro_costs=at_micro, bound_at_continuous_costs=at_cont)
+        if at_micro:
+            out["continuous_bound_wide_at_served_costs"] = _ratio(
+                at_micro, "report", None,
+                "what the wide load allows continuous batching over micro-batching (continuous_bound: the ideal "
+                "scheduler's tok/s over micro-batching's on the same arrivals, both priced at the forward passes "
+                "micro-batching's server ran in each round, llama_forward_* metrics); mean over rounds"
+                + (f". At continuous batching's own passes: {at_cont:.2f}x" if at_cont else ""),
+                rounds=[round(i["bound"], 3) for i in micro_w["ideal_at_served_costs"] if i and "bound" in i])
         if bound:
             out.update(_vs_ideal(cont_w, bound, "wide", "report", None))
     return out
+
+
+def allowed_at_served_costs(run: dict) -> Optional[float]:
+    """The mean over a Poisson row's rounds of what the load allows continuous batching over
+    micro-batching at the forward passes its server ran (``continuous_bound.at_served_costs``'s
+    ``bound``); None for rows from before it was recorded."""
+    bounds = [i["bound"] for i in run.get("ideal_at_served_costs") or [] if i and "bound" in i]
+    return round(statistics.mean(bounds), 3) if bounds else None
 
 
 def _p99_ttft_ratio(cont: dict, micro: dict, bound: dict, goal: str, met, definition: str) -> dict:

@@ -579,8 +579,7 @@ class BenchRun:
                             **poisson_labels(load_plan, schedule, load))
             run.update(contention)
             run["server_forward_rounds"] = [r["server"].get("forward") for r in per_round[name]]
-            if name == "torchserve-continuous":
-                run.update(self._ideal_at_served_costs(load, schedule, rounds))
+            run.update(self._ideal_at_served_costs(load, schedule, rounds))
             if rounds:
                 wall = statistics.mean(r["wall_s"] for r in rounds)
                 rates = [r["output_tokens_per_s"] for r in rounds]
@@ -591,7 +590,9 @@ class BenchRun:
         self.phases[f"poisson_{load}_pairs_s"] = time.perf_counter() - t
 
     def _ideal_at_served_costs(self, load: str, schedule, rounds: List[dict]) -> dict:
-        """Each round's ideal priced at the server's own forward passes in it, and served / that ideal."""
+        """Each round's ideal (and micro-batching's replay) priced at the server's own forward passes in
+        it, and served / that ideal. Micro-batching's rounds price what the load allows at the passes a
+        server without continuous batching's overlap ran (``report``'s wide-load ratio)."""
         from scripts.bench.continuous_bound import at_served_costs
 
         bound = self.results["extra"].get("continuous_bound", {}).get(load)

@@ -93,6 +93,24 @@ def test_continuous_is_held_to_the_ideal_to_vllm_and_to_2x_micro_on_the_wide_loa
     wide = rs["continuous_throughput_vs_micro_wide"]
     assert wide["value"] == 2.25 and wide["met"] is True and wide["inputs"]["bound"] == 3.1
     assert rs["continuous_vs_ideal_wide"]["value"] == 0.9
+    assert "continuous_bound_wide_at_served_costs" not in rs  # rows from before the served prices were recorded
+
+
+def test_what_the_wide_load_allows_is_also_priced_at_each_servers_own_forward_passes():
+    def priced(*bounds):
+        return {"ideal_at_served_costs": [None] + [{"ideal_tps": 200.0, "bound": b} for b in bounds]}
+
+    runs = [_run("torchserve", "poisson", 95.0, load="wide", **priced(2.0, 2.1)),
+            _run("torchserve-continuous", "poisson", 180.0, load="wide", **priced(2.2, 2.3))]
+    bound = {"wide": {"ideal_tps": 160.0, "bound": 2.8}}
+    rs = report.ratios(_results(runs, extra={"continuous_bound": bound}))
+    wide = rs["continuous_throughput_vs_micro_wide"]
+    assert wide["inputs"]["bound"] == 2.8 and wide["inputs"]["bound_at_micro_costs"] == 2.05
+    assert wide["inputs"]["bound_at_continuous_costs"] == 2.25
+    assert "allows 2.80x at the step costs measured in-process, 2.05x at the forward passes micro-batching's" \
+           in wide["definition"] and "(2.25x at continuous batching's)" in wide["definition"]
+    allowed = rs["continuous_bound_wide_at_served_costs"]
+    assert allowed["value"] == 2.05 and allowed["met"] is None and allowed["inputs"]["rounds"] == [2.0, 2.1]
 
 
 def test_batch1_efficiency_is_held_to_the_bandwidth_measured_around_it():
@@ -383,6 +401,23 @@ def test_the_ideal_priced_at_the_servers_own_forward_passes():
         2: {"passes": 4, "seconds": 0.096}, 3: {"passes": 6, "seconds": 0.078}}}, WAVE)
     assert sparse["served_rows"] == [3] and sparse["step_ms"][2] == pytest.approx(12.0)
     assert at_served_costs(BOUND, {}, WAVE) is None
+
+
+def test_micro_batching_is_replayed_at_the_same_served_prices_as_the_ideal():
+    from scripts.bench.continuous_bound import at_served_costs, simulate_micro
+
+    inproc = {r: 10.0 + r for r in range(1, 9)}
+    same = at_served_costs(BOUND, _forward(inproc, 20, 2000, 0, 2.0), WAVE)
+    micro = simulate_micro(WAVE, 8, inproc, 1000.0)["tps"]
+    assert same["micro_tps"] == pytest.approx(micro) and same["bound"] == pytest.approx(same["ideal_tps"] / micro)
+    # one-row steps that cost the server twice as much: micro-batching's long one-row tails pay for it,
+    # the ideal's full steps do not, so the load allows less
+    spread = [(i * 0.5, 200, 400 if i % 8 == 0 else 8) for i in range(16)]
+    base = at_served_costs(BOUND, _forward(inproc, 20, 2000, 0, 2.0), spread)
+    dear_one_row = at_served_costs(BOUND, _forward(inproc | {1: 22.0}, 20, 2000, 0, 2.0), spread)
+    assert dear_one_row["micro_tps"] < base["micro_tps"] and dear_one_row["bound"] > base["bound"]
+    cheap_one_row = at_served_costs(BOUND, _forward(inproc | {1: 5.5}, 20, 2000, 0, 2.0), spread)
+    assert cheap_one_row["bound"] < base["bound"]
 
 
 def test_continuous_against_the_ideal_at_served_costs_with_the_in_process_one_beside():
