@@ -247,7 +247,7 @@ def at_served_costs(bound: dict, forward: dict, schedule) -> Optional[dict]:
     ``micro_tps`` is micro-batching on the same arrivals at the same prices (:func:`simulate_micro`)
     and ``bound`` the ideal's tok/s over it: what the load allows at the costs this server ran, where
     the in-process ``bound`` holds step costs measured minutes away (a burst of a busy host had
-    priced a 1-row step at 1.7x what both servers then ran it at, and allowed 2.8x where these
+    priced a 1-row step at 1.3-1.7x what the two servers then ran it at, and allowed 2.8x where these
     prices allow 2.0-2.3x). None without both decode and prefill passes to price.
     """
     slots, inproc = bound["slots"], {int(r): ms for r, ms in bound["step_ms"].items()}

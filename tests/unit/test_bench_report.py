@@ -411,7 +411,7 @@ def test_micro_batching_is_replayed_at_the_same_served_prices_as_the_ideal():
     micro = simulate_micro(WAVE, 8, inproc, 1000.0)["tps"]
     assert same["micro_tps"] == pytest.approx(micro) and same["bound"] == pytest.approx(same["ideal_tps"] / micro)
     # one-row steps that cost the server twice as much: micro-batching's long one-row tails pay for it,
-    # the ideal's full steps do not, so the load allows less
+    # the ideal's full steps do not, so the load allows more; half as much, less
     spread = [(i * 0.5, 200, 400 if i % 8 == 0 else 8) for i in range(16)]
     base = at_served_costs(BOUND, _forward(inproc, 20, 2000, 0, 2.0), spread)
     dear_one_row = at_served_costs(BOUND, _forward(inproc | {1: 22.0}, 20, 2000, 0, 2.0), spread)
