@@ -267,8 +267,9 @@ def at_served_costs(bound: dict, forward: dict, schedule) -> Optional[dict]:
     step_ms = {r: served.get(r, ms * decode_scale) for r, ms in inproc.items()}
     tps, merged = bound["prefill_tokens_per_s"] / prefill_scale, bound["merged_rows_ms"] * prefill_scale
     # The served means already hold the round's contexts: no per-position term on top.
-    sim = simulate(schedule, slots, step_ms, tps, bound["chunk"], merged, pass_ms=pass_ms * prefill_scale)
-    micro = simulate_micro(schedule, slots, step_ms, tps, pass_ms=pass_ms * prefill_scale)
+    pass_ms *= prefill_scale
+    sim = simulate(schedule, slots, step_ms, tps, bound["chunk"], merged, pass_ms=pass_ms)
+    micro = simulate_micro(schedule, slots, step_ms, tps, pass_ms=pass_ms)
     return dict(ideal_tps=sim["ideal_tps"], ideal_s=sim["ideal_s"], micro_tps=micro["tps"],
                 bound=sim["ideal_tps"] / micro["tps"], step_ms=step_ms, prefill_tokens_per_s=tps,
                 merged_rows_ms=merged, decode_scale=decode_scale, prefill_scale=prefill_scale,

@@ -406,7 +406,7 @@ def continuous_ratios(runs, extra: Optional[dict] = None) -> dict:
                 "scheduler's tok/s over micro-batching's on the same arrivals, both priced at the forward passes "
                 "micro-batching's server ran in each round, llama_forward_* metrics); mean over rounds"
                 + (f". At continuous batching's own passes: {at_cont:.2f}x" if at_cont else ""),
-                rounds=[round(i["bound"], 3) for i in micro_w["ideal_at_served_costs"] if i and "bound" in i])
+                rounds=[round(b, 3) for b in _served_bounds(micro_w)])
         if bound:
             out.update(_vs_ideal(cont_w, bound, "wide", "report", None))
     return out
@@ -416,8 +416,13 @@ def allowed_at_served_costs(run: dict) -> Optional[float]:
     """The mean over a Poisson row's rounds of what the load allows continuous batching over
     micro-batching at the forward passes its server ran (``continuous_bound.at_served_costs``'s
     ``bound``); None for rows from before it was recorded."""
-    bounds = [i["bound"] for i in run.get("ideal_at_served_costs") or [] if i and "bound" in i]
+    bounds = _served_bounds(run)
     return round(statistics.mean(bounds), 3) if bounds else None
+
+
+def _served_bounds(run: dict) -> List[float]:
+    """Each priced round's ``bound`` of a Poisson row (rounds without forward passes to price are None)."""
+    return [i["bound"] for i in run.get("ideal_at_served_costs") or [] if i and "bound" in i]
 
 
 def _p99_ttft_ratio(cont: dict, micro: dict, bound: dict, goal: str, met, definition: str) -> dict:
