@@ -77,6 +77,21 @@ def test_interleaved_requests_stream_exactly_their_solo_tokens(server):
         assert stream.status == 200 and stream.ids == expected
 
 
+def test_a_streamed_token_leaves_no_frontend_log_line(server):
+    """Here every call to the worker is one step, one token: log4j2.xml drops the frontend's lines per call
+    (TorchServe's default writes three, twice each), so ts_log.log grows by the same whatever the length."""
+    log = server.workdir / "logs" / "ts_log.log"
+    lengths = {}
+    for n in (4, 64):
+        before = log.stat().st_size
+        assert len(Stream(server, PROMPTS[0], n).start().join().ids) == n
+        lengths[n] = log.stat().st_size - before
+    text = log.read_text(errors="replace")
+    for per_call in ("Flushing req.cmd", "Looping backend response", "Backend response time", "Sending response"):
+        assert per_call not in text, per_call
+    assert lengths[64] - lengths[4] < 8000, lengths  # not lines a token: 3 x ~130 bytes, 60 tokens more
+
+
 def test_a_short_request_finishes_before_a_long_one_that_started_earlier(server):
     long = Stream(server, PROMPTS[0], 300).start()
     assert long.first_line.wait(60)

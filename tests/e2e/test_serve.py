@@ -86,11 +86,14 @@ def test_curl_stream_is_chunked_ndjson(server, client):
 
 def test_streamed_tokens_leave_no_log_line_each_and_the_frontend_logs_each_line_once(server, client):
     """log4j2.xml (config.properties: vmargs): TorchServe's default logs "Sending response" for every
-    streamed token, and writes every frontend line to ts_log.log twice."""
+    streamed token, three lines for every call to the worker (a token each under continuous batching),
+    and writes every frontend line to ts_log.log twice."""
     assert len(generate(client, "Once upon a time", 32)) == 32
     log = (server.workdir / "logs" / "ts_log.log").read_text(errors="replace")
-    assert "Sending response" not in log
-    assert "Flushing req.cmd PREDICT" in log  # the frontend's debug lines are still there
+    for per_token in ("Sending response", "Flushing req.cmd", "Looping backend response", "Backend response time"):
+        assert per_token not in log, per_token
+    assert "WorkerThread - Connecting to:" in log  # the worker thread's other lines are still there
+    assert "State change WORKER_STARTED -> WORKER_MODEL_LOADED" in log  # and its debug lines
     loaded = [line for line in log.splitlines() if "Successfully loaded metrics configuration" in line]
     assert len(loaded) == 1, loaded
 
