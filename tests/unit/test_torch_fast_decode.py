@@ -937,6 +937,29 @@ def test_bf16_prompt_products_are_compared_round_by_round(monkeypatch):
     assert fast_linear.bf16_wide_in_float32(linears) is True
 
 
+def test_an_unsure_prompt_products_measurement_times_more_rounds(monkeypatch):
+    """A median ratio near the threshold (a worker measuring while its frontend starts read 0.95 where fresh
+    loads read 0.69-0.76) times more rounds, and the median of all decides; a clear one times no more."""
+    monkeypatch.delenv(fast_linear.WIDE_ENV, raising=False)
+    linears = [torch.nn.Linear(64, 32).to(torch.bfloat16)]
+    calls = []
+
+    def decide(*batches):
+        def alternate(runs, rounds):
+            calls.append(rounds)
+            ratio = batches[min(len(calls), len(batches)) - 1]
+            return {"bfloat16": [1.0] * rounds, "float32": [ratio] * rounds}
+        calls.clear()
+        monkeypatch.setattr(cpu_kernels, "alternate_passes", alternate)
+        monkeypatch.setattr(fast_linear, "_WIDE_DECISIONS", {})
+        return fast_linear.bf16_wide_in_float32(linears)
+
+    assert decide(0.95, 0.7) is True and calls == [5, fast_linear.WIDE_MORE_ROUNDS]
+    assert decide(0.9, 1.0) is False and len(calls) == 2  # 5 at 0.9, 10 at 1.0: the median is 1.0
+    assert decide(0.7) is True and calls == [5]
+    assert decide(1.2) is False and calls == [5]
+
+
 @needs_native
 def test_a_bf16_models_prompt_rows_in_float32_round_once_to_bf16(tiny_model_dir, monkeypatch):
     """With the float32 choice a prompt's products (more rows than the native kernel keeps) are the float32
