@@ -85,7 +85,7 @@ def _over_float32_copies(weights: list) -> list:
     """One product per bf16 weight in float32 over a copy of the weight made for the call, the rows
     rounded back to their own dtype: what :class:`NativeLinear` runs for a prompt's rows of bf16 weights
     under float32 arithmetic, and of a bf16 model where that times faster at load
-    (``fast_linear.bf16_wide_in_float32``)."""
+    (``fast_linear.bf16_prompt_products``)."""
     from llama_engine.backends.fast_linear import NativeLinear
 
     return [NativeLinear(_linear_over(w), None, 0, wide_in_float32=True) for w in weights]

@@ -52,7 +52,7 @@ def test_prefill_bound_takes_each_products_faster_kernel(tmp_path):
 
 def test_a_bf16_prefill_bound_also_times_float32_over_per_call_copies(tmp_path):
     """A bf16 model's prompt products run in float32 over per-call copies of the weights where that times
-    faster at load (fast_linear.bf16_wide_in_float32), so the bound times that way too."""
+    faster at load (fast_linear.bf16_prompt_products), so the bound times that way too."""
     import torch
 
     (tmp_path / "config.json").write_text(json.dumps(LLAMA_GQA))

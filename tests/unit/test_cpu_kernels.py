@@ -162,22 +162,25 @@ def test_linear_names_a_pair_of_dtypes_it_does_not_run(kernels):
 
 
 @pytest.mark.parametrize("kernels", ISAS, indirect=True)
-@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("x_dtype, w_dtype", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
+                                              (torch.bfloat16, torch.bfloat16)])
 @pytest.mark.parametrize("rows, inner, outer", [(64, 768, 2304), (131, 300, 80), (97, 520, 48), (200, 36, 64),
-                                                (70, 64, 100), (48, 128, 32), (47, 136, 32), (300, 3072, 16)])
-def test_linear_of_a_prompts_rows_is_the_float64_product(kernels, w_dtype, rows, inner, outer):
-    """Float32 rows by the many, as a prompt has them (on the avx2 build, a packed-panel GEMM from 48
-    rows, 47 on the tiles): outputs in panels of 16 (and 100, not a multiple: the tiles), the inner
-    dimension in blocks of 256 with a tail that is not a multiple of 8, rows in blocks of 96 and
-    micro-panels of 6 with tails; strided rows in and out, the columns beside the output untouched."""
+                                                (70, 64, 100), (48, 128, 32), (47, 136, 32), (300, 3072, 16),
+                                                (40, 520, 96), (39, 64, 64), (61, 1040, 160)])
+def test_linear_of_a_prompts_rows_is_the_float64_product(kernels, x_dtype, w_dtype, rows, inner, outer):
+    """Rows by the many, as a prompt has them (on the avx2 build, a packed-panel GEMM from 48 rows, 47 on
+    the tiles; on the AVX-512 builds one from 40 rows, 39 on the tiles): outputs in panels of 16 or 32 (and
+    100, 80 or 48, not multiples of 32: the tiles there), the inner dimension in blocks of 256 with tails
+    that are not multiples of 8 or 16, rows in blocks of 96 and micro-panels of 6 or 12 with tails; strided
+    rows in and out, the columns beside the output untouched."""
     gen = torch.Generator().manual_seed(rows + inner + outer)
-    x = torch.randn(rows, inner + 24, generator=gen)[:, 8:8 + inner]
+    x = torch.randn(rows, inner + 24, generator=gen)[:, 8:8 + inner].to(x_dtype)
     w = torch.randn(outer, inner, generator=gen).to(w_dtype)
-    padded = torch.full((rows, outer + 16), 7.0)
+    padded = torch.full((rows, outer + 16), 7.0, dtype=x_dtype)
     out = padded[:, :outer]
     assert kernels.linear(x, w, out=out).data_ptr() == out.data_ptr()
     assert_product(out, x, w)
-    assert torch.equal(padded[:, outer:], torch.full((rows, 16), 7.0))
+    assert torch.equal(padded[:, outer:], torch.full((rows, 16), 7.0, dtype=x_dtype))
 
 
 @pytest.mark.parametrize("kernels", ISAS, indirect=True)

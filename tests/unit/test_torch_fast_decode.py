@@ -175,6 +175,11 @@ def test_native_linears_serve_bf16_on_the_bf16_build_without_amx_and_float32_on_
     assert fast_linear.native_kernels_for(torch.bfloat16, cpu, AMX) is None
     assert fast_linear.native_max_rows(bf16_build) == fast_linear.NATIVE_MAX_ROWS
     assert fast_linear.native_max_rows(bf16_build, fast_linear.BF16_WEIGHT_MAX_ROWS) == fast_linear.BF16_WEIGHT_MAX_ROWS
+    # bf16 weights kept under float32 arithmetic: the AVX-512 builds' GEMM takes a prompt's rows of them
+    for isa in ("avx512", "avx512bf16"):
+        build = type("K", (), {"isa": isa})()
+        assert fast_linear.native_max_rows(build, 64, torch.bfloat16) == sys.maxsize
+        assert fast_linear.native_max_rows(build, 64, torch.float32) == 64
     # the avx2 build multiplies a prompt's many rows with its GEMM: no row count leaves it
     assert fast_linear.native_max_rows(avx2_build) == fast_linear.native_max_rows(avx2_build, 64) == sys.maxsize
 
@@ -638,7 +643,8 @@ def test_decode_layers_only_where_every_product_is_native_without_a_bias_or_unle
         assert TorchSlotBackend(load(tiny_model_dir, torch.float32), max_slots=1, max_length=32,
                                 owns_model=True)._decode_layers is None
         options = {"weight_dtype": torch.bfloat16}
-        max_rows = lambda kernels: fast_linear.native_max_rows(kernels, fast_linear.BF16_WEIGHT_MAX_ROWS)  # noqa: E731
+        max_rows = lambda kernels: fast_linear.native_max_rows(kernels, fast_linear.BF16_WEIGHT_MAX_ROWS,  # noqa: E731
+                                                               torch.bfloat16)
     backend = TorchSlotBackend(load(tiny_model_dir, torch.float32), max_slots=1, max_length=32, owns_model=True,
                                **options)
     assert backend._decode_layers is not None and backend._decode_layers_rows == max_rows(backend._kernels)
@@ -914,15 +920,52 @@ def test_bf16_prompt_products_run_in_float32_where_that_measures_faster(monkeypa
     monkeypatch.setattr(cpu_kernels, "alternate_passes", lambda runs, rounds: {side: times[side] for side in runs})
     linears = [torch.nn.Linear(64, 32).to(torch.bfloat16) for _ in range(2)]
     monkeypatch.setattr(fast_linear, "_WIDE_DECISIONS", {})
-    assert fast_linear.bf16_wide_in_float32(linears) is True
+    assert fast_linear.bf16_prompt_products(linears) == "float32"
     times["float32"] = [0.97] * 5  # within 5%: bf16 stays
-    assert fast_linear.bf16_wide_in_float32(linears) is True  # decided for this thread count already
+    assert fast_linear.bf16_prompt_products(linears) == "float32"  # decided for this thread count already
     monkeypatch.setattr(fast_linear, "_WIDE_DECISIONS", {})
-    assert fast_linear.bf16_wide_in_float32(linears) is False
+    assert fast_linear.bf16_prompt_products(linears) == "bfloat16"
     monkeypatch.setattr(cpu_kernels, "alternate_passes", None)  # no measurement below
-    for setting, wide in (("float32", True), ("bfloat16", False)):
+    for setting in ("float32", "bfloat16"):
         monkeypatch.setenv(fast_linear.WIDE_ENV, setting)
-        assert fast_linear.bf16_wide_in_float32(linears) is wide
+        assert fast_linear.bf16_prompt_products(linears) == setting
+    monkeypatch.setenv(fast_linear.WIDE_ENV, "native")
+    with pytest.raises(ValueError, match="avx512 or avx512bf16 build"):
+        fast_linear.bf16_prompt_products(linears, type("K", (), {"isa": "avx2"})())
+
+
+def test_outputs_off_the_gemm_panels_leave_a_prompts_rows_to_onednn():
+    """The GEMMs take whole panels of outputs only (16 columns on avx2, 32 on the AVX-512 builds); a linear
+    with other outputs would run a prompt's rows on the tiles, so :class:`NativeLinear` sends them to oneDNN."""
+    for isa, panel in (("avx2", 16), ("avx512", 32), ("avx512bf16", 32)):
+        build = type("K", (), {"isa": isa})()
+        assert NativeLinear(torch.nn.Linear(64, 4 * panel), build, sys.maxsize).max_rows == sys.maxsize
+        assert NativeLinear(torch.nn.Linear(64, 4 * panel + 8), build, sys.maxsize).max_rows == \
+            fast_linear.NATIVE_MAX_ROWS
+        assert NativeLinear(torch.nn.Linear(64, 4 * panel + 8), build, 24).max_rows == 24
+
+
+def test_bf16_prompt_products_take_the_native_gemm_where_it_times_fastest(monkeypatch):
+    """On the AVX-512 builds their GEMM is a third side (on an Emerald Rapids Xeon: 81.7 ms at 256 rows against
+    89.3 for float32 over a copy and 123 for bf16); the fastest side by its median ratio to bf16 is taken."""
+    monkeypatch.delenv(fast_linear.WIDE_ENV, raising=False)
+    times = {"bfloat16": [1.0] * 5, "float32": [0.72] * 5, "native": [0.66] * 5}
+    timed = []
+
+    def alternate(runs, rounds):
+        timed.append(sorted(runs))
+        return {side: times[side] for side in runs}
+    monkeypatch.setattr(cpu_kernels, "alternate_passes", alternate)
+    linears = [torch.nn.Linear(64, 32).to(torch.bfloat16)]
+    for isa, expected in (("avx512bf16", "native"), ("avx512", "native"), ("avx2", "float32")):
+        monkeypatch.setattr(fast_linear, "_WIDE_DECISIONS", {})
+        assert fast_linear.bf16_prompt_products(linears, type("K", (), {"isa": isa})()) == expected, isa
+    assert timed == [["bfloat16", "float32", "native"]] * 2 + [["bfloat16", "float32"]]
+    times["native"] = [1.2] * 5  # slower than bf16, as oneDNN's bf16 product on a Zen 4 might be
+    monkeypatch.setattr(fast_linear, "_WIDE_DECISIONS", {})
+    assert fast_linear.bf16_prompt_products(linears, type("K", (), {"isa": "avx512bf16"})()) == "float32"
+    monkeypatch.setenv(fast_linear.WIDE_ENV, "native")
+    assert fast_linear.bf16_prompt_products(linears, type("K", (), {"isa": "avx512bf16"})()) == "native"
 
 
 def test_bf16_prompt_products_are_compared_round_by_round(monkeypatch):
@@ -934,7 +977,7 @@ def test_bf16_prompt_products_are_compared_round_by_round(monkeypatch):
     monkeypatch.setattr(fast_linear, "_WIDE_DECISIONS", {})
     linears = [torch.nn.Linear(64, 32).to(torch.bfloat16)]
     assert min(passes["float32"]) > min(passes["bfloat16"])  # fastest pass against fastest pass: bf16
-    assert fast_linear.bf16_wide_in_float32(linears) is True
+    assert fast_linear.bf16_prompt_products(linears) == "float32"
 
 
 def test_an_unsure_prompt_products_measurement_times_more_rounds(monkeypatch):
@@ -952,12 +995,12 @@ def test_an_unsure_prompt_products_measurement_times_more_rounds(monkeypatch):
         calls.clear()
         monkeypatch.setattr(cpu_kernels, "alternate_passes", alternate)
         monkeypatch.setattr(fast_linear, "_WIDE_DECISIONS", {})
-        return fast_linear.bf16_wide_in_float32(linears)
+        return fast_linear.bf16_prompt_products(linears)
 
-    assert decide(0.95, 0.7) is True and calls == [5, fast_linear.WIDE_MORE_ROUNDS]
-    assert decide(0.9, 1.0) is False and len(calls) == 2  # 5 at 0.9, 10 at 1.0: the median is 1.0
-    assert decide(0.7) is True and calls == [5]
-    assert decide(1.2) is False and calls == [5]
+    assert decide(0.95, 0.7) == "float32" and calls == [5, fast_linear.WIDE_MORE_ROUNDS]
+    assert decide(0.9, 1.0) == "bfloat16" and len(calls) == 2  # 5 at 0.9, 10 at 1.0: the median is 1.0
+    assert decide(0.7) == "float32" and calls == [5]
+    assert decide(1.2) == "bfloat16" and calls == [5]
 
 
 @needs_native

@@ -790,11 +790,156 @@ bool gemm(const TX *x, long ldx, const TW *w, TX *y, long ldy, long M, long K, l
 }
 #endif
 
+#if defined(LLK_VEC512)
+// gemm512: the AVX-512 builds' product of many rows, float32 arithmetic over float32 or bf16 weights (a
+// bf16 weight is widened as its panel is packed, so there is one copy of it). The tiles above reduce each
+// output across the lanes of its own accumulator, which suits a few rows and not many: at 32 rows over
+// the bench model's bf16 weights they ran at ~110 GFLOP/s on an Emerald Rapids Xeon (2 vCPUs), and a
+// prompt's rows went to oneDNN over a float32 copy of the weight made for each call. Here, as in the AVX2
+// build's gemm and in BLIS, every lane of an accumulator is its own output: w is widened and laid out
+// K-major G5_NR of its rows at a time (G5_KC of K), x G5_MR rows at a time, and a tile of G5_MR rows
+// multiplies the panel by broadcasting one element of each row per k: G5_MR x 2 accumulators, two loads
+// of the panel and G5_MR broadcasts per 2 G5_MR multiply-adds. Sums stay in float32 over the blocks of K
+// and are rounded once to y's dtype.
+// (AVX512_BF16's dot product in the same layout ran no faster than the tiles on that Xeon.)
+#if defined(LLK_G5_MR)
+static constexpr int G5_MR = LLK_G5_MR, G5_NR = 32;
+#else
+static constexpr int G5_MR = 12, G5_NR = 32;
+#endif
+static constexpr long G5_KC = 256, G5_COLS = 64;
+#if defined(LLK_G5_MIN_ROWS)
+static constexpr long G5_MIN_ROWS = LLK_G5_MIN_ROWS;
+#else
+static constexpr long G5_MIN_ROWS = 40;
+#endif
+
+inline __m512 load16(const float *p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const bf16 *p) { return Vec::load(p); }
+
+// The 16 x 16 floats at rows[r] + c (r < 16), transposed: sink(j, v) takes v = column c + j of the 16 rows.
+template <class T, class Sink>
+inline void transpose16(const T *const *rows, long c, Sink &&sink) {
+    __m512i a[16], b[16];
+    for (int r = 0; r < 16; r++) a[r] = _mm512_castps_si512(load16(rows[r] + c));
+    for (int r = 0; r < 16; r += 2) {
+        b[r] = _mm512_unpacklo_epi32(a[r], a[r + 1]);
+        b[r + 1] = _mm512_unpackhi_epi32(a[r], a[r + 1]);
+    }
+    for (int r = 0; r < 16; r += 4) {  // a[r + e], 128-bit lane L: column 4L + e of rows r..r+3
+        a[r] = _mm512_unpacklo_epi64(b[r], b[r + 2]);
+        a[r + 1] = _mm512_unpackhi_epi64(b[r], b[r + 2]);
+        a[r + 2] = _mm512_unpacklo_epi64(b[r + 1], b[r + 3]);
+        a[r + 3] = _mm512_unpackhi_epi64(b[r + 1], b[r + 3]);
+    }
+    for (int e = 0; e < 4; e++) {
+        __m512i d0 = _mm512_shuffle_i32x4(a[e], a[4 + e], 0x88), d1 = _mm512_shuffle_i32x4(a[e], a[4 + e], 0xdd);
+        __m512i d2 = _mm512_shuffle_i32x4(a[8 + e], a[12 + e], 0x88), d3 = _mm512_shuffle_i32x4(a[8 + e], a[12 + e], 0xdd);
+        sink(0 + e, _mm512_castsi512_ps(_mm512_shuffle_i32x4(d0, d2, 0x88)));
+        sink(8 + e, _mm512_castsi512_ps(_mm512_shuffle_i32x4(d0, d2, 0xdd)));
+        sink(4 + e, _mm512_castsi512_ps(_mm512_shuffle_i32x4(d1, d3, 0x88)));
+        sink(12 + e, _mm512_castsi512_ps(_mm512_shuffle_i32x4(d1, d3, 0xdd)));
+    }
+}
+
+// panel[k * G5_NR + j] = w[j][k0 + k] for the G5_NR rows of w at w, k < kc, as float32.
+template <class TW>
+inline void pack_panel512(const TW *w, long K, long k0, long kc, float *panel) {
+    for (int half = 0; half < G5_NR; half += 16) {
+        const TW *rows[16];
+        for (int r = 0; r < 16; r++) rows[r] = w + (half + r) * K + k0;
+        long k = 0;
+        for (; k + 16 <= kc; k += 16)
+            transpose16(rows, k, [&](int j, __m512 v) { _mm512_storeu_ps(panel + (k + j) * G5_NR + half, v); });
+        for (; k < kc; k++)
+            for (int r = 0; r < 16; r++) panel[k * G5_NR + half + r] = to_f32(rows[r][k]);
+    }
+}
+
+// Rows [r0, r0 + G5_MR) of x (zeros past M), columns [k0, k0 + kc), as a micro-panel: out[k * G5_MR + i] =
+// x[r0 + i][k0 + k]. Sixteen k at a time go through a 16 x 16 transpose of whose rows G5_MR are stored.
+template <class TX>
+inline void pack_rows512(const TX *x, long ldx, long M, long r0, long k0, long kc, float *out) {
+    static_assert(G5_MR <= 16, "pack_rows512 transposes 16 rows at a time");
+    const TX *rows[16];
+    for (int r = 0; r < 16; r++) rows[r] = x + (r < G5_MR && r0 + r < M ? r0 + r : r0) * ldx + k0;
+    const __mmask16 lanes = (__mmask16)((1u << G5_MR) - 1);
+    long k = 0;
+    if (r0 + G5_MR <= M)
+        for (; k + 16 <= kc; k += 16)
+            transpose16(rows, k, [&](int j, __m512 v) { _mm512_mask_storeu_ps(out + (k + j) * G5_MR, lanes, v); });
+    for (; k < kc; k++)
+        for (int r = 0; r < G5_MR; r++) out[k * G5_MR + r] = r0 + r < M ? to_f32(rows[r][k]) : 0.0f;
+}
+
+// acc[i][0:G5_NR] (+)= sum over k < kc of a[k * G5_MR + i] * panel[k][:], i < G5_MR (acc rows lda apart).
+inline void gemm512_tile(long kc, const float *a, const float *panel, float *acc, long lda, bool first) {
+    __m512 c[G5_MR][2];
+    for (int i = 0; i < G5_MR; i++) c[i][0] = c[i][1] = _mm512_setzero_ps();
+    for (long k = 0; k < kc; k++) {
+        const __m512 w0 = _mm512_loadu_ps(panel + k * G5_NR), w1 = _mm512_loadu_ps(panel + k * G5_NR + 16);
+        const float *ak = a + k * G5_MR;
+#pragma GCC unroll 16
+        for (int i = 0; i < G5_MR; i++) {
+            const __m512 xi = _mm512_set1_ps(ak[i]);
+            c[i][0] = _mm512_fmadd_ps(xi, w0, c[i][0]);
+            c[i][1] = _mm512_fmadd_ps(xi, w1, c[i][1]);
+        }
+    }
+    for (int i = 0; i < G5_MR; i++)
+        for (int h = 0; h < 2; h++) {
+            float *p = acc + i * lda + 16 * h;
+            _mm512_storeu_ps(p, first ? c[i][h] : _mm512_add_ps(_mm512_loadu_ps(p), c[i][h]));
+        }
+}
+
+// True when it took the product: enough rows and whole panels of columns. x is packed once, for every
+// thread; each thread takes G5_COLS columns of y at a time, packs their panels a block of K at a time and
+// keeps their sums in float32 (`acc`) until the last block. (Blocked BLIS-like instead, G5_KC x 256 columns
+// of panels and 192 rows of x per work item, it ran 64 MiB of the bench model's weights 1.12-1.18x slower
+// at 256 to 2,048 rows on an Emerald Rapids Xeon.)
+template <class TX, class TW>
+bool gemm512(const TX *x, long ldx, const TW *w, TX *y, long ldy, long M, long K, long N, int threads) {
+    if (M < G5_MIN_ROWS || N % G5_NR != 0) return false;
+    const long groups = (M + G5_MR - 1) / G5_MR, blocks = (K + G5_KC - 1) / G5_KC;
+    const long stride = G5_KC * G5_MR;  // floats of one micro-panel (rows group g, K block b: (b * groups + g))
+    AlignedFloats x_panels((size_t)(blocks * groups * stride));
+    float *a = x_panels.data();
+    pool().run(groups, threads, [&](long g) {
+        for (long k0 = 0, b = 0; k0 < K; k0 += G5_KC, b++)
+            pack_rows512(x, ldx, M, g * G5_MR, k0, K - k0 < G5_KC ? K - k0 : G5_KC, a + (b * groups + g) * stride);
+    });
+    const long chunks = (N + G5_COLS - 1) / G5_COLS;
+    pool().run(chunks, threads, [&](long c) {
+        thread_local std::vector<float, AlignedAlloc<float>> panels, acc;
+        const long n0 = c * G5_COLS, n1 = n0 + G5_COLS < N ? n0 + G5_COLS : N, cols = n1 - n0;
+        panels.resize((size_t)(G5_KC * G5_COLS));
+        acc.resize((size_t)(groups * G5_MR * G5_COLS));
+        for (long k0 = 0, b = 0; k0 < K; k0 += G5_KC, b++) {
+            const long kc = K - k0 < G5_KC ? K - k0 : G5_KC;
+            for (long p = 0; p < cols / G5_NR; p++) {
+                float *panel = panels.data() + p * G5_KC * G5_NR;
+                pack_panel512(w + (n0 + p * G5_NR) * K, K, k0, kc, panel);
+                for (long g = 0; g < groups; g++)
+                    gemm512_tile(kc, a + (b * groups + g) * stride, panel, acc.data() + g * G5_MR * G5_COLS + p * G5_NR,
+                                 G5_COLS, k0 == 0);
+            }
+        }
+        for (long m = 0; m < M; m++)
+            for (long j = 0; j < cols; j += 16)
+                Vec::store(y + m * ldy + n0 + j, _mm512_loadu_ps(acc.data() + m * G5_COLS + j));
+    });
+    return true;
+}
+#endif
+
 template <class TX, class TW>
 void linear(const TX *x, long ldx, const TW *w, TX *y, long ldy, long M, long K, long N, int threads,
             long one_row_prefetch) {
 #if defined(LLK_AVX2)
     if (gemm(x, ldx, w, y, ldy, M, K, N, threads)) return;
+#elif defined(LLK_VEC512)
+    if (gemm512(x, ldx, w, y, ldy, M, K, N, threads)) return;
 #endif
     const long one_row = one_row_prefetch > 0 ? one_row_prefetch : PREFETCH_ONE_ROW;
     const long pf = M == 1 ? one_row / (long)sizeof(TW) : PREFETCH_ROWS_WEIGHTS;

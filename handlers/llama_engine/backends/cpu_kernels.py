@@ -11,7 +11,9 @@ software prefetch ahead of it:
 
 * ``linear``: ``y = x @ W.T`` for a few rows of ``x``, bf16 or float32, accumulated in float32
   (bf16 pairs through AVX512_BF16's dot product where the CPU has it), or float32 rows over bf16
-  weights (widened as they are loaded);
+  weights (widened as they are loaded); a prompt's many rows go to a packed-panel GEMM in float32
+  arithmetic (the ``avx2`` build's from 48 rows, the AVX-512 builds' from 40, bf16 weights widened
+  as their panels are packed);
 * ``decode_attention``: one query per row and head over the row's cached positions, the heads
   of a GQA group sharing each key and value read, softmax in float32;
 * ``prompt_attention``: a prompt chunk's queries (float32 or bf16) over their own keys and values

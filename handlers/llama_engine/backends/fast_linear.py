@@ -68,11 +68,12 @@ GATHER_ALIGN = 64
 ENV = "LLAMA_PACKED_LINEAR"
 #: Environment switch for a bf16 model's products of more rows than :class:`NativeLinear` keeps (a prompt's):
 #: "float32" multiplies them in float32 over a copy of the weight made for the call, "bfloat16" on oneDNN's
-#: bf16 product; default: whichever measures faster at load (:func:`bf16_wide_in_float32`).
+#: bf16 product, "native" on the AVX-512 builds' GEMM; default: whichever measures fastest at load
+#: (:func:`bf16_prompt_products`).
 WIDE_ENV = "LLAMA_BF16_PROMPT_PRODUCTS"
-#: The rows :func:`bf16_wide_in_float32` times (a prompt's), and the bytes of weights it streams.
+#: The rows :func:`bf16_prompt_products` times (a prompt's), and the bytes of weights it streams.
 WIDE_ROWS, WIDE_SAMPLE_BYTES = 256, 64 << 20
-#: float32 is taken where the median ratio of float32's passes to bf16's is below this.
+#: Another side is taken over bf16 where the median ratio of its passes to bf16's is below this.
 WIDE_TAKE_FLOAT32 = 0.95
 #: A median ratio in this range is taken as unsure: :data:`WIDE_MORE_ROUNDS` more rounds are timed and all decide.
 WIDE_UNSURE, WIDE_MORE_ROUNDS = (0.85, 1.05), 10
@@ -112,6 +113,18 @@ BF16_WEIGHT_MAX_ROWS = 64
 #: CPU the tiles had run a pass over the bench model's float32 weights in 18.7 / 28.5 / 49.2 ms at 8 /
 #: 16 / 32 rows, oneDNN over the plain weight in 26.2 / 35.0 / 47.0 at 8 / 16 / 32 and 244 at 256.
 GEMM_ISAS = frozenset({"avx2"})
+#: The kernel builds whose GEMM (``gemm512`` in ``cpu_kernels.cpp``, float32 arithmetic from 40 rows, a bf16
+#: weight widened as its panels are packed) takes a prompt's rows over bf16 weights: always where a float32
+#: model keeps its weights in bf16 (the alternative is oneDNN over a float32 copy made for each call), and
+#: for a bf16 model where it times fastest at load (:func:`bf16_prompt_products`). 64 MiB of the bench
+#: model's bf16 weights under float32 arithmetic on an Emerald Rapids Xeon (2 vCPUs, 9 alternated rounds):
+#: 81.7 ms at 256 rows against 89.3 over a float32 copy, 50.8 against 58.1 at 128, 29.2 against 38.6 at 64
+#: (the tiles: 128.6, 69.2, 34.8; 18.7 at 32 rows, as fast as the GEMM, 10.1 at 16 against its 16.3). Over
+#: float32 weights oneDNN stays the faster at 256 rows (43.3 against 51.5 ms over 64 MiB), so they keep it.
+BF16_GEMM_ISAS = frozenset({"avx512", "avx512bf16"})
+#: The columns of a GEMM's panel by build: outputs that are not a multiple of it leave the GEMM to the tiles,
+#: so :class:`NativeLinear` gives a prompt's rows of those to oneDNN instead.
+GEMM_PANEL_COLUMNS = {"avx2": 16, "avx512": 32, "avx512bf16": 32}
 #: Row count oneDNN lays the packed weights out for (any row count still computes correctly).
 ONEDNN_BATCH_HINT = 8
 #: The same for float32. Laid out for 8 rows, oneDNN matched its 1-row layout at 1 row and ran 2 to 8
@@ -133,6 +146,8 @@ class NativeLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.kernels, self.max_rows = kernels, NATIVE_MAX_ROWS if max_rows is None else max_rows
+        if kernels is not None and self.out_features % GEMM_PANEL_COLUMNS.get(kernels.isa, 1):
+            self.max_rows = min(self.max_rows, NATIVE_MAX_ROWS)  # the GEMMs take whole panels only: oneDNN's
         self.wide_in_float32 = wide_in_float32
         weight = linear.weight.detach()
         self.compute_dtype = weight.dtype
@@ -259,10 +274,13 @@ def bf16_weight_kernels(dtype: torch.dtype, weight_dtype: torch.dtype, device: t
     return cpu_kernels.for_device(device)
 
 
-def native_max_rows(kernels, limit: int = NATIVE_MAX_ROWS) -> int:
+def native_max_rows(kernels, limit: int = NATIVE_MAX_ROWS, weight_dtype: Optional[torch.dtype] = None) -> int:
     """The most rows :class:`NativeLinear` runs on ``kernels``: any number on a build with the GEMM
-    (:data:`GEMM_ISAS`), else ``limit``."""
-    return sys.maxsize if kernels.isa in GEMM_ISAS else limit
+    (:data:`GEMM_ISAS`), or with the GEMM over bf16 weights kept under float32 arithmetic
+    (``weight_dtype`` bfloat16, :data:`BF16_GEMM_ISAS`), else ``limit``."""
+    if kernels.isa in GEMM_ISAS or (weight_dtype == torch.bfloat16 and kernels.isa in BF16_GEMM_ISAS):
+        return sys.maxsize
+    return limit
 
 
 def pack_linears(model: nn.Module, batch_hint: Optional[int] = None, weight_dtype: Optional[torch.dtype] = None) -> int:
@@ -288,14 +306,15 @@ def pack_linears(model: nn.Module, batch_hint: Optional[int] = None, weight_dtyp
         if kernels is None:
             raise ValueError(f"{weight_dtype} linear weights under {weight.dtype} arithmetic need the native CPU "
                              "kernels with float32 arithmetic over bfloat16 weights (an x86 CPU with AVX2 and FMA)")
-        return _swap_native(targets, weight.dtype, kernels, native_max_rows(kernels, BF16_WEIGHT_MAX_ROWS),
+        return _swap_native(targets, weight.dtype, kernels, native_max_rows(kernels, BF16_WEIGHT_MAX_ROWS, weight_dtype),
                             weight_dtype)
     if not packing_supported(weight.dtype, weight.device):
         return 0
     kernels = native_kernels_for(weight.dtype, weight.device)
     if kernels is not None:
-        wide = weight.dtype == torch.bfloat16 and bf16_wide_in_float32([t[2] for t in targets])
-        return _swap_native(targets, weight.dtype, kernels, native_max_rows(kernels), wide_in_float32=wide)
+        prompts = bf16_prompt_products([t[2] for t in targets], kernels) if weight.dtype == torch.bfloat16 else None
+        max_rows = sys.maxsize if prompts == "native" else native_max_rows(kernels)
+        return _swap_native(targets, weight.dtype, kernels, max_rows, wide_in_float32=prompts == "float32")
     fp32 = weight.dtype == torch.float32
     if fp32:
         kind, kernels = _float32_kind(setting, [t[2] for t in targets], weight.device)
@@ -471,50 +490,71 @@ def float32_linear_kernel(linears: Sequence[nn.Linear], native=None, repeats: in
     return kind
 
 
-_WIDE_DECISIONS: Dict[int, bool] = {}
+_WIDE_DECISIONS: Dict[int, str] = {}
+#: What :func:`bf16_prompt_products` may return, and :data:`WIDE_ENV` may force.
+PROMPT_PRODUCTS = ("bfloat16", "float32", "native")
 
 
-def bf16_wide_in_float32(linears: Sequence[nn.Linear], repeats: int = 5) -> bool:
-    """Whether a bf16 model's products of a prompt's rows run faster in float32, over a copy of the weight made
-    for each call, than on oneDNN's bf16 product: measured once per process and thread count
-    (:data:`WIDE_ENV` forces either).
+def bf16_prompt_products(linears: Sequence[nn.Linear], kernels=None, repeats: int = 5) -> str:
+    """How a bf16 model's products of a prompt's rows run fastest: ``"bfloat16"`` on oneDNN's bf16 product,
+    ``"float32"`` on oneDNN's float32 one over a copy of the weight made for each call, or ``"native"`` on the
+    AVX-512 builds' GEMM (``kernels``, where their isa is in :data:`BF16_GEMM_ISAS`: float32 arithmetic, the
+    weight widened as it is packed). Measured once per process and thread count (:data:`WIDE_ENV` forces one).
 
     Native bf16 arithmetic is not always the faster: on an Emerald Rapids Xeon without AMX (2 threads, best of
     4 alternated), oneDNN's bf16 products over the bench model's layers took 323 / 1,004 ms at 256 / 768 rows,
-    float32 over a per-call copy 244 / 693; with AMX, or on a Zen 4 (bf16 at 424-437 GFLOP/s), bf16 wins.
+    float32 over a per-call copy 244 / 693; with AMX, or on a Zen 4 (bf16 at 424-437 GFLOP/s), bf16 wins. On
+    that Xeon the GEMM then ran 64 MiB of those layers' weights in 81.7 ms at 256 rows against 89.3 for float32
+    over a copy and 123 for bf16 (9 alternated rounds), and 50.8 against 58.1 and 65 at 128 rows.
     Linears of the shapes of ``linears`` (:data:`WIDE_SAMPLE_BYTES`, :func:`_streamed_sample`) run each way in
-    turns at :data:`WIDE_ROWS` rows; float32 is taken where it is 5% faster over the median of the rounds, each
-    round's two passes compared with each other. (Compared by each side's fastest pass, as first built, that
-    Xeon's loads had picked bf16 in 2 of 8 fresh processes: its passes slow down by up to 1.8x in bursts, and
-    one lucky pass decided; round by round, 6 of 6 picked float32 at ratios of 0.66-0.84.) A median in
-    :data:`WIDE_UNSURE` times :data:`WIDE_MORE_ROUNDS` more rounds, and the median of all of them decides: a
-    served worker measures while its frontend starts, and on that Xeon one bench run's continuous-batching
-    worker read 0.95 (-> bf16) where the micro-batching one read 0.79 and fresh loads read 0.69-0.76; that
-    server's prompts ran at 1.4-1.9 ms a token, micro-batching's at 0.93-1.15."""
+    turns at :data:`WIDE_ROWS` rows, each round's passes compared with bf16's; the side with the lowest median
+    ratio is taken where that is below :data:`WIDE_TAKE_FLOAT32`, else bf16. (Compared by each side's fastest
+    pass, as first built, that Xeon's loads had picked bf16 in 2 of 8 fresh processes: its passes slow down by
+    up to 1.8x in bursts, and one lucky pass decided; round by round, 6 of 6 picked float32 at ratios of
+    0.66-0.84.) A best median in :data:`WIDE_UNSURE` times :data:`WIDE_MORE_ROUNDS` more rounds, and the
+    medians of all of them decide: a served worker measures while its frontend starts, and on that Xeon one
+    bench run's continuous-batching worker read 0.95 (-> bf16) where the micro-batching one read 0.79 and fresh
+    loads read 0.69-0.76; that server's prompts ran at 1.4-1.9 ms a token, micro-batching's at 0.93-1.15."""
+    native = kernels is not None and kernels.isa in BF16_GEMM_ISAS
     setting = os.environ.get(WIDE_ENV, "auto").strip().lower()
-    if setting in ("float32", "bfloat16"):
-        return setting == "float32"
+    if setting in PROMPT_PRODUCTS:
+        if setting == "native" and not native:
+            raise ValueError(f"{WIDE_ENV}=native needs the native CPU kernels' avx512 or avx512bf16 build "
+                             f"(here: {kernels.isa if kernels is not None else 'none'}); use auto, bfloat16 or float32")
+        return setting
     key = torch.get_num_threads()
     if key not in _WIDE_DECISIONS:
         sample = _streamed_sample(linears, WIDE_SAMPLE_BYTES)
         inputs = [torch.randn(WIDE_ROWS, linear.in_features).to(torch.bfloat16) for linear in sample]
         sides = {"bfloat16": [NativeLinear(linear, None, 0) for linear in sample],
                  "float32": [NativeLinear(linear, None, 0, wide_in_float32=True) for linear in sample]}
+        if native:
+            sides["native"] = [NativeLinear(linear, kernels, sys.maxsize) for linear in sample]
         runs = {side: (lambda layers=layers: [layer(x) for layer, x in zip(layers, inputs)])
                 for side, layers in sides.items()}
         passes = cpu_kernels.alternate_passes(runs, repeats)
-        ratios = [f / b for f, b in zip(passes["float32"], passes["bfloat16"])]
-        if WIDE_UNSURE[0] <= statistics.median(ratios) < WIDE_UNSURE[1]:
+        if WIDE_UNSURE[0] <= min(_median_ratios(passes).values()) < WIDE_UNSURE[1]:
             more = cpu_kernels.alternate_passes(runs, WIDE_MORE_ROUNDS)
-            ratios += [f / b for f, b in zip(more["float32"], more["bfloat16"])]
             passes = {side: passes[side] + more[side] for side in passes}
-        ratio = statistics.median(ratios)
-        _WIDE_DECISIONS[key] = ratio < WIDE_TAKE_FLOAT32
-        logger.info("bf16 prompt products, %d threads, %d rows: oneDNN bf16 %.1f ms, float32 over a copy %.1f ms "
-                    "(medians), float32 / bf16 %.2f (median of %d rounds) -> %s", key, WIDE_ROWS,
-                    1e3 * statistics.median(passes["bfloat16"]), 1e3 * statistics.median(passes["float32"]), ratio,
-                    len(ratios), "float32" if _WIDE_DECISIONS[key] else "bf16")
+        ratios = _median_ratios(passes)
+        best = min(ratios, key=ratios.get)
+        _WIDE_DECISIONS[key] = best if ratios[best] < WIDE_TAKE_FLOAT32 else "bfloat16"
+        logger.info("bf16 prompt products, %d threads, %d rows: %s (medians of %d rounds) -> %s", key, WIDE_ROWS,
+                    ", ".join(f"{PROMPT_PRODUCT_NAMES[side]} {1e3 * statistics.median(times):.1f} ms"
+                              + (f" ({ratios[side]:.2f} of bf16's)" if side != "bfloat16" else "")
+                              for side, times in passes.items()),
+                    len(passes["bfloat16"]), _WIDE_DECISIONS[key])
     return _WIDE_DECISIONS[key]
+
+
+#: How :func:`bf16_prompt_products` names each side in its log line.
+PROMPT_PRODUCT_NAMES = {"bfloat16": "oneDNN bf16", "float32": "float32 over a copy", "native": "native GEMM"}
+
+
+def _median_ratios(passes: Dict[str, list]) -> Dict[str, float]:
+    """Each side's median over the rounds of its pass's time over bf16's in the same round (bf16 left out)."""
+    return {side: statistics.median(t / b for t, b in zip(times, passes["bfloat16"]))
+            for side, times in passes.items() if side != "bfloat16"}
 
 
 def concat_linears(linears) -> nn.Linear:
