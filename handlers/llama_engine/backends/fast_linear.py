@@ -74,7 +74,7 @@ WIDE_ENV = "LLAMA_BF16_PROMPT_PRODUCTS"
 #: The rows :func:`bf16_prompt_products` times (a prompt's), and the bytes of weights it streams.
 WIDE_ROWS, WIDE_SAMPLE_BYTES = 256, 64 << 20
 #: Another side is taken over bf16 where the median ratio of its passes to bf16's is below this.
-WIDE_TAKE_FLOAT32 = 0.95
+WIDE_TAKE = 0.95
 #: A median ratio in this range is taken as unsure: :data:`WIDE_MORE_ROUNDS` more rounds are timed and all decide.
 WIDE_UNSURE, WIDE_MORE_ROUNDS = (0.85, 1.05), 10
 #: :func:`float32_linear_kernel` takes the native kernels while they score within this share of the fastest
@@ -510,7 +510,7 @@ def bf16_prompt_products(linears: Sequence[nn.Linear], kernels=None, repeats: in
     over a copy and 123 for bf16 (9 alternated rounds), and 50.8 against 58.1 and 65 at 128 rows.
     Linears of the shapes of ``linears`` (:data:`WIDE_SAMPLE_BYTES`, :func:`_streamed_sample`) run each way in
     turns at :data:`WIDE_ROWS` rows, each round's passes compared with bf16's; the side with the lowest median
-    ratio is taken where that is below :data:`WIDE_TAKE_FLOAT32`, else bf16. (Compared by each side's fastest
+    ratio is taken where that is below :data:`WIDE_TAKE`, else bf16. (Compared by each side's fastest
     pass, as first built, that Xeon's loads had picked bf16 in 2 of 8 fresh processes: its passes slow down by
     up to 1.8x in bursts, and one lucky pass decided; round by round, 6 of 6 picked float32 at ratios of
     0.66-0.84.) A best median in :data:`WIDE_UNSURE` times :data:`WIDE_MORE_ROUNDS` more rounds, and the
@@ -540,7 +540,7 @@ def bf16_prompt_products(linears: Sequence[nn.Linear], kernels=None, repeats: in
             passes = {side: passes[side] + more[side] for side in passes}
         ratios = _median_ratios(passes)
         best = min(ratios, key=ratios.get)
-        _WIDE_DECISIONS[key] = best if ratios[best] < WIDE_TAKE_FLOAT32 else "bfloat16"
+        _WIDE_DECISIONS[key] = best if ratios[best] < WIDE_TAKE else "bfloat16"
         logger.info("bf16 prompt products, %d threads, %d rows: %s (medians of %d rounds) -> %s", key, WIDE_ROWS,
                     ", ".join(f"{PROMPT_PRODUCT_NAMES[side]} {1e3 * statistics.median(times):.1f} ms"
                               + (f" ({ratios[side]:.2f} of bf16's)" if side != "bfloat16" else "")
