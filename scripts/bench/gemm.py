@@ -135,7 +135,7 @@ def _kernels(weights: list, torch_dtype, native: bool = False, prompt: bool = Fa
 def prefill_bound(model: Path, dtype: str = "float32", threads: int = 2, tokens: int = 256, repeats: int = 5) -> dict:
     """Prompt tokens/s of the model's linear layers alone, on ``tokens`` rows (best of ``repeats``, each
     product on the fastest kernel the backend may run it on: ``nn.Linear``, oneDNN packed, the
-    native kernels where they serve the dtype, whose ``avx2`` build has a GEMM for a prompt's rows, and
+    native kernels where they serve the dtype, which have a GEMM for a prompt's rows (every build since aa8326c), and
     for bf16 float32 over per-call copies of the weights, which a bf16 model's prompts run on where that
     times faster at load: without them, a bench on an Emerald Rapids Xeon read a bound of 845 tok/s at 256
     rows that its in-process prompts, on them, beat at 988).
