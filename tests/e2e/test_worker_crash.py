@@ -21,6 +21,8 @@ import time
 import pytest
 import requests
 
+from scripts.bench.frontend_cpu import cpu_seconds
+
 from conftest import CONTINUOUS, serve_variant
 
 MODES = {"micro": "tiny-llama", "continuous": CONTINUOUS}
@@ -64,24 +66,21 @@ def kill_worker(server) -> tuple:
     return pid, time.monotonic()
 
 
-def worker_cpu_seconds(server) -> float:
-    """CPU seconds the model's worker process has used so far (0 while there is none)."""
-    import psutil
-
-    pid = worker(server).get("pid")
-    try:
-        times = psutil.Process(int(pid)).cpu_times()
-    except (TypeError, ValueError, psutil.Error):
-        return 0.0
-    return times.user + times.system
+def worker_pid(server) -> int:
+    """The pid of the model's worker (waiting until the frontend reports one)."""
+    deadline = time.monotonic() + 120
+    while worker(server).get("pid") is None:
+        assert time.monotonic() < deadline, f"no worker\n{server.log_tail()}"
+        time.sleep(0.2)
+    return int(worker(server)["pid"])
 
 
-def wait_until_the_worker_computes(server, before: float, timeout: float = 30.0) -> None:
-    """Until the worker has used :data:`BUSY_CPU_S` more CPU than ``before``: it is generating. (The frontend's
-    line for each batch it writes to a worker, "Flushing req.cmd", was the sign before; it is one a token
-    under continuous batching, and log4j2.xml leaves it out. An idle worker waits on its socket.)"""
+def wait_until_the_worker_computes(pid: int, before: float, timeout: float = 30.0) -> None:
+    """Until worker ``pid`` has used :data:`BUSY_CPU_S` more CPU than ``before``: it is generating. (The
+    frontend's line for each batch it writes to a worker, "Flushing req.cmd", was the sign before; it is one a
+    token under continuous batching, and log4j2.xml leaves it out. An idle worker waits on its socket.)"""
     deadline = time.monotonic() + timeout
-    while worker_cpu_seconds(server) - before < BUSY_CPU_S:
+    while cpu_seconds(pid) - before < BUSY_CPU_S:
         assert time.monotonic() < deadline, "the worker never started computing the request"
         time.sleep(0.02)
 
@@ -147,7 +146,8 @@ def test_a_non_stream_request_in_the_killed_batch_gets_an_error_at_once(crash_se
     non-stream too, as a chunked response from its first step on (TorchServe's continuous
     batching has no other way to keep a request in the running batch), so there the
     connection is cut, as for a stream."""
-    before = worker_cpu_seconds(crash_server)
+    pid = worker_pid(crash_server)
+    before = cpu_seconds(pid)
     outcome = {}
     body = {**LONG, "stream": False}
 
@@ -160,7 +160,7 @@ def test_a_non_stream_request_in_the_killed_batch_gets_an_error_at_once(crash_se
 
     thread = threading.Thread(target=send)
     thread.start()
-    wait_until_the_worker_computes(crash_server, before)
+    wait_until_the_worker_computes(pid, before)
     pid, killed_at = kill_worker(crash_server)
     thread.join(HANG + 10)
     to_error = time.monotonic() - killed_at

@@ -802,11 +802,7 @@ bool gemm(const TX *x, long ldx, const TW *w, TX *y, long ldy, long M, long K, l
 // of the panel and G5_MR broadcasts per 2 G5_MR multiply-adds. Sums stay in float32 over the blocks of K
 // and are rounded once to y's dtype.
 // (AVX512_BF16's dot product in the same layout ran no faster than the tiles on that Xeon.)
-#if defined(LLK_G5_MR)
-static constexpr int G5_MR = LLK_G5_MR, G5_NR = 32;
-#else
 static constexpr int G5_MR = 12, G5_NR = 32;
-#endif
 static constexpr long G5_KC = 256, G5_COLS = 64;
 #if defined(LLK_G5_MIN_ROWS)
 static constexpr long G5_MIN_ROWS = LLK_G5_MIN_ROWS;
