@@ -60,6 +60,16 @@ def _on_native(library, weights: list) -> list:
     return [lambda x, w=w: library.linear(x, w) for w in weights]
 
 
+def _paired(library, weights: list) -> Optional[list]:
+    """One product per weight in the native kernels' pair panels (``CpuKernels.pack_pairs``), which the backend
+    lays bf16 weights out in where they time faster at load (``fast_linear.weight_pairs``); None where the
+    library does not take every weight so."""
+    if not all(library.takes_pairs(w) for w in weights):
+        return None
+    packed = [library.pack_pairs(w) for w in weights]
+    return [lambda x, p=p: library.linear(x, p, pairs=True) for p in packed]
+
+
 def _gathered(weights: list) -> list:
     """Copies of ``weights`` one after another in one block on huge pages, as the backend gathers a decode
     step's weights (``fast_linear.gather_weights``; the last, the LM head, stays apart there too)."""
@@ -116,6 +126,9 @@ def _kernels(weights: list, torch_dtype, native: bool = False, prompt: bool = Fa
         tune_one_row_prefetch(library, weights, torch_dtype)
         kernels = {"native, bf16 weights": _on_native(library, weights),
                    "native, bf16 weights, gathered": _on_native(library, _gathered(weights))}
+        paired = _paired(library, weights)
+        if paired is not None:
+            kernels["native, bf16 weights, pair panels"] = paired
         if copies:
             kernels["float32 over per-call copies"] = _over_float32_copies(weights)
         return kernels
@@ -127,6 +140,9 @@ def _kernels(weights: list, torch_dtype, native: bool = False, prompt: bool = Fa
         tune_one_row_prefetch(library, weights, torch_dtype)
         kernels["native"] = _on_native(library, weights)
         kernels["native, gathered"] = _on_native(library, _gathered(weights))
+        paired = _paired(library, weights)
+        if paired is not None:
+            kernels["native, pair panels"] = paired
     if packing_supported(torch_dtype, torch.device("cpu")):
         kernels["oneDNN packed"] = [PackedLinear(_linear_over(w)) for w in weights]
     return kernels

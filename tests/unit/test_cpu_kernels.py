@@ -184,6 +184,42 @@ def test_linear_of_a_prompts_rows_is_the_float64_product(kernels, x_dtype, w_dty
 
 
 @pytest.mark.parametrize("kernels", ISAS, indirect=True)
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows, inner, outer", [(1, 768, 2304), (3, 770, 64), (8, 2, 32), (12, 3072, 96),
+                                                (13, 100, 32), (39, 64, 64), (40, 96, 128), (53, 130, 32)])
+def test_linear_over_pair_panels_is_the_float64_product(kernels, x_dtype, rows, inner, outer):
+    """bf16 weights laid out in pair panels (the AVX-512 builds): every tile height (1 to 12 rows, 13 and 39
+    split into even tiles), the GEMM from 40 rows, K not a multiple of 16 and as short as 2."""
+    gen = torch.Generator().manual_seed(rows * inner + outer)
+    x = torch.randn(rows, inner, generator=gen).to(x_dtype)
+    w = torch.randn(outer, inner, generator=gen).to(torch.bfloat16)
+    if kernels.isa not in cpu_kernels.PAIRS_ISAS:
+        assert not kernels.takes_pairs(w)
+        with pytest.raises(ValueError, match="avx2"):
+            kernels.pack_pairs(w)
+        return
+    packed = kernels.pack_pairs(w)
+    assert packed.shape == w.shape and packed.dtype == torch.bfloat16
+    assert torch.equal(packed, w) == (inner == 2)  # K = 2: each panel row is a plain row already
+    got = kernels.linear(x, packed, pairs=True)
+    assert got.shape == (rows, outer) and got.dtype == x_dtype
+    assert_product(got, x, w)
+
+
+@pytest.mark.parametrize("kernels", ISAS[:2], indirect=True)
+def test_pair_panels_name_the_weights_they_cannot_lay_out(kernels):
+    """An odd K, outputs not a multiple of 32, or float32: a ValueError with the shape, and no product."""
+    for weight in (torch.zeros(64, 33, dtype=torch.bfloat16), torch.zeros(48, 64, dtype=torch.bfloat16),
+                   torch.zeros(64, 64)):
+        assert not kernels.takes_pairs(weight)
+        with pytest.raises(ValueError, match=str(tuple(weight.shape)).replace("(", r"\(").replace(")", r"\)")):
+            kernels.pack_pairs(weight)
+    with pytest.raises(ValueError, match="pair panels"):
+        kernels.linear(torch.zeros(2, 64, dtype=torch.bfloat16), torch.zeros(48, 64, dtype=torch.bfloat16),
+                       pairs=True)
+
+
+@pytest.mark.parametrize("kernels", ISAS, indirect=True)
 def test_linear_reads_strided_rows_and_writes_into_a_given_tensor(kernels):
     gen = torch.Generator().manual_seed(1)
     wide = torch.randn(4, 200, generator=gen).to(torch.bfloat16)
@@ -563,19 +599,20 @@ def test_rope_store_rotates_like_the_backend_and_writes_each_tokens_kv_at_its_sl
 
 
 def layer_by_layer(kernels, hidden, layers, k_cache, v_cache, cos, ssin, positions, slots, lengths, heads, kv_heads,
-                   eps):
+                   eps, pairs=False):
     """What the torch backend's fused forward does for a decode pass: each kernel called from Python."""
     dim = k_cache.shape[-1]
     delta = None
+    linear = (lambda x, w: kernels.linear(x, w, pairs=True)) if pairs else kernels.linear
     for index, layer in enumerate(layers):
         normed = kernels.add_rmsnorm(hidden, delta, layer["input_norm"], eps)
-        qkv = kernels.linear(normed, layer["qkv"])
+        qkv = linear(normed, layer["qkv"])
         kernels.rope_store(qkv, heads, kv_heads, cos, ssin, positions, slots, k_cache[index], v_cache[index])
         q = qkv[:, :heads * dim].reshape(-1, heads, dim)
         attended = kernels.decode_attention(q, k_cache[index], v_cache[index], slots, lengths, dim ** -0.5)
-        delta = kernels.linear(attended.reshape(len(hidden), -1), layer["o"])
+        delta = linear(attended.reshape(len(hidden), -1), layer["o"])
         normed = kernels.add_rmsnorm(hidden, delta, layer["post_norm"], eps)
-        delta = kernels.linear(kernels.silu_mul(kernels.linear(normed, layer["gate_up"])), layer["down"])
+        delta = linear(kernels.silu_mul(linear(normed, layer["gate_up"])), layer["down"])
     return delta
 
 
@@ -613,6 +650,59 @@ def test_decode_layers_in_one_call_compute_the_kernels_called_one_by_one_bit_for
     assert torch.equal(got, want) and torch.equal(hidden, want_hidden)
     assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
     assert not torch.equal(got_k, cache)  # the step wrote its keys
+
+
+@pytest.mark.parametrize("kernels", ISAS[:2], indirect=True)
+@pytest.mark.parametrize("dtype, kv_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32),
+                                             (torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)])
+@pytest.mark.parametrize("rows", [3, 14])
+def test_decode_layers_over_pair_panels_compute_the_kernels_called_one_by_one_bit_for_bit(kernels, dtype, kv_dtype,
+                                                                                          rows):
+    """bf16 weights in pair panels through one call (``pairs=True``): the numbers of the paired products called
+    one by one, and close to the plain layout's (another order of summation). 14 rows take two tiles of 7."""
+    gen = torch.Generator().manual_seed(11)
+    heads, kv_heads, dim, width, inner, n_layers, max_length = 4, 2, 32, 64, 96, 2, 32
+    rand = lambda *shape, dt=dtype: (torch.randn(*shape, generator=gen) * 0.5).to(dt)  # noqa: E731
+    plain = [{"input_norm": 1 + rand(width) * 0.1, "qkv": rand((heads + 2 * kv_heads) * dim, width, dt=torch.bfloat16),
+              "o": rand(width, heads * dim, dt=torch.bfloat16), "post_norm": 1 + rand(width) * 0.1,
+              "gate_up": rand(2 * inner, width, dt=torch.bfloat16), "down": rand(width, inner, dt=torch.bfloat16)}
+             for _ in range(n_layers)]
+    paired = [{name: kernels.pack_pairs(t) if name in ("qkv", "o", "gate_up", "down") else t
+               for name, t in layer.items()} for layer in plain]
+    angles = torch.randn(max_length, dim // 2, generator=gen)
+    cos = torch.cat([angles.cos()] * 2, -1).to(dtype)
+    ssin = torch.cat([-angles.sin(), angles.sin()], -1).to(dtype)
+    cache = rand(n_layers, rows, kv_heads, max_length, dim, dt=kv_dtype)
+    positions = torch.randint(0, max_length, (rows,), generator=gen)
+    slots = torch.randperm(rows, generator=gen)
+    hidden = rand(rows, width)
+    want_hidden, want_k, want_v = hidden.clone(), cache.clone(), cache.clone()
+    want = layer_by_layer(kernels, want_hidden, paired, want_k, want_v, cos, ssin, positions, slots, positions + 1,
+                          heads, kv_heads, 1e-5, pairs=True)
+    got_k, got_v, got_hidden = cache.clone(), cache.clone(), hidden.clone()
+    step = cpu_kernels.DecodeLayers(kernels, paired, heads, kv_heads, dim, 1e-5, pairs=True)
+    got = step(got_hidden, got_k, got_v, cos, ssin, positions, slots, positions + 1)
+    assert torch.equal(got, want) and torch.equal(got_hidden, want_hidden)
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+    plain_hidden = hidden.clone()
+    in_plain = cpu_kernels.DecodeLayers(kernels, plain, heads, kv_heads, dim, 1e-5)(
+        plain_hidden, cache.clone(), cache.clone(), cos, ssin, positions, slots, positions + 1)
+    scale = in_plain.float().abs().max().item()
+    assert (got.float() - in_plain.float()).abs().max().item() <= 0.05 * scale
+
+
+@pytest.mark.parametrize("kernels", ISAS[:2], indirect=True)
+def test_decode_layers_over_pair_panels_refuse_shapes_the_panels_do_not_fit(kernels):
+    width, dim = 48, 32  # o and down's 48 outputs are not whole pairs of panels
+    layer = {"input_norm": torch.ones(width, dtype=torch.bfloat16), "post_norm": torch.ones(width, dtype=torch.bfloat16),
+             "qkv": torch.zeros(6 * dim, width, dtype=torch.bfloat16), "o": torch.zeros(width, 2 * dim, dtype=torch.bfloat16),
+             "gate_up": torch.zeros(64, width, dtype=torch.bfloat16), "down": torch.zeros(width, 32, dtype=torch.bfloat16)}
+    step = cpu_kernels.DecodeLayers(kernels, [layer], 2, 2, dim, 1e-5, pairs=True)
+    cache = torch.zeros(1, 1, 2, 8, dim, dtype=torch.bfloat16)
+    one = torch.tensor([0])
+    with pytest.raises(ValueError, match="pair panels"):
+        step(torch.zeros(1, width, dtype=torch.bfloat16), cache, cache.clone(), torch.ones(8, dim, dtype=torch.bfloat16),
+             torch.zeros(8, dim, dtype=torch.bfloat16), one, one, one + 1)
 
 
 @pytest.mark.parametrize("kernels", ISAS[-1:], indirect=True)

@@ -1027,3 +1027,92 @@ def test_a_bf16_models_prompt_rows_in_float32_round_once_to_bf16(tiny_model_dir,
     again = load(tiny_model_dir, torch.bfloat16)
     pack_linears(again)
     assert not any(m.wide_in_float32 for m in again.modules() if isinstance(m, NativeLinear))
+
+
+PAIRED = pytest.mark.skipif(NATIVE is None or NATIVE.isa not in cpu_kernels.PAIRS_ISAS,
+                            reason="the native kernels' AVX-512 builds lay weights out in pair panels")
+
+
+@PAIRED
+def test_bf16_weights_go_to_pair_panels_where_they_time_faster_once_per_process(monkeypatch):
+    """The load-time choice (an Emerald Rapids Xeon: 1.53x at 8 rows): pairs where their median ratio to the plain
+    layout is below ``PAIRS_TAKE``, measured once per thread count and dtypes; the switch forces either way."""
+    monkeypatch.delenv(fast_linear.PAIRS_ENV, raising=False)
+    ratio = [0.65]
+    timed = []
+
+    def alternate(runs, rounds):
+        timed.append(sorted(runs))
+        return {"plain": [1.0] * rounds, "pairs": [ratio[0]] * rounds}
+    monkeypatch.setattr(cpu_kernels, "alternate_passes", alternate)
+    monkeypatch.setattr(fast_linear, "_PAIRS_DECISIONS", {})
+    linears = [torch.nn.Linear(64, 96).to(torch.bfloat16)]
+    assert fast_linear.weight_pairs(linears, NATIVE, torch.bfloat16, torch.bfloat16)
+    assert fast_linear.weight_pairs(linears, NATIVE, torch.bfloat16, torch.bfloat16) and timed == [["pairs", "plain"]]
+    ratio[0] = 0.97  # not clearly faster: the plain layout stays
+    assert not fast_linear.weight_pairs(linears, NATIVE, torch.float32, torch.bfloat16) and len(timed) == 2
+    assert not fast_linear.weight_pairs([torch.nn.Linear(64, 96)], NATIVE, torch.float32, torch.float32)
+    monkeypatch.setattr(fast_linear, "_PAIRS_DECISIONS", {})
+    assert not fast_linear.weight_pairs([torch.nn.Linear(64, 48).to(torch.bfloat16)], NATIVE, torch.bfloat16,
+                                        torch.bfloat16) and len(timed) == 2  # no whole pair of panels to time
+    monkeypatch.setattr(fast_linear, "_PAIRS_DECISIONS", {})
+    for setting, expected in (("on", True), ("off", False)):
+        monkeypatch.setenv(fast_linear.PAIRS_ENV, setting)
+        assert fast_linear.weight_pairs(linears, NATIVE, torch.bfloat16, torch.bfloat16) is expected
+    assert len(timed) == 2
+    monkeypatch.setenv(fast_linear.PAIRS_ENV, "on")
+    with pytest.raises(ValueError, match="LLAMA_WEIGHT_PAIRS=on needs .*avx2"):
+        fast_linear.weight_pairs(linears, type("K", (), {"isa": "avx2"})(), torch.bfloat16, torch.bfloat16)
+    monkeypatch.setenv(fast_linear.PAIRS_ENV, "sometimes")
+    with pytest.raises(ValueError, match="LLAMA_WEIGHT_PAIRS='sometimes': use auto, on or off"):
+        fast_linear.weight_pairs(linears, NATIVE, torch.bfloat16, torch.bfloat16)
+
+
+@PAIRED
+def test_a_native_linear_in_pair_panels_computes_the_plain_ones_product(monkeypatch):
+    """Any row count (a decode step's tiles, a prompt's GEMM), bias and 3-D inputs; only where every row count
+    stays native and the outputs fill whole pairs of panels."""
+    torch.manual_seed(0)
+    for bias in (False, True):
+        linear = torch.nn.Linear(96, 64, bias=bias).to(torch.bfloat16)
+        paired = NativeLinear(linear, NATIVE, sys.maxsize, pairs=True)
+        plain = NativeLinear(linear, NATIVE, sys.maxsize)
+        assert paired.pairs and not plain.pairs and "pair panels" in paired.extra_repr()
+        assert not torch.equal(paired.weight, plain.weight) and paired.weight.shape == plain.weight.shape
+        for shape in ((1, 96), (3, 5, 96), (8, 96), (300, 96)):
+            x = torch.randn(shape, dtype=torch.bfloat16)
+            with torch.inference_mode():
+                got, want = paired(x), plain(x)
+            assert got.shape == want.shape and got.dtype == torch.bfloat16
+            torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    assert not NativeLinear(torch.nn.Linear(96, 64).to(torch.bfloat16), NATIVE, 48, pairs=True).pairs
+    assert not NativeLinear(torch.nn.Linear(96, 48).to(torch.bfloat16), NATIVE, sys.maxsize, pairs=True).pairs
+
+
+@PAIRED
+def test_a_bf16_model_decodes_the_same_tokens_with_its_weights_in_pair_panels(tiny_model_dir, monkeypatch):
+    """The tiny model with ``LLAMA_WEIGHT_PAIRS=on`` and ``off``: every decode-step product in pair panels (one
+    native call per step, ``pairs``) or none; the same greedy tokens, logits within bf16's rounding."""
+    monkeypatch.setenv(fast_linear.WIDE_ENV, "native")
+    logits, backends = [], []
+    for setting in ("on", "off"):
+        monkeypatch.setenv(fast_linear.PAIRS_ENV, setting)
+        backend = TorchSlotBackend(load(tiny_model_dir, torch.bfloat16), max_slots=4, max_length=96, owns_model=True)
+        products = backend._step_products(backend._fused)
+        assert products and all(p.pairs == (setting == "on") for p in products)
+        assert backend._decode_layers is not None and backend._decode_layers.pairs == (setting == "on")
+        backends.append(backend)
+    prompt = prompts(batch=1, length=20, seed=3)[0][0].tolist()
+    tokens = []
+    with torch.inference_mode():
+        for backend in backends:
+            got = [backend.prefill_slot(slot, prompt[:12 + slot]) for slot in range(3)]
+            seen = [[int(g.argmax())] for g in got]
+            for _ in range(6):
+                got = list(backend.decode_slots([0, 1, 2], [s[-1] for s in seen]))
+                for s, g in zip(seen, got):
+                    s.append(int(g.argmax()))
+            logits.append(torch.stack(got).float())
+            tokens.append(seen)
+    assert tokens[0] == tokens[1]
+    torch.testing.assert_close(logits[0], logits[1], rtol=0.05, atol=0.05 * logits[1].abs().max().item())

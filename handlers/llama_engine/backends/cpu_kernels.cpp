@@ -890,12 +890,12 @@ inline void gemm512_tile(long kc, const float *a, const float *panel, float *acc
 }
 
 // True when it took the product: enough rows and whole panels of columns. x is packed once, for every
-// thread; each thread takes G5_COLS columns of y at a time, packs their panels a block of K at a time and
-// keeps their sums in float32 (`acc`) until the last block. (Blocked BLIS-like instead, G5_KC x 256 columns
-// of panels and 192 rows of x per work item, it ran 64 MiB of the bench model's weights 1.12-1.18x slower
-// at 256 to 2,048 rows on an Emerald Rapids Xeon.)
-template <class TX, class TW>
-bool gemm512(const TX *x, long ldx, const TW *w, TX *y, long ldy, long M, long K, long N, int threads) {
+// thread; each thread takes G5_COLS columns of y at a time, packs their panels a block of K at a time
+// (pack_w(first column, k0, kc, panel)) and keeps their sums in float32 (`acc`) until the last block.
+// (Blocked BLIS-like instead, G5_KC x 256 columns of panels and 192 rows of x per work item, it ran 64 MiB
+// of the bench model's weights 1.12-1.18x slower at 256 to 2,048 rows on an Emerald Rapids Xeon.)
+template <class TX, class PackW>
+bool gemm512_with(const TX *x, long ldx, PackW &&pack_w, TX *y, long ldy, long M, long K, long N, int threads) {
     if (M < G5_MIN_ROWS || N % G5_NR != 0) return false;
     const long groups = (M + G5_MR - 1) / G5_MR, blocks = (K + G5_KC - 1) / G5_KC;
     const long stride = G5_KC * G5_MR;  // floats of one micro-panel (rows group g, K block b: (b * groups + g))
@@ -915,7 +915,7 @@ bool gemm512(const TX *x, long ldx, const TW *w, TX *y, long ldy, long M, long K
             const long kc = K - k0 < G5_KC ? K - k0 : G5_KC;
             for (long p = 0; p < cols / G5_NR; p++) {
                 float *panel = panels.data() + p * G5_KC * G5_NR;
-                pack_panel512(w + (n0 + p * G5_NR) * K, K, k0, kc, panel);
+                pack_w(n0 + p * G5_NR, k0, kc, panel);
                 for (long g = 0; g < groups; g++)
                     gemm512_tile(kc, a + (b * groups + g) * stride, panel, acc.data() + g * G5_MR * G5_COLS + p * G5_NR,
                                  G5_COLS, k0 == 0);
@@ -926,6 +926,146 @@ bool gemm512(const TX *x, long ldx, const TW *w, TX *y, long ldy, long M, long K
                 Vec::store(y + m * ldy + n0 + j, _mm512_loadu_ps(acc.data() + m * G5_COLS + j));
     });
     return true;
+}
+
+template <class TX, class TW>
+bool gemm512(const TX *x, long ldx, const TW *w, TX *y, long ldy, long M, long K, long N, int threads) {
+    return gemm512_with(
+        x, ldx, [&](long n, long k0, long kc, float *panel) { pack_panel512(w + n * K, K, k0, kc, panel); }, y, ldy,
+        M, K, N, threads);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Pair panels: a bf16 weight [N, K] laid out for products of few rows on the AVX-512 builds.
+//
+// The tiles above multiply along K, a dot product per pair of rows, and on an Emerald Rapids Xeon
+// (2 vCPUs) they ran the bench model's bf16 products at ~140 GFLOP/s from 4 rows up, whichever of
+// their two paths (AVX512_BF16's dot product, or widening and float32 multiply-adds): a decode step
+// of 8 rows was bound by arithmetic there, not by memory. The dot product issued ~1.4 G/s a core
+// against ~5.5 G/s for float32 multiply-adds (independent chains, in registers), and widening w and
+// x as they load takes as many instructions again as the multiply-adds.
+//
+// Laid out in pair panels, 16 columns of w at a time, K-major, each k next to k + 1:
+// P[(n / 16) * 16 K + (k / 2) * 32 + 2 j + e] = w[n / 16 * 16 + j][k + e], for K even, N a multiple of
+// PANEL_COLS. One 64-byte load of a panel is two vectors of 16 columns' weights, for k (the low
+// halves, shifted up) and for k + 1 (the high halves, masked): no shuffle. A tile of MR rows and 32
+// columns broadcasts each row's x[k] and x[k + 1] (x widened to float32 once per call) against them,
+// 4 MR multiply-adds per 2 loads and 4 integer instructions. 56 MB of the bench model's weights
+// (2 threads, best of 9): 1.61x the tiles at 8 rows, 1.8x at 16, 1.7-1.8x at 24 and 32. From
+// G5_MIN_ROWS rows the panels feed the GEMM instead, widened with the same two instructions.
+static constexpr long PANEL_COLS = 32;
+
+// P for the bf16 weight w [N, K] (N % PANEL_COLS == 0, K even).
+void pack_pairs(const bf16 *w, bf16 *P, long K, long N) {
+    for (long p = 0; p < N / 16; p++)
+        for (long j = 0; j < 16; j++) {
+            const bf16 *row = w + (p * 16 + j) * K;
+            bf16 *out = P + p * 16 * K + 2 * j;
+            for (long k = 0; k < K; k += 2) {
+                out[k * 16] = row[k];
+                out[k * 16 + 1] = row[k + 1];
+            }
+        }
+}
+
+// The GEMM's panel (panel[k * G5_NR + j], k < kc, float32) of columns [n, n + G5_NR) from pair panels.
+inline void pack_panel512_pairs(const bf16 *P, long K, long n, long k0, long kc, float *panel) {
+    const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
+    for (int half = 0; half < G5_NR; half += 16) {
+        const bf16 *src = P + (n + half) * K;
+        for (long k = 0; k < kc; k += 2) {
+            const __m512i raw = _mm512_loadu_si512(src + (k0 + k) * 16);
+            _mm512_storeu_ps(panel + k * G5_NR + half, _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16)));
+            _mm512_storeu_ps(panel + (k + 1) * G5_NR + half, _mm512_castsi512_ps(_mm512_and_si512(raw, high)));
+        }
+    }
+}
+
+// How far ahead (elements of one panel's stream) a tile prefetches its two panels, into L2.
+#if defined(LLK_PAIRS_PREFETCH)
+static constexpr long PAIRS_PREFETCH = LLK_PAIRS_PREFETCH;
+#else
+static constexpr long PAIRS_PREFETCH = 2048;
+#endif
+
+// y rows [0, MR) x columns [0, 32) = x (float32, rows ldx apart) times the two pair panels at P (16 K
+// elements apart), into acc[i * 32 + j]. Up to 6 rows keep k and k + 1 in separate sums: with one, each
+// sum waits for its last multiply-add twice per step.
+template <int MR>
+inline void pairs_tile(const float *x, long ldx, const bf16 *P, long K, float *acc) {
+    constexpr int S = MR <= 6 ? 2 : 1;
+    __m512 c[MR][2][S];
+    for (int i = 0; i < MR; i++)
+        for (int h = 0; h < 2; h++)
+            for (int s = 0; s < S; s++) c[i][h][s] = _mm512_setzero_ps();
+    const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
+    const bf16 *P1 = P + 16 * K;
+    for (long k = 0; k < K; k += 2) {
+        prefetch_weight(P + k * 16 + PAIRS_PREFETCH);
+        prefetch_weight(P1 + k * 16 + PAIRS_PREFETCH);
+        const __m512i r0 = _mm512_loadu_si512(P + k * 16), r1 = _mm512_loadu_si512(P1 + k * 16);
+        const __m512 w0e = _mm512_castsi512_ps(_mm512_slli_epi32(r0, 16));
+        const __m512 w0o = _mm512_castsi512_ps(_mm512_and_si512(r0, high));
+        const __m512 w1e = _mm512_castsi512_ps(_mm512_slli_epi32(r1, 16));
+        const __m512 w1o = _mm512_castsi512_ps(_mm512_and_si512(r1, high));
+#pragma GCC unroll 16
+        for (int i = 0; i < MR; i++) {
+            const __m512 xe = _mm512_set1_ps(x[i * ldx + k]), xo = _mm512_set1_ps(x[i * ldx + k + 1]);
+            c[i][0][0] = _mm512_fmadd_ps(w0e, xe, c[i][0][0]);
+            c[i][1][0] = _mm512_fmadd_ps(w1e, xe, c[i][1][0]);
+            c[i][0][S - 1] = _mm512_fmadd_ps(w0o, xo, c[i][0][S - 1]);
+            c[i][1][S - 1] = _mm512_fmadd_ps(w1o, xo, c[i][1][S - 1]);
+        }
+    }
+    for (int i = 0; i < MR; i++)
+        for (int h = 0; h < 2; h++)
+            _mm512_storeu_ps(acc + i * 32 + 16 * h, S == 2 ? _mm512_add_ps(c[i][h][0], c[i][h][S - 1]) : c[i][h][0]);
+}
+
+template <int MR = 12>
+inline void pairs_tile_rows(int mr, const float *x, long ldx, const bf16 *P, long K, float *acc) {
+    if constexpr (MR == 1) {
+        pairs_tile<1>(x, ldx, P, K, acc);
+    } else {
+        if (mr == MR) pairs_tile<MR>(x, ldx, P, K, acc);
+        else pairs_tile_rows<MR - 1>(mr, x, ldx, P, K, acc);
+    }
+}
+
+// y[M, N] = x[M, K] @ w^T for w in pair panels P (bf16).
+template <class TX>
+void linear_pairs(const TX *x, long ldx, const bf16 *P, TX *y, long ldy, long M, long K, long N, int threads) {
+    if (gemm512_with(
+            x, ldx, [&](long n, long k0, long kc, float *panel) { pack_panel512_pairs(P, K, n, k0, kc, panel); }, y,
+            ldy, M, K, N, threads))
+        return;
+    const float *xf = (const float *)x;
+    long ldxf = ldx;
+    std::vector<float, AlignedAlloc<float>> widened;
+    if constexpr (!std::is_same_v<TX, float>) {
+        widened.resize((size_t)(M * K));
+        for (long m = 0; m < M; m++)
+            for (long k = 0; k < K; k++) widened[m * K + k] = to_f32(x[m * ldx + k]);
+        xf = widened.data();
+        ldxf = K;
+    }
+    const long groups = (M + 11) / 12, rows = (M + groups - 1) / groups;  // rows per tile, at most 12
+    long per_chunk = CHUNK_BYTES / (K * (long)sizeof(bf16) * PANEL_COLS);
+    if (per_chunk < 1) per_chunk = 1;
+    const long blocks = N / PANEL_COLS, chunks = (blocks + per_chunk - 1) / per_chunk;
+    pool().run(chunks, threads, [&](long c) {
+        alignas(64) float acc[12 * PANEL_COLS];
+        const long b1 = (c + 1) * per_chunk < blocks ? (c + 1) * per_chunk : blocks;
+        for (long b = c * per_chunk; b < b1; b++) {
+            const long n = b * PANEL_COLS;
+            for (long m = 0; m < M; m += rows) {
+                const int mr = (int)(M - m < rows ? M - m : rows);
+                pairs_tile_rows(mr, xf + m * ldxf, ldxf, P + n * K, K, acc);
+                for (int i = 0; i < mr; i++)
+                    for (int j = 0; j < PANEL_COLS; j += 16) Vec::store(y + (m + i) * ldy + n + j, _mm512_loadu_ps(acc + i * 32 + j));
+            }
+        }
+    });
 }
 #endif
 
@@ -1429,7 +1569,20 @@ struct StepShape {
     long M, D, H, Hkv, Dh, I, Lmax, layers;
 };
 
-template <class T, class TW, class TC>
+// One product of a decode step: w in its plain layout, or (PAIRS, the AVX-512 builds) in pair panels.
+template <class T, class TW, bool PAIRS>
+inline void step_linear(const T *x, long ldx, const void *w, T *y, long ldy, long M, long K, long N, int threads,
+                        long one_row_prefetch) {
+#if defined(LLK_VEC512)
+    if constexpr (PAIRS) {
+        linear_pairs<T>(x, ldx, (const bf16 *)w, y, ldy, M, K, N, threads);
+        return;
+    }
+#endif
+    linear<T, TW>(x, ldx, (const TW *)w, y, ldy, M, K, N, threads, one_row_prefetch);
+}
+
+template <class T, class TW, class TC, bool PAIRS = false>
 int decode_layers(T *hidden, T *delta, T *scratch, const StepShape &s, const void *const *weights,
                   void *const *caches, const T *cos, const T *ssin, const int64_t *positions, const int64_t *slots,
                   const int64_t *lens, float eps, float scale, int threads, long one_row_prefetch) {
@@ -1440,19 +1593,22 @@ int decode_layers(T *hidden, T *delta, T *scratch, const StepShape &s, const voi
         const void *const *w = weights + 6 * l;
         TC *k = (TC *)caches[2 * l], *v = (TC *)caches[2 * l + 1];
         add_rmsnorm<T>(hidden, l ? delta : nullptr, (const T *)w[0], normed, M, D, eps, threads);
-        linear<T, TW>(normed, D, (const TW *)w[1], qkv, QKV, M, D, QKV, threads, one_row_prefetch);
+        step_linear<T, TW, PAIRS>(normed, D, w[1], qkv, QKV, M, D, QKV, threads, one_row_prefetch);
         rope_store<T, TC>(qkv, QKV, M, s.H, s.Hkv, s.Dh, cos, ssin, positions, slots, k, v, s.Lmax, threads);
         int code = decode_attention_d<T, TC>(qkv, QKV, k, v, slots, lens, M, s.H, s.Hkv, s.Lmax, s.Dh, scale, attn,
                                              threads);
         if (code) return code;
-        linear<T, TW>(attn, HD, (const TW *)w[2], delta, D, M, HD, D, threads, one_row_prefetch);
+        step_linear<T, TW, PAIRS>(attn, HD, w[2], delta, D, M, HD, D, threads, one_row_prefetch);
         add_rmsnorm<T>(hidden, delta, (const T *)w[3], normed, M, D, eps, threads);
-        linear<T, TW>(normed, D, (const TW *)w[4], gate_up, 2 * I, M, D, 2 * I, threads, one_row_prefetch);
+        step_linear<T, TW, PAIRS>(normed, D, w[4], gate_up, 2 * I, M, D, 2 * I, threads, one_row_prefetch);
         silu_mul<T>(gate_up, act, M, I, threads);
-        linear<T, TW>(act, I, (const TW *)w[5], delta, D, M, I, D, threads, one_row_prefetch);
+        step_linear<T, TW, PAIRS>(act, I, w[5], delta, D, M, I, D, threads, one_row_prefetch);
     }
     return 0;
 }
+
+// The weight dtype code of bf16 weights in pair panels (0 float32, 1 bfloat16).
+static constexpr int PAIRS_CODE = 2;
 
 }  // namespace
 
@@ -1474,6 +1630,27 @@ LLK_API int llk_linear(const void *x, long ldx, int x_dtype, const void *w, int 
         linear<bf16, bf16>((const bf16 *)x, ldx, (const bf16 *)w, (bf16 *)y, ldy, M, K, N, threads, one_row_prefetch);
         return 0;
     }
+#if defined(LLK_VEC512)
+    if (w_dtype == PAIRS_CODE && K % 2 == 0 && N % PANEL_COLS == 0) {
+        if (x_dtype == 0) linear_pairs<float>((const float *)x, ldx, (const bf16 *)w, (float *)y, ldy, M, K, N, threads);
+        else if (x_dtype == 1) linear_pairs<bf16>((const bf16 *)x, ldx, (const bf16 *)w, (bf16 *)y, ldy, M, K, N, threads);
+        else return -1;
+        return 0;
+    }
+#endif
+    return -1;
+}
+
+// The pair panels (see pack_pairs) of the bf16 weight w [N, K] into P (N K elements), where this build
+// has them: 0, or -1 (another build, K odd, or N not a multiple of the panels' columns).
+LLK_API int llk_pack_pairs(const void *w, void *P, long K, long N) {
+#if defined(LLK_VEC512)
+    if (K % 2 == 0 && N % PANEL_COLS == 0 && K > 0 && N > 0) {
+        pack_pairs((const bf16 *)w, (bf16 *)P, K, N);
+        return 0;
+    }
+#endif
+    (void)w, (void)P, (void)K, (void)N;
     return -1;
 }
 
@@ -1567,9 +1744,19 @@ LLK_API int llk_decode_layers(void *hidden, void *delta, void *scratch, const lo
                               int w_dtype, int kv_dtype, int threads, long one_row_prefetch) {
     const StepShape s{dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], dims[6], dims[7]};
     if (s.Hkv < 1 || s.H % s.Hkv != 0 || s.H / s.Hkv > 64 || s.Dh % (2 * Vec::N) != 0 || s.Dh > 512) return -1;
-#define LLK_LAYERS(T, TW, TC)                                                                                   \
-    return decode_layers<T, TW, TC>((T *)hidden, (T *)delta, (T *)scratch, s, weights, caches, (const T *)cos, \
-                                    (const T *)ssin, positions, slots, lens, eps, scale, threads, one_row_prefetch)
+#define LLK_LAYERS(T, TW, TC, ...)                                                                   \
+    return decode_layers<T, TW, TC, ##__VA_ARGS__>((T *)hidden, (T *)delta, (T *)scratch, s, weights, caches, \
+                                                   (const T *)cos, (const T *)ssin, positions, slots, lens, eps,  \
+                                                   scale, threads, one_row_prefetch)
+#if defined(LLK_VEC512)
+    const long qkv = (s.H + 2 * s.Hkv) * s.Dh;
+    if (w_dtype == PAIRS_CODE && (s.D % PANEL_COLS || qkv % PANEL_COLS || (2 * s.I) % PANEL_COLS || s.I % 2))
+        return -1;
+    if (w_dtype == PAIRS_CODE && dtype == 0 && kv_dtype == 0) LLK_LAYERS(float, bf16, float, true);
+    if (w_dtype == PAIRS_CODE && dtype == 0 && kv_dtype == 1) LLK_LAYERS(float, bf16, bf16, true);
+    if (w_dtype == PAIRS_CODE && dtype == 1 && kv_dtype == 1) LLK_LAYERS(bf16, bf16, bf16, true);
+    if (w_dtype == PAIRS_CODE && dtype == 1 && kv_dtype == 0) LLK_LAYERS(bf16, bf16, float, true);
+#endif
     if (dtype == 0 && w_dtype == 0 && kv_dtype == 0) LLK_LAYERS(float, float, float);
     if (dtype == 0 && w_dtype == 1 && kv_dtype == 0) LLK_LAYERS(float, bf16, float);
     if (dtype == 0 && w_dtype == 1 && kv_dtype == 1) LLK_LAYERS(float, bf16, bf16);

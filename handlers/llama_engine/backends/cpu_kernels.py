@@ -95,6 +95,11 @@ ISAS = ("avx512bf16", "avx512", "avx2")
 COMMON_FLAGS = ["-O3", "-std=c++20", "-fPIC", "-shared", "-pthread", "-fvisibility=hidden", "-fno-math-errno",
                 "-ffp-contract=off", "-Wall", "-Wno-uninitialized", "-Wno-maybe-uninitialized"]
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+#: The weight code of a bf16 weight in pair panels (:meth:`CpuKernels.pack_pairs`), the builds that have
+#: them, and the outputs a panel pair takes.
+PAIRS_CODE = 2
+PAIRS_ISAS = frozenset({"avx512", "avx512bf16"})
+PAIRS_COLUMNS = 32
 #: Head sizes the attention kernel is compiled for.
 HEAD_DIMS = (32, 64, 128, 256)
 #: ``LLAMA_CPU_PREFETCH``: ``auto`` (measure at load, the default) or a one-row prefetch distance in bytes.
@@ -200,6 +205,7 @@ _FUNCTIONS = {
     "_rope_store": ("llk_rope_store",
                     [_P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _I64, _I32, _I32, _I32], _I32),
     "_decode_layers": ("llk_decode_layers", [_P] * 11 + [_F32, _F32, _I32, _I32, _I32, _I32, _I64], _I32),
+    "_pack_pairs": ("llk_pack_pairs", [_P, _P, _I64, _I64], _I32),
     "_pool_check": ("llk_pool_check", [_I64, _I64, _I32], _I64),
     "_isa": ("llk_isa", [], ctypes.c_char_p),
 }
@@ -221,20 +227,46 @@ class CpuKernels:
         #: One-row prefetch distance (bytes) by (activation dtype, weight dtype); absent: the source's default.
         self.one_row_prefetch: Dict[tuple, int] = {}
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, out: Optional[torch.Tensor] = None,
+               pairs: bool = False) -> torch.Tensor:
         """``x @ weight.T`` for ``x`` ``[M, K]`` (rows may be strided, elements contiguous) and a contiguous
         ``weight`` ``[N, K]``: both float32, both bfloat16, or float32 ``x`` over a bfloat16 ``weight``
-        (widened as it is read); returns ``[M, N]`` in ``x``'s dtype."""
+        (widened as it is read); returns ``[M, N]`` in ``x``'s dtype. ``pairs``: ``weight`` is a bf16
+        weight's pair panels (:meth:`pack_pairs`)."""
         rows, k = x.shape
         n = weight.shape[0]
         if out is None:
             out = torch.empty((rows, n), dtype=x.dtype)
-        code = self._linear(x.data_ptr(), x.stride(0), DTYPE_CODES.get(x.dtype, -1), weight.data_ptr(),
-                            DTYPE_CODES.get(weight.dtype, -1), out.data_ptr(), out.stride(0), rows, k, n,
-                            torch.get_num_threads(), self.one_row_prefetch.get((x.dtype, weight.dtype), 0))
+        w_code = PAIRS_CODE if pairs and weight.dtype == torch.bfloat16 else DTYPE_CODES.get(weight.dtype, -1)
+        code = self._linear(x.data_ptr(), x.stride(0), DTYPE_CODES.get(x.dtype, -1), weight.data_ptr(), w_code,
+                            out.data_ptr(), out.stride(0), rows, k, n, torch.get_num_threads(),
+                            self.one_row_prefetch.get((x.dtype, weight.dtype), 0))
         if code:
-            raise ValueError(f"native linear: unsupported dtypes ({x.dtype} activations, {weight.dtype} weight)")
+            layout = " in pair panels" if pairs else ""
+            raise ValueError(f"native linear: unsupported dtypes ({x.dtype} activations, {weight.dtype} "
+                             f"weight{layout}) or shape on {self.isa}")
         return out
+
+    def pack_pairs(self, weight: torch.Tensor) -> torch.Tensor:
+        """A bf16 ``weight`` ``[N, K]`` laid out in pair panels (``pack_pairs`` in the source): a tensor of the
+        same shape and dtype whose memory holds 16 outputs at a time, K-major, each k beside k + 1. Only where
+        :meth:`takes_pairs` (the AVX-512 builds)."""
+        if not self.takes_pairs(weight):
+            raise ValueError(f"pair panels: need a bfloat16 [N, K] weight with K even and N a multiple of "
+                             f"{PAIRS_COLUMNS} on an AVX-512 build (got {weight.dtype} {tuple(weight.shape)} on "
+                             f"{self.isa})")
+        weight = weight.contiguous()
+        packed = torch.empty_like(weight)
+        if self._pack_pairs(weight.data_ptr(), packed.data_ptr(), weight.shape[1], weight.shape[0]):
+            raise ValueError(f"pair panels: the {self.isa} build refused a {tuple(weight.shape)} weight")
+        return packed
+
+    def takes_pairs(self, weight: torch.Tensor) -> bool:
+        """Whether this build multiplies ``weight`` in pair panels: bf16 ``[N, K]``, K even, N a multiple of
+        :data:`PAIRS_COLUMNS`, on an AVX-512 build."""
+        out, inp = weight.shape
+        return (self.isa in PAIRS_ISAS and weight.dtype == torch.bfloat16 and weight.dim() == 2 and inp % 2 == 0
+                and out % PAIRS_COLUMNS == 0 and out > 0 and inp > 0)
 
     def decode_attention(self, q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, slots: torch.Tensor,
                          lengths: torch.Tensor, scale: float) -> torch.Tensor:
@@ -359,13 +391,14 @@ class DecodeLayers:
 
     ``layers``: per layer, a dict of :data:`LAYER_TENSORS` (contiguous; norms in the activations' dtype,
     products' weights ``[out, in]`` in one dtype). The pointers are taken once here, so the tensors must
-    stay where they are: this object keeps them alive.
+    stay where they are: this object keeps them alive. ``pairs``: every product's weight is in pair panels
+    (:meth:`CpuKernels.pack_pairs`).
     """
 
     def __init__(self, kernels: CpuKernels, layers: Sequence[Dict[str, torch.Tensor]], heads: int, kv_heads: int,
-                 head_dim: int, eps: float):
+                 head_dim: int, eps: float, pairs: bool = False):
         first = layers[0]
-        self.kernels, self.weight_dtype = kernels, first["qkv"].dtype
+        self.kernels, self.weight_dtype, self.pairs = kernels, first["qkv"].dtype, pairs
         self.intermediate = first["gate_up"].shape[0] // 2
         self.heads, self.kv_heads, self.head_dim, self.eps = heads, kv_heads, head_dim, eps
         self.scale = head_dim ** -0.5
@@ -407,11 +440,13 @@ class DecodeLayers:
             hidden.data_ptr(), delta.data_ptr(), scratch.data_ptr(), dims, self._weights,
             self._cache_pointers(k_cache, v_cache), cos.data_ptr(), signed_sin.data_ptr(), positions.data_ptr(),
             slots.data_ptr(), lengths.data_ptr(), self.eps, self.scale, DTYPE_CODES[hidden.dtype],
-            DTYPE_CODES[self.weight_dtype], DTYPE_CODES[k_cache.dtype], torch.get_num_threads(),
+            PAIRS_CODE if self.pairs else DTYPE_CODES[self.weight_dtype], DTYPE_CODES[k_cache.dtype],
+            torch.get_num_threads(),
             self.kernels.one_row_prefetch.get((hidden.dtype, self.weight_dtype), 0))
         if code:
+            layout = " or shapes for pair panels" if self.pairs else ""
             raise ValueError(f"native decode layers: unsupported head size {self.head_dim} or heads "
-                             f"({self.heads} over {self.kv_heads})")
+                             f"({self.heads} over {self.kv_heads}){layout}")
         return delta
 
 

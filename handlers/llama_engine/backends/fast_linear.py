@@ -141,10 +141,14 @@ class NativeLinear(nn.Module):
 
     ``weight_dtype``: keep the weight in this dtype instead of the linear's (bfloat16 for a float32
     model: the native kernel widens it as it streams it, half the bytes; more rows than ``max_rows``
-    multiply a float32 copy made for the call)."""
+    multiply a float32 copy made for the call).
+
+    ``pairs``: lay a bf16 weight out in the native kernels' pair panels (:meth:`.CpuKernels.pack_pairs`)
+    where they take it and every row count runs natively (``max_rows`` unbounded: oneDNN never reads
+    it); ``self.pairs`` says whether it was. ``weight`` then keeps its shape, not its layout."""
 
     def __init__(self, linear: nn.Linear, kernels, max_rows: Optional[int] = None,
-                 weight_dtype: Optional[torch.dtype] = None, wide_in_float32: bool = False):
+                 weight_dtype: Optional[torch.dtype] = None, wide_in_float32: bool = False, pairs: bool = False):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.kernels, self.max_rows = kernels, NATIVE_MAX_ROWS if max_rows is None else max_rows
@@ -153,7 +157,12 @@ class NativeLinear(nn.Module):
         self.wide_in_float32 = wide_in_float32
         weight = linear.weight.detach()
         self.compute_dtype = weight.dtype
-        self.register_buffer("weight", weight.to(weight_dtype or weight.dtype).contiguous(), persistent=False)
+        stored = weight.to(weight_dtype or weight.dtype).contiguous()
+        self.pairs = bool(pairs and kernels is not None and self.max_rows == sys.maxsize
+                          and kernels.takes_pairs(stored))
+        if self.pairs:
+            stored = kernels.pack_pairs(stored)
+        self.register_buffer("weight", stored, persistent=False)
         bias = None if linear.bias is None else linear.bias.detach().clone()
         self.register_buffer("bias", bias, persistent=False)
 
@@ -167,12 +176,14 @@ class NativeLinear(nn.Module):
         flat = x.reshape(rows, self.in_features)
         if flat.stride(-1) != 1:
             flat = flat.contiguous()
-        y = self.kernels.linear(flat, self.weight).view(*x.shape[:-1], self.out_features)
+        y = self.kernels.linear(flat, self.weight, pairs=True) if self.pairs else self.kernels.linear(flat, self.weight)
+        y = y.view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y.add_(self.bias)
 
     def extra_repr(self) -> str:
+        layout = ", pair panels" if self.pairs else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, " \
-               f"dtype={self.weight.dtype}, native up to {self.max_rows} rows ({self.kernels.isa})"
+               f"dtype={self.weight.dtype}{layout}, native up to {self.max_rows} rows ({self.kernels.isa})"
 
 
 class PackedLinear(nn.Module):
@@ -308,15 +319,19 @@ def pack_linears(model: nn.Module, batch_hint: Optional[int] = None, weight_dtyp
         if kernels is None:
             raise ValueError(f"{weight_dtype} linear weights under {weight.dtype} arithmetic need the native CPU "
                              "kernels with float32 arithmetic over bfloat16 weights (an x86 CPU with AVX2 and FMA)")
-        return _swap_native(targets, weight.dtype, kernels, native_max_rows(kernels, BF16_WEIGHT_MAX_ROWS, weight_dtype),
-                            weight_dtype)
+        max_rows = native_max_rows(kernels, BF16_WEIGHT_MAX_ROWS, weight_dtype)
+        pairs = max_rows == sys.maxsize and weight_pairs([t[2] for t in targets], kernels, weight.dtype, weight_dtype)
+        return _swap_native(targets, weight.dtype, kernels, max_rows, weight_dtype, pairs=pairs)
     if not packing_supported(weight.dtype, weight.device):
         return 0
     kernels = native_kernels_for(weight.dtype, weight.device)
     if kernels is not None:
         prompts = bf16_prompt_products([t[2] for t in targets], kernels) if weight.dtype == torch.bfloat16 else None
         max_rows = sys.maxsize if prompts == "native" else native_max_rows(kernels)
-        return _swap_native(targets, weight.dtype, kernels, max_rows, wide_in_float32=prompts == "float32")
+        pairs = max_rows == sys.maxsize and weight.dtype == torch.bfloat16 and weight_pairs(
+            [t[2] for t in targets], kernels, weight.dtype, weight.dtype)
+        return _swap_native(targets, weight.dtype, kernels, max_rows, wide_in_float32=prompts == "float32",
+                            pairs=pairs)
     fp32 = weight.dtype == torch.float32
     if fp32:
         kind, kernels = _float32_kind(setting, [t[2] for t in targets], weight.device)
@@ -330,12 +345,15 @@ def pack_linears(model: nn.Module, batch_hint: Optional[int] = None, weight_dtyp
 
 
 def _swap_native(targets, dtype: torch.dtype, kernels, max_rows: int, weight_dtype: Optional[torch.dtype] = None,
-                 wide_in_float32: bool = False) -> int:
-    """:func:`_swap` for :class:`NativeLinear` (its weights kept in ``weight_dtype`` when given)."""
+                 wide_in_float32: bool = False, pairs: bool = False) -> int:
+    """:func:`_swap` for :class:`NativeLinear` (its weights kept in ``weight_dtype`` when given, in pair panels
+    where ``pairs`` and they take them)."""
     stored = f"{weight_dtype} weights, " if weight_dtype is not None else ""
     wide = ", more rows in float32" if wide_in_float32 else ""
-    return _swap(targets, dtype, lambda linear: NativeLinear(linear, kernels, max_rows, weight_dtype, wide_in_float32),
-                 f"{stored}native up to {max_rows} rows{wide}, {kernels.isa}")
+    layout = ", pair panels where they fit" if pairs else ""
+    return _swap(targets, dtype,
+                 lambda linear: NativeLinear(linear, kernels, max_rows, weight_dtype, wide_in_float32, pairs),
+                 f"{stored}native up to {max_rows} rows{wide}{layout}, {kernels.isa}")
 
 
 def gathered_block(tensors: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, List[torch.Tensor], bool]:
@@ -386,7 +404,8 @@ def tune_native_prefetch(modules: Sequence[Optional[nn.Module]]) -> Optional[int
     :class:`NativeLinear` in ``modules`` (:func:`cpu_kernels.tune_one_row_prefetch`); None where there are
     none. Called once the model's linears are all swapped, so that the sample is the model's weights as a
     decode step streams them, not one layer's, which a cache could hold."""
-    layers = [m for module in modules if module is not None for m in module.modules() if isinstance(m, NativeLinear)]
+    layers = [m for module in modules if module is not None for m in module.modules()
+              if isinstance(m, NativeLinear) and not m.pairs]  # pair panels have no one-row distance to tune
     if not layers:
         return None
     return cpu_kernels.tune_one_row_prefetch(layers[0].kernels, [layer.weight for layer in layers],
@@ -547,6 +566,61 @@ def bf16_prompt_products(linears: Sequence[nn.Linear], kernels=None, repeats: in
                               for side, times in passes.items()),
                     len(passes["bfloat16"]), _WIDE_DECISIONS[key])
     return _WIDE_DECISIONS[key]
+
+
+#: Environment switch for :func:`weight_pairs`: "on" lays bf16 weights out in pair panels where the native
+#: kernels take them, "off" keeps them plain; default ("auto"): whichever times faster at load.
+PAIRS_ENV = "LLAMA_WEIGHT_PAIRS"
+#: The rows :func:`weight_pairs` times (a decode step's at 8 streams), the bytes it streams, and the median
+#: ratio (pairs over plain) below which it takes the pair panels.
+PAIRS_ROWS, PAIRS_SAMPLE_BYTES, PAIRS_TAKE = 8, 64 << 20, 0.95
+_PAIRS_DECISIONS: Dict[tuple, bool] = {}
+
+
+def weight_pairs(linears: Sequence[nn.Linear], kernels, compute_dtype: torch.dtype,
+                 weight_dtype: torch.dtype, repeats: int = 5) -> bool:
+    """Whether bf16 weights run faster in the native kernels' pair panels (:meth:`.CpuKernels.pack_pairs`) than
+    in their plain layout, on ``kernels`` for ``compute_dtype`` activations: measured once per process, thread
+    count and dtypes (:data:`PAIRS_ENV` forces it), over linears of the shapes of ``linears``
+    (:data:`PAIRS_SAMPLE_BYTES`, :func:`_streamed_sample`) at :data:`PAIRS_ROWS` rows, round by round.
+
+    On an Emerald Rapids Xeon (2 vCPUs, 64 MiB of the bench model's bf16 weights, 11 alternated rounds,
+    medians) the plain layout's tiles ran at ~140 GFLOP/s from 4 rows up and the pair panels at 200-240:
+    1.53x at 8 rows, 1.52-1.61x at 12 to 39, even at 1 and 2; float32 rows over bf16 weights 1.39-1.46x at 8 to
+    32. A build without them, or weights of another dtype, returns False."""
+    setting = os.environ.get(PAIRS_ENV, "auto").strip().lower()
+    if setting not in ("auto", "on", "off"):
+        raise ValueError(f"{PAIRS_ENV}={setting!r}: use auto, on or off")
+    if setting == "off":
+        return False
+    if weight_dtype != torch.bfloat16 or kernels is None or kernels.isa not in cpu_kernels.PAIRS_ISAS:
+        if setting == "on":
+            raise ValueError(f"{PAIRS_ENV}=on needs bfloat16 weights on the native CPU kernels' avx512 or "
+                             f"avx512bf16 build (here: {weight_dtype} weights on "
+                             f"{kernels.isa if kernels is not None else 'no native kernels'}); use auto or off")
+        return False
+    if setting == "on":
+        return True
+    key = (torch.get_num_threads(), compute_dtype, kernels.isa)
+    if key not in _PAIRS_DECISIONS:
+        sample = [linear for linear in _streamed_sample(linears, PAIRS_SAMPLE_BYTES)
+                  if kernels.takes_pairs(linear.weight.to(weight_dtype))]
+        if not sample:
+            _PAIRS_DECISIONS[key] = False
+            return False
+        plain = [linear.weight.to(weight_dtype).contiguous() for linear in sample]
+        paired = [kernels.pack_pairs(w) for w in plain]
+        inputs = [torch.randn(PAIRS_ROWS, w.shape[1]).to(compute_dtype) for w in plain]
+        runs = {"plain": lambda: [kernels.linear(x, w) for x, w in zip(inputs, plain)],
+                "pairs": lambda: [kernels.linear(x, w, pairs=True) for x, w in zip(inputs, paired)]}
+        passes = cpu_kernels.alternate_passes(runs, repeats)
+        ratio = statistics.median(p / q for p, q in zip(passes["pairs"], passes["plain"]))
+        _PAIRS_DECISIONS[key] = ratio < PAIRS_TAKE
+        logger.info("bf16 weights in pair panels, %d threads, %s rows, %d rows: plain %.2f ms, pairs %.2f ms "
+                    "(%.2f of plain's, medians of %d rounds) -> %s", key[0], compute_dtype, PAIRS_ROWS,
+                    1e3 * statistics.median(passes["plain"]), 1e3 * statistics.median(passes["pairs"]), ratio,
+                    repeats, "pairs" if _PAIRS_DECISIONS[key] else "plain")
+    return _PAIRS_DECISIONS[key]
 
 
 #: How :func:`bf16_prompt_products` names each side in its log line.

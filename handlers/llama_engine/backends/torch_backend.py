@@ -397,10 +397,11 @@ class TorchSlotBackend(OnePassSlotBackend):
                                                                          layer.post_attention_layernorm)}
         dtypes = (self.dtype, products[0].weight.dtype, self.kv_dtype)
         if (len(eps) != 1 or dtypes not in cpu_kernels.DECODE_LAYERS_DTYPES
-                or any(p.weight.dtype != dtypes[1] for p in products)
+                or any(p.weight.dtype != dtypes[1] or p.pairs != products[0].pairs for p in products)
                 or any(t.dtype != self.dtype for layer in layers for t in (layer["input_norm"], layer["post_norm"]))):
             return None, 0
-        step = cpu_kernels.DecodeLayers(self._kernels, layers, self.n_heads, self.n_kv_heads, self.head_dim, eps.pop())
+        step = cpu_kernels.DecodeLayers(self._kernels, layers, self.n_heads, self.n_kv_heads, self.head_dim, eps.pop(),
+                                        pairs=products[0].pairs)
         return step, min(p.max_rows for p in products)
 
     def _fuse_projections(self, owns_model: bool) -> List[Optional[FusedLlamaProjections]]:
