@@ -204,11 +204,13 @@ def test_linear_over_pair_panels_is_the_float64_product(kernels, x_dtype, rows, 
     got = kernels.linear(x, packed, pairs=True)
     assert got.shape == (rows, outer) and got.dtype == x_dtype
     assert_product(got, x, w)
+    assert kernels.linear(x[:0], packed, pairs=True).shape == (0, outer)  # no rows: nothing to do
 
 
 @pytest.mark.parametrize("kernels", ISAS[:2], indirect=True)
 def test_pair_panels_name_the_weights_they_cannot_lay_out(kernels):
     """An odd K, outputs not a multiple of 32, or float32: a ValueError with the shape, and no product."""
+    assert not kernels.takes_pairs(torch.zeros(64, dtype=torch.bfloat16))
     for weight in (torch.zeros(64, 33, dtype=torch.bfloat16), torch.zeros(48, 64, dtype=torch.bfloat16),
                    torch.zeros(64, 64)):
         assert not kernels.takes_pairs(weight)

@@ -1035,6 +1035,7 @@ inline void pairs_tile_rows(int mr, const float *x, long ldx, const bf16 *P, lon
 // y[M, N] = x[M, K] @ w^T for w in pair panels P (bf16).
 template <class TX>
 void linear_pairs(const TX *x, long ldx, const bf16 *P, TX *y, long ldy, long M, long K, long N, int threads) {
+    if (M <= 0) return;
     if (gemm512_with(
             x, ldx, [&](long n, long k0, long kc, float *panel) { pack_panel512_pairs(P, K, n, k0, kc, panel); }, y,
             ldy, M, K, N, threads))

@@ -264,9 +264,10 @@ class CpuKernels:
     def takes_pairs(self, weight: torch.Tensor) -> bool:
         """Whether this build multiplies ``weight`` in pair panels: bf16 ``[N, K]``, K even, N a multiple of
         :data:`PAIRS_COLUMNS`, on an AVX-512 build."""
+        if self.isa not in PAIRS_ISAS or weight.dtype != torch.bfloat16 or weight.dim() != 2:
+            return False
         out, inp = weight.shape
-        return (self.isa in PAIRS_ISAS and weight.dtype == torch.bfloat16 and weight.dim() == 2 and inp % 2 == 0
-                and out % PAIRS_COLUMNS == 0 and out > 0 and inp > 0)
+        return inp % 2 == 0 and out % PAIRS_COLUMNS == 0 and out > 0 and inp > 0
 
     def decode_attention(self, q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, slots: torch.Tensor,
                          lengths: torch.Tensor, scale: float) -> torch.Tensor:
