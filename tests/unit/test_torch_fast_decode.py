@@ -452,8 +452,10 @@ def test_torch_backend_prefill_that_fails_leaves_every_slot_free(tiny_model_dir)
 
 @needs_native
 def test_the_slot_backend_measures_the_prefetch_over_every_native_linear_of_the_model(tiny_model_dir, monkeypatch):
-    """Once, after every linear is swapped: one layer's weights could sit in a cache and mislead it."""
+    """Once, after every linear is swapped: one layer's weights could sit in a cache and mislead it. (Weights
+    in pair panels have no one-row distance: the plain layout here, whatever the load-time choice would be.)"""
     monkeypatch.setenv(cpu_kernels.ENV, "auto")
+    monkeypatch.setenv(fast_linear.PAIRS_ENV, "off")
     calls = []
     monkeypatch.setattr(cpu_kernels, "tune_one_row_prefetch",
                         lambda kernels, weights, x_dtype: calls.append((kernels, weights, x_dtype)) or 1024)
@@ -1066,6 +1068,19 @@ def test_bf16_weights_go_to_pair_panels_where_they_time_faster_once_per_process(
     monkeypatch.setenv(fast_linear.PAIRS_ENV, "sometimes")
     with pytest.raises(ValueError, match="LLAMA_WEIGHT_PAIRS='sometimes': use auto, on or off"):
         fast_linear.weight_pairs(linears, NATIVE, torch.bfloat16, torch.bfloat16)
+
+
+@PAIRED
+def test_weights_in_pair_panels_leave_the_one_row_prefetch_untuned(tiny_model_dir, monkeypatch):
+    """Every product in pair panels: nothing for the plain layout's one-row distance to be measured over."""
+    monkeypatch.setenv(cpu_kernels.ENV, "auto")
+    monkeypatch.setenv(fast_linear.PAIRS_ENV, "on")
+    calls = []
+    monkeypatch.setattr(cpu_kernels, "tune_one_row_prefetch", lambda *args: calls.append(args) or 1024)
+    backend = TorchSlotBackend.from_pretrained(str(tiny_model_dir), max_slots=2, max_length=64, dtype="float32",
+                                               weight_dtype="bfloat16")
+    native = [m for module in (backend.model, *backend._fused) for m in module.modules() if isinstance(m, NativeLinear)]
+    assert native and all(m.pairs for m in native) and calls == []
 
 
 @PAIRED
