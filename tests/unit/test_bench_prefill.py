@@ -96,6 +96,27 @@ def test_decode_products_of_bf16_weights_under_float32_stream_two_bytes_a_weight
     assert for_device("cpu").one_row_prefetch[(torch.float32, torch.bfloat16)] in PREFETCH_CANDIDATES
 
 
+def test_the_products_bound_times_bf16_weights_in_pair_panels_where_the_kernels_take_them(tmp_path):
+    """Where every weight fills whole pairs of panels (here the LM head's 128 outputs too) on an AVX-512 build,
+    the bound times them laid out as the backend may lay them out at load (``fast_linear.weight_pairs``)."""
+    from llama_engine.backends.cpu_kernels import PAIRS_ISAS, for_device
+
+    library = for_device("cpu")
+    (tmp_path / "config.json").write_text(json.dumps(dict(LLAMA_GQA, vocab_size=128)))
+    got = decode_products(tmp_path, "float32", threads=1, repeats=1, weight_dtype="bfloat16") \
+        if library is not None else {"by_kernel_tokens_per_s": {}}
+    paired = library is not None and library.isa in PAIRS_ISAS
+    assert ("native, bf16 weights, pair panels" in got["by_kernel_tokens_per_s"]) == paired
+    import torch
+
+    from llama_engine.backends.fast_linear import native_kernels_considered
+
+    bf16_native = native_kernels_considered(torch.bfloat16, torch.device("cpu"))  # not on AMX: oneDNN's there
+    if paired and bf16_native is not None and bf16_native.isa in PAIRS_ISAS:
+        bound = prefill_bound(tmp_path, "bfloat16", threads=1, tokens=8, repeats=1)
+        assert "native, pair panels" in bound["by_kernel_tokens_per_s"]
+
+
 def test_the_products_bound_also_streams_the_layers_weights_gathered_as_the_backend_gathers_them():
     """The backend streams a decode step's weights from one block (``gather_weights``); the bound times
     copies laid out the same way beside the weights as loaded, with the LM head apart as served."""
