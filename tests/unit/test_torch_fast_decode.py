@@ -134,7 +134,7 @@ def test_native_linear_matches_nn_linear_on_either_side_of_its_row_limit(monkeyp
     strided inputs alike."""
     torch.manual_seed(0)
     calls = []
-    monkeypatch.setattr(NATIVE, "linear", lambda x, w, _f=NATIVE.linear: calls.append(x.shape[0]) or _f(x, w))
+    monkeypatch.setattr(NATIVE, "linear", lambda x, w, _f=NATIVE.linear, **kw: calls.append(x.shape[0]) or _f(x, w, **kw))
     for bias in (False, True):
         linear = torch.nn.Linear(96, 80, bias=bias).to(torch.bfloat16)
         native = NativeLinear(linear, NATIVE, max_rows=6)
@@ -699,7 +699,7 @@ def test_native_linear_keeps_bf16_weights_for_float32_rows_on_either_side_of_its
     weight in float32 (natively up to ``max_rows`` rows, over a float32 copy beyond)."""
     torch.manual_seed(0)
     calls = []
-    monkeypatch.setattr(NATIVE, "linear", lambda x, w, _f=NATIVE.linear: calls.append((x.dtype, w.dtype)) or _f(x, w))
+    monkeypatch.setattr(NATIVE, "linear", lambda x, w, _f=NATIVE.linear, **kw: calls.append((x.dtype, w.dtype)) or _f(x, w, **kw))
     linear = torch.nn.Linear(96, 80, bias=True)
     native = NativeLinear(linear, NATIVE, max_rows=6, weight_dtype=torch.bfloat16)
     assert native.weight.dtype == torch.bfloat16 and native.bias.dtype == torch.float32

@@ -176,8 +176,7 @@ class NativeLinear(nn.Module):
         flat = x.reshape(rows, self.in_features)
         if flat.stride(-1) != 1:
             flat = flat.contiguous()
-        y = self.kernels.linear(flat, self.weight, pairs=True) if self.pairs else self.kernels.linear(flat, self.weight)
-        y = y.view(*x.shape[:-1], self.out_features)
+        y = self.kernels.linear(flat, self.weight, pairs=self.pairs).view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y.add_(self.bias)
 
     def extra_repr(self) -> str:
@@ -319,19 +318,15 @@ def pack_linears(model: nn.Module, batch_hint: Optional[int] = None, weight_dtyp
         if kernels is None:
             raise ValueError(f"{weight_dtype} linear weights under {weight.dtype} arithmetic need the native CPU "
                              "kernels with float32 arithmetic over bfloat16 weights (an x86 CPU with AVX2 and FMA)")
-        max_rows = native_max_rows(kernels, BF16_WEIGHT_MAX_ROWS, weight_dtype)
-        pairs = max_rows == sys.maxsize and weight_pairs([t[2] for t in targets], kernels, weight.dtype, weight_dtype)
-        return _swap_native(targets, weight.dtype, kernels, max_rows, weight_dtype, pairs=pairs)
+        return _swap_native(targets, weight.dtype, kernels, native_max_rows(kernels, BF16_WEIGHT_MAX_ROWS, weight_dtype),
+                            weight_dtype)
     if not packing_supported(weight.dtype, weight.device):
         return 0
     kernels = native_kernels_for(weight.dtype, weight.device)
     if kernels is not None:
         prompts = bf16_prompt_products([t[2] for t in targets], kernels) if weight.dtype == torch.bfloat16 else None
         max_rows = sys.maxsize if prompts == "native" else native_max_rows(kernels)
-        pairs = max_rows == sys.maxsize and weight.dtype == torch.bfloat16 and weight_pairs(
-            [t[2] for t in targets], kernels, weight.dtype, weight.dtype)
-        return _swap_native(targets, weight.dtype, kernels, max_rows, wide_in_float32=prompts == "float32",
-                            pairs=pairs)
+        return _swap_native(targets, weight.dtype, kernels, max_rows, wide_in_float32=prompts == "float32")
     fp32 = weight.dtype == torch.float32
     if fp32:
         kind, kernels = _float32_kind(setting, [t[2] for t in targets], weight.device)
@@ -345,9 +340,12 @@ def pack_linears(model: nn.Module, batch_hint: Optional[int] = None, weight_dtyp
 
 
 def _swap_native(targets, dtype: torch.dtype, kernels, max_rows: int, weight_dtype: Optional[torch.dtype] = None,
-                 wide_in_float32: bool = False, pairs: bool = False) -> int:
-    """:func:`_swap` for :class:`NativeLinear` (its weights kept in ``weight_dtype`` when given, in pair panels
-    where ``pairs`` and they take them)."""
+                 wide_in_float32: bool = False) -> int:
+    """:func:`_swap` for :class:`NativeLinear` (its weights kept in ``weight_dtype`` when given). bf16 weights
+    whose every row count runs natively go to pair panels where :func:`weight_pairs` says so and they fit."""
+    kept = weight_dtype or dtype
+    pairs = max_rows == sys.maxsize and kept == torch.bfloat16 and weight_pairs([t[2] for t in targets], kernels,
+                                                                                 dtype, kept)
     stored = f"{weight_dtype} weights, " if weight_dtype is not None else ""
     wide = ", more rows in float32" if wide_in_float32 else ""
     layout = ", pair panels where they fit" if pairs else ""
@@ -603,12 +601,11 @@ def weight_pairs(linears: Sequence[nn.Linear], kernels, compute_dtype: torch.dty
         return True
     key = (torch.get_num_threads(), compute_dtype, kernels.isa)
     if key not in _PAIRS_DECISIONS:
-        sample = [linear for linear in _streamed_sample(linears, PAIRS_SAMPLE_BYTES)
-                  if kernels.takes_pairs(linear.weight.to(weight_dtype))]
-        if not sample:
+        converted = (linear.weight.to(weight_dtype).contiguous() for linear in _streamed_sample(linears, PAIRS_SAMPLE_BYTES))
+        plain = [w for w in converted if kernels.takes_pairs(w)]
+        if not plain:
             _PAIRS_DECISIONS[key] = False
             return False
-        plain = [linear.weight.to(weight_dtype).contiguous() for linear in sample]
         paired = [kernels.pack_pairs(w) for w in plain]
         inputs = [torch.randn(PAIRS_ROWS, w.shape[1]).to(compute_dtype) for w in plain]
         runs = {"plain": lambda: [kernels.linear(x, w) for x, w in zip(inputs, plain)],
