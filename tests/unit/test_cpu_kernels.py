@@ -318,11 +318,13 @@ def assert_attention(got, want, dtype, bound: float = 2e-5) -> None:
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens, heads, kv_heads, dim", [(1, 2, 2, 16), (5, 4, 2, 32), (47, 12, 12, 64), (48, 4, 1, 64),
                                                           (49, 6, 3, 64), (100, 8, 2, 128), (257, 12, 12, 64),
-                                                          (130, 2, 2, 256), (17, 3, 1, 48)])
+                                                          (130, 2, 2, 256), (17, 3, 1, 48), (13, 4, 2, 32),
+                                                          (33, 2, 1, 96)])
 def test_prompt_attention_is_causal_softmax_attention_over_the_chunks_own_tokens(kernels, q_dtype, tokens, heads,
                                                                                  kv_heads, dim):
-    """Row and position tails (not multiples of the 6-row micro-panels, the 16-position panels or the
-    48-query work items), GQA groups, head sizes from 16 to 256, strided rows (keys' and values' apart
+    """Row and position tails (not multiples of the 6- or 12-row micro-panels, the 16- or 32-position
+    panels or the 48-query work items), GQA groups, head sizes from 16 to 256 (the AVX-512 builds'
+    12 x 32 tile at multiples of 32, AVX2's 6 x 16 at 16 and 48), strided rows (keys' and values' apart
     or not: rotated keys are a tensor of their own), one and two threads, every build, float32
     queries over float32 keys and bf16 over bf16 (a bf16 model's fused product)."""
     q, k, v = (t.to(q_dtype) for t in fused_qkv(tokens, heads, kv_heads, dim, seed=tokens * dim + heads))

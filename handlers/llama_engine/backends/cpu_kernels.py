@@ -364,7 +364,8 @@ class CpuKernels:
     def supports_prompt_attention(self, dtype: torch.dtype, kv_dtype: torch.dtype, heads: int, kv_heads: int,
                                   head_dim: int) -> bool:
         """Whether :meth:`prompt_attention` runs here: float32 or bf16 queries over float32 or bf16 keys and
-        values, a head size that is a multiple of 16, every build (its tile is AVX2's)."""
+        values, a head size that is a multiple of 16, every build (AVX2's tile; the AVX-512 builds' where the
+        head size is a multiple of 32)."""
         return (dtype in DTYPE_CODES and kv_dtype in DTYPE_CODES and head_dim % 16 == 0 and kv_heads >= 1
                 and heads % kv_heads == 0)
 
