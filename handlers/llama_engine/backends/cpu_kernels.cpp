@@ -1158,8 +1158,12 @@ struct QueryDot<bf16, bf16, D> {  // two bf16 products a lane per instruction, s
 #endif
 
 // scores[g][t] = scale * q_g . k_t for the G heads and L positions, N positions at a time.
+// The values' block at the same positions goes to L2 meanwhile: the weighted sum then reads it from there,
+// and the memory sees two streams instead of one after the other. 8 rows of the bench model's bf16 cache
+// over 160-320 positions, cold (12 layers, 2 threads, an Emerald Rapids Xeon): 1.085-1.09x (30 alternated
+// rounds); the same block into L1, or 4 blocks ahead, 1.00-1.06x.
 template <class TQ, class TC, int D>
-void attention_scores(const TQ *q, const TC *k, long L, int G, float scale, float *scores) {
+void attention_scores(const TQ *q, const TC *k, const TC *v, long L, int G, float scale, float *scores) {
     const int N = Vec::N;
     const long block_bytes = (long)N * D * sizeof(TC);
     QueryDot<TQ, TC, D> heads[8];
@@ -1170,6 +1174,8 @@ void attention_scores(const TQ *q, const TC *k, long L, int G, float scale, floa
             long n = L - t0 < N ? L - t0 : N;
             const TC *kb = k + t0 * D;
             for (long b = 0; b < block_bytes; b += 64) prefetch((const char *)kb + 4 * block_bytes + b);
+            if (g0 == 0)
+                for (long b = 0; b < block_bytes; b += 64) _mm_prefetch((const char *)(v + t0 * D) + b, _MM_HINT_T1);
             for (int g = 0; g < gn; g++) {
                 Vec::F acc[N];
                 for (int j = 0; j < N; j++) acc[j] = j < n ? heads[g].partial(kb + j * D) : Vec::zero();
@@ -1251,7 +1257,7 @@ void attend_item(const TQ *q, const TC *k, const TC *v, long L, int G, float sca
         return;
     }
     scores.resize((size_t)G * L);
-    attention_scores<TQ, TC, D>(q, k, L, G, scale, scores.data());
+    attention_scores<TQ, TC, D>(q, k, v, L, G, scale, scores.data());
     float inv_sum[64];
     softmax_rows(scores.data(), L, G, inv_sum);
     const long TB = 32;  // positions per block of values (D=128 bf16: 8 KB, stays in L1)
