@@ -1350,7 +1350,7 @@ static constexpr long PA_ROWS = 48;
 inline long round_up(long n, long m) { return (n + m - 1) / m * m; }
 
 // A tile of MR rows by NR columns, its operands packed as the GEMMs pack them, and KC: the positions of
-// one block of a value panel (16 kB of it, in L1).
+// one block of a value panel, kept in L1 (16 kB of a 16-column panel, 32 kB of a 32-column one).
 struct Tiles256 {
     static constexpr long MR = GEMM_MR, NR = GEMM_NR, KC = GEMM_KC;
     static void tile(long kc, const float *a, const float *panel, float *y, long ldy, bool first) {
