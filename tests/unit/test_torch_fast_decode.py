@@ -36,6 +36,8 @@ DTYPES = [pytest.param("bfloat16", marks=BF16), pytest.param("float32", marks=FP
 #: This CPU's native kernels (None where it cannot run them or they cannot be built).
 NATIVE = cpu_kernels.load()
 needs_native = pytest.mark.skipif(NATIVE is None, reason="the native CPU kernels do not run on this CPU")
+PAIRED = pytest.mark.skipif(NATIVE is None or NATIVE.isa not in cpu_kernels.PAIRS_ISAS,
+                            reason="the native kernels' AVX-512 builds lay weights out in pair panels")
 #: The backend with the native kernels and with torch's own (``LLAMA_CPU_KERNELS=0``).
 KERNELS = [pytest.param("native", marks=needs_native), "torch"]
 
@@ -970,6 +972,49 @@ def test_bf16_prompt_products_take_the_native_gemm_where_it_times_fastest(monkey
     assert fast_linear.bf16_prompt_products(linears, type("K", (), {"isa": "avx512bf16"})()) == "native"
 
 
+def test_a_native_favour_keeps_the_gemm_within_its_share_of_the_fastest_side(monkeypatch, caplog):
+    """Only with the GEMM do a decode step's products run on pair panels (an Emerald Rapids Xeon: 8 rows in 15.8
+    against 21.5 ms), so where they would, the GEMM is kept while it times within ``native_favour`` of the fastest
+    side; loads there had read native / float32 ratios of 1.03-1.09 and taken float32."""
+    monkeypatch.delenv(fast_linear.WIDE_ENV, raising=False)
+    times = {"bfloat16": [1.0] * 5, "float32": [0.70] * 5, "native": [0.77] * 5}
+    monkeypatch.setattr(cpu_kernels, "alternate_passes", lambda runs, rounds: {side: times[side] for side in runs})
+    linears = [torch.nn.Linear(64, 32).to(torch.bfloat16)]
+    build = type("K", (), {"isa": "avx512bf16"})()
+
+    def decide(favour):
+        monkeypatch.setattr(fast_linear, "_WIDE_DECISIONS", {})
+        return fast_linear.bf16_prompt_products(linears, build, native_favour=favour)
+
+    assert decide(0.0) == "float32"
+    with caplog.at_level(logging.INFO, logger=fast_linear.__name__):
+        assert decide(0.15) == "native"
+    assert "native favoured by 15% for its pair panels) -> native" in caplog.text
+    times["native"] = [0.81] * 5  # past 1.15 x 0.70
+    assert decide(0.15) == "float32"
+    times.update(float32=[0.97] * 5, native=[1.1] * 5)  # the favour never takes a side slower than WIDE_TAKE
+    assert decide(0.15) == "bfloat16"
+
+
+@PAIRED
+def test_a_bf16_model_keeps_the_gemm_for_its_pair_panels_where_float32_times_a_little_faster(tiny_model_dir,
+                                                                                            monkeypatch):
+    """``pack_linears`` favours the GEMM by ``NATIVE_PROMPT_FAVOUR`` where the weights go to pair panels; with
+    the pair panels off, the faster float32 side is taken."""
+    monkeypatch.delenv(fast_linear.WIDE_ENV, raising=False)
+    times = {"bfloat16": [1.0] * 5, "float32": [0.70] * 5, "native": [0.75] * 5}
+    monkeypatch.setattr(cpu_kernels, "alternate_passes", lambda runs, rounds: {side: times[side] for side in runs})
+    for setting, prompt_rows_native in (("on", True), ("off", False)):
+        monkeypatch.setenv(fast_linear.PAIRS_ENV, setting)
+        monkeypatch.setattr(fast_linear, "_WIDE_DECISIONS", {})
+        model = load(tiny_model_dir, torch.bfloat16)
+        assert pack_linears(model) > 0
+        native = [m for m in model.modules() if isinstance(m, NativeLinear)]
+        assert all((m.max_rows == sys.maxsize) == prompt_rows_native for m in native), setting
+        assert all(m.wide_in_float32 != prompt_rows_native for m in native), setting
+        assert any(m.pairs for m in native) == prompt_rows_native, setting
+
+
 def test_bf16_prompt_products_are_compared_round_by_round(monkeypatch):
     """A burst that slows both sides of some rounds, or one lucky bf16 pass, does not decide: each round's two
     passes are compared, and the median of those ratios is what counts."""
@@ -1029,10 +1074,6 @@ def test_a_bf16_models_prompt_rows_in_float32_round_once_to_bf16(tiny_model_dir,
     again = load(tiny_model_dir, torch.bfloat16)
     pack_linears(again)
     assert not any(m.wide_in_float32 for m in again.modules() if isinstance(m, NativeLinear))
-
-
-PAIRED = pytest.mark.skipif(NATIVE is None or NATIVE.isa not in cpu_kernels.PAIRS_ISAS,
-                            reason="the native kernels' AVX-512 builds lay weights out in pair panels")
 
 
 @PAIRED

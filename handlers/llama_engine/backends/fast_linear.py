@@ -45,6 +45,7 @@ streams them (:data:`BF16_WEIGHT_MAX_ROWS`).
 from __future__ import annotations
 
 import logging
+import math
 import os
 import statistics
 import sys
@@ -77,6 +78,15 @@ WIDE_ROWS, WIDE_SAMPLE_BYTES = 256, 64 << 20
 WIDE_TAKE = 0.95
 #: A median ratio in this range is taken as unsure: :data:`WIDE_MORE_ROUNDS` more rounds are timed and all decide.
 WIDE_UNSURE, WIDE_MORE_ROUNDS = (0.85, 1.05), 10
+#: Where the bf16 weights go to pair panels (:func:`weight_pairs`), :func:`bf16_prompt_products` takes the native
+#: GEMM while its median ratio is within this share of the fastest side's: only with it does every row count run
+#: natively, and so only with it do a decode step's products run on the pair panels. On an Emerald Rapids Xeon
+#: (bench model, 2 threads, 6 alternated rounds in one process, medians), a load that had taken float32 over a
+#: copy stepped 8 rows in 21.5 ms against 15.8 with the GEMM and its pair panels, and prefilled 8 x 256 tokens
+#: in 2,029 against 1,912 ms; 4 of 29 loads there had taken float32, at native / float32 ratios of 1.03-1.09,
+#: and served 8 streams at 0.82x the throughput of a load beside them that had taken the GEMM (the median of 12
+#: alternated rounds in three runs).
+NATIVE_PROMPT_FAVOUR = 0.15
 #: :func:`float32_linear_kernel` takes the native kernels while they score within this share of the fastest
 #: other kernel: their products are the only part of a decode step that the measurement times. With them, the
 #: step gathers its weights (:func:`gather_weights`) and runs its layers in one native call. The bench
@@ -324,7 +334,7 @@ def pack_linears(model: nn.Module, batch_hint: Optional[int] = None, weight_dtyp
         return 0
     kernels = native_kernels_for(weight.dtype, weight.device)
     if kernels is not None:
-        prompts = bf16_prompt_products([t[2] for t in targets], kernels) if weight.dtype == torch.bfloat16 else None
+        prompts = _bf16_prompt_products(targets, kernels) if weight.dtype == torch.bfloat16 else None
         max_rows = sys.maxsize if prompts == "native" else native_max_rows(kernels)
         return _swap_native(targets, weight.dtype, kernels, max_rows, wide_in_float32=prompts == "float32")
     fp32 = weight.dtype == torch.float32
@@ -337,6 +347,14 @@ def pack_linears(model: nn.Module, batch_hint: Optional[int] = None, weight_dtyp
     return _swap(targets, weight.dtype,
                  lambda linear: PackedLinear(linear, batch_hint or (FP32_BATCH_HINT if fp32 else ONEDNN_BATCH_HINT)),
                  "onednn", check=fp32)
+
+
+def _bf16_prompt_products(targets, kernels) -> str:
+    """:func:`bf16_prompt_products` for a bf16 model's linears, favouring the native GEMM where the weights would
+    go to pair panels with it (:data:`NATIVE_PROMPT_FAVOUR`)."""
+    linears = [t[2] for t in targets]
+    pairs = kernels.isa in BF16_GEMM_ISAS and weight_pairs(linears, kernels, torch.bfloat16, torch.bfloat16)
+    return bf16_prompt_products(linears, kernels, native_favour=NATIVE_PROMPT_FAVOUR if pairs else 0.0)
 
 
 def _swap_native(targets, dtype: torch.dtype, kernels, max_rows: int, weight_dtype: Optional[torch.dtype] = None,
@@ -514,7 +532,8 @@ _WIDE_DECISIONS: Dict[int, str] = {}
 PROMPT_PRODUCTS = ("bfloat16", "float32", "native")
 
 
-def bf16_prompt_products(linears: Sequence[nn.Linear], kernels=None, repeats: int = 5) -> str:
+def bf16_prompt_products(linears: Sequence[nn.Linear], kernels=None, repeats: int = 5,
+                         native_favour: float = 0.0) -> str:
     """How a bf16 model's products of a prompt's rows run fastest: ``"bfloat16"`` on oneDNN's bf16 product,
     ``"float32"`` on oneDNN's float32 one over a copy of the weight made for each call, or ``"native"`` on the
     AVX-512 builds' GEMM (``kernels``, where their isa is in :data:`BF16_GEMM_ISAS`: float32 arithmetic, the
@@ -533,7 +552,9 @@ def bf16_prompt_products(linears: Sequence[nn.Linear], kernels=None, repeats: in
     0.66-0.84.) A best median in :data:`WIDE_UNSURE` times :data:`WIDE_MORE_ROUNDS` more rounds, and the
     medians of all of them decide: a served worker measures while its frontend starts, and on that Xeon one
     bench run's continuous-batching worker read 0.95 (-> bf16) where the micro-batching one read 0.79 and fresh
-    loads read 0.69-0.76; that server's prompts ran at 1.4-1.9 ms a token, micro-batching's at 0.93-1.15."""
+    loads read 0.69-0.76; that server's prompts ran at 1.4-1.9 ms a token, micro-batching's at 0.93-1.15.
+    ``native_favour`` (:data:`NATIVE_PROMPT_FAVOUR` where the GEMM brings the pair panels) keeps the GEMM while
+    its median ratio is within that share of the fastest side's."""
     native = kernels is not None and kernels.isa in BF16_GEMM_ISAS
     setting = os.environ.get(WIDE_ENV, "auto").strip().lower()
     if setting in PROMPT_PRODUCTS:
@@ -541,7 +562,7 @@ def bf16_prompt_products(linears: Sequence[nn.Linear], kernels=None, repeats: in
             raise ValueError(f"{WIDE_ENV}=native needs the native CPU kernels' avx512 or avx512bf16 build "
                              f"(here: {kernels.isa if kernels is not None else 'none'}); use auto, bfloat16 or float32")
         return setting
-    key = torch.get_num_threads()
+    key = (torch.get_num_threads(), native_favour)
     if key not in _WIDE_DECISIONS:
         sample = _streamed_sample(linears, WIDE_SAMPLE_BYTES)
         inputs = [torch.randn(WIDE_ROWS, linear.in_features).to(torch.bfloat16) for linear in sample]
@@ -556,13 +577,15 @@ def bf16_prompt_products(linears: Sequence[nn.Linear], kernels=None, repeats: in
             more = cpu_kernels.alternate_passes(runs, WIDE_MORE_ROUNDS)
             passes = {side: passes[side] + more[side] for side in passes}
         ratios = _median_ratios(passes)
-        best = min(ratios, key=ratios.get)
+        fastest = min(ratios, key=ratios.get)
+        best = "native" if ratios.get("native", math.inf) <= (1 + native_favour) * ratios[fastest] else fastest
         _WIDE_DECISIONS[key] = best if ratios[best] < WIDE_TAKE else "bfloat16"
-        logger.info("bf16 prompt products, %d threads, %d rows: %s (medians of %d rounds) -> %s", key, WIDE_ROWS,
+        favoured = f", native favoured by {native_favour:.0%} for its pair panels" if best != fastest else ""
+        logger.info("bf16 prompt products, %d threads, %d rows: %s (medians of %d rounds%s) -> %s", key[0], WIDE_ROWS,
                     ", ".join(f"{PROMPT_PRODUCT_NAMES[side]} {1e3 * statistics.median(times):.1f} ms"
                               + (f" ({ratios[side]:.2f} of bf16's)" if side != "bfloat16" else "")
                               for side, times in passes.items()),
-                    len(passes["bfloat16"]), _WIDE_DECISIONS[key])
+                    len(passes["bfloat16"]), favoured, _WIDE_DECISIONS[key])
     return _WIDE_DECISIONS[key]
 
 
