@@ -974,8 +974,8 @@ def test_bf16_prompt_products_take_the_native_gemm_where_it_times_fastest(monkey
 
 def test_a_native_favour_keeps_the_gemm_within_its_share_of_the_fastest_side(monkeypatch, caplog):
     """Only with the GEMM do a decode step's products run on pair panels (an Emerald Rapids Xeon: 8 rows in 15.8
-    against 21.5 ms), so where they would, the GEMM is kept while it times within ``native_favour`` of the fastest
-    side; loads there had read native / float32 ratios of 1.03-1.09 and taken float32."""
+    against 21.5 ms), so where they would, the GEMM is taken while it times within ``native_favour`` of the side
+    taken otherwise (bf16 at 1); loads there had read native / float32 ratios of 1.03-1.09 and taken float32."""
     monkeypatch.delenv(fast_linear.WIDE_ENV, raising=False)
     times = {"bfloat16": [1.0] * 5, "float32": [0.70] * 5, "native": [0.77] * 5}
     monkeypatch.setattr(cpu_kernels, "alternate_passes", lambda runs, rounds: {side: times[side] for side in runs})
@@ -992,7 +992,11 @@ def test_a_native_favour_keeps_the_gemm_within_its_share_of_the_fastest_side(mon
     assert "native favoured by 15% for its pair panels) -> native" in caplog.text
     times["native"] = [0.81] * 5  # past 1.15 x 0.70
     assert decide(0.15) == "float32"
-    times.update(float32=[0.97] * 5, native=[1.1] * 5)  # the favour never takes a side slower than WIDE_TAKE
+    times.update(float32=[0.97] * 5, native=[1.1] * 5)  # float32 not taken: within 15% of bf16's
+    assert decide(0.0) == "bfloat16" and decide(0.15) == "native"
+    times["native"] = [0.96] * 5  # no favour: not 5% faster than bf16
+    assert decide(0.0) == "bfloat16"
+    times["native"] = [1.2] * 5  # an AMX CPU's bf16 products would leave the GEMM further behind
     assert decide(0.15) == "bfloat16"
 
 

@@ -79,7 +79,7 @@ WIDE_TAKE = 0.95
 #: A median ratio in this range is taken as unsure: :data:`WIDE_MORE_ROUNDS` more rounds are timed and all decide.
 WIDE_UNSURE, WIDE_MORE_ROUNDS = (0.85, 1.05), 10
 #: Where the bf16 weights go to pair panels (:func:`weight_pairs`), :func:`bf16_prompt_products` takes the native
-#: GEMM while its median ratio is within this share of the fastest side's: only with it does every row count run
+#: GEMM while its median ratio is within this share of the side it would take otherwise: only with it does every row count run
 #: natively, and so only with it do a decode step's products run on the pair panels. On an Emerald Rapids Xeon
 #: (bench model, 2 threads, 6 alternated rounds in one process, medians), a load that had taken float32 over a
 #: copy stepped 8 rows in 21.5 ms against 15.8 with the GEMM and its pair panels, and prefilled 8 x 256 tokens
@@ -553,8 +553,8 @@ def bf16_prompt_products(linears: Sequence[nn.Linear], kernels=None, repeats: in
     medians of all of them decide: a served worker measures while its frontend starts, and on that Xeon one
     bench run's continuous-batching worker read 0.95 (-> bf16) where the micro-batching one read 0.79 and fresh
     loads read 0.69-0.76; that server's prompts ran at 1.4-1.9 ms a token, micro-batching's at 0.93-1.15.
-    ``native_favour`` (:data:`NATIVE_PROMPT_FAVOUR` where the GEMM brings the pair panels) keeps the GEMM while
-    its median ratio is within that share of the fastest side's."""
+    ``native_favour`` (:data:`NATIVE_PROMPT_FAVOUR` where the GEMM brings the pair panels) takes the GEMM while
+    its median ratio is within that share of the side taken otherwise (bf16's being 1)."""
     native = kernels is not None and kernels.isa in BF16_GEMM_ISAS
     setting = os.environ.get(WIDE_ENV, "auto").strip().lower()
     if setting in PROMPT_PRODUCTS:
@@ -578,9 +578,13 @@ def bf16_prompt_products(linears: Sequence[nn.Linear], kernels=None, repeats: in
             passes = {side: passes[side] + more[side] for side in passes}
         ratios = _median_ratios(passes)
         fastest = min(ratios, key=ratios.get)
-        best = "native" if ratios.get("native", math.inf) <= (1 + native_favour) * ratios[fastest] else fastest
-        _WIDE_DECISIONS[key] = best if ratios[best] < WIDE_TAKE else "bfloat16"
-        favoured = f", native favoured by {native_favour:.0%} for its pair panels" if best != fastest else ""
+        taken = fastest if ratios[fastest] < WIDE_TAKE else "bfloat16"
+        if native_favour > 0 and ratios.get("native", math.inf) <= (1 + native_favour) * ratios.get(taken, 1.0):
+            _WIDE_DECISIONS[key] = "native"
+        else:
+            _WIDE_DECISIONS[key] = taken
+        favoured = (f", native favoured by {native_favour:.0%} for its pair panels"
+                    if _WIDE_DECISIONS[key] != taken else "")
         logger.info("bf16 prompt products, %d threads, %d rows: %s (medians of %d rounds%s) -> %s", key[0], WIDE_ROWS,
                     ", ".join(f"{PROMPT_PRODUCT_NAMES[side]} {1e3 * statistics.median(times):.1f} ms"
                               + (f" ({ratios[side]:.2f} of bf16's)" if side != "bfloat16" else "")
