@@ -624,6 +624,7 @@ def markdown(results: dict, plots: List[Path]) -> str:
         for r in results["runs"] if r.get("scenario") == "poisson" and r.get("offered_rate_per_s"))
     cpu_text = ("Where the CPU went (share of all the machine's CPU time, per process):\n\n" + "\n".join(cpu_lines) + "\n") \
         if cpu_lines else ""
+    cpu_text += load_choices_text(results)
     merged = results.get("extra", {}).get("merged")
     merged_text = f"\n{merged}\n" if merged else ""
     return f"""Mode `{results['mode']}`, {results['timestamp']}, `{results['command']}`, {results['phases_s']['total_s']:.0f} s.
@@ -655,6 +656,18 @@ row was measured (bold from 10%: that row's figures are skewed by them). Memory 
 
 Plots: {', '.join(f'`{p}`' for p in plots)}.
 """
+
+
+def load_choices_text(results: dict) -> str:
+    """Each process's load-time choices (``extra.load_choices``, :mod:`scripts.bench.choices`), the bench process first."""
+    choices = results.get("extra", {}).get("load_choices")
+    if not choices:
+        return ""
+    processes = sorted(choices, key=lambda process: process != "bench process")
+    return ("\nWhat each process chose at load (the backend times its kernels against each other as it loads; each "
+            "process decides for itself):\n\n" + "\n".join(
+                f"* {process}:" + ("".join(f"\n  * `{line}`" for line in choices[process]) or " nothing timed")
+                for process in processes) + "\n")
 
 
 def openmp_text(machine: dict) -> str:
@@ -937,7 +950,10 @@ ahead of micro-batching on the Poisson load at all: `.venv/bin/python -m scripts
    the checkpoint served itself). llama-server's GGUF is in the linears' dtype as served (bf16 for the bf16
    checkpoint, computed in float32 or not). They run with the same batch and thread budget:
    `llama-server -np 8 -t 2 -c 8192`, vLLM `--max-num-seqs 8 --max-model-len 1024` (vLLM's CPU defaults
-   reserve one of the two cores for its scheduler). Prompts go to peers as token ids.
+   reserve one of the two cores for its scheduler). Prompts go to peers as token ids. What each process (the
+   bench's own, each served worker) chose at load, where the backend times its kernels against each other, is
+   kept in `extra.load_choices` (`scripts/bench/choices.py`) and listed below the results: each process decides
+   for itself, and one that took the slower side moves its ratios.
 6. **Sweeps**: input length at concurrency 1 (full run: 256/512/768 input tokens with output to 1024 in all,
    plus 4 TTFT probes of 8 output tokens per length, the lengths taken in turn so that each sees the same
    minutes of the host's drift); concurrency 1, 2, 4, 8, 16 (full run: 256 input + 128

@@ -34,6 +34,7 @@ from typing import Dict, List, Optional
 from llama_engine.cpu import CLASSES, auto_dtype
 from llama_engine.cpu_limits import model_threads
 from scripts.bench import machine, model as bench_model, report
+from scripts.bench.choices import ChoiceRecorder, choices_in_log
 from scripts.bench.membw import read_bandwidth
 from scripts.bench.plan import (
     POISSON_PLAN,
@@ -128,18 +129,20 @@ def main(argv=None) -> int:
         log(f"--cpu-class {args.cpu_class}: " + " ".join(f"{k}={v}" for k, v in machine.emulate(args.cpu_class).items()))
 
     bench = BenchRun(args, argv)
-    bench.model_and_configs()
-    bench.bandwidth_sample("start")
-    bench.inprocess()
-    bench.continuous_bound()
-    bench.served_micro()  # paired with the in-process engine while both are up
-    bench.close_inprocess()
-    bench.served_continuous()
-    bench.served_llamacpp()  # kept up (idle) for the llama-server pairs
-    bench.variant_pairs()  # both variants: the paired static waves, then each Poisson load's rounds
-    bench.peers()  # the variants stay up (idle): llama-server runs paired waves against each
-    bench.stop_variants()
-    bench.bandwidth_sample("end")  # a second sample: the machine may have been busier at the start
+    with ChoiceRecorder() as choices:  # what this process's engines chose at load (the workers': served())
+        bench.model_and_configs()
+        bench.bandwidth_sample("start")
+        bench.inprocess()
+        bench.continuous_bound()
+        bench.served_micro()  # paired with the in-process engine while both are up
+        bench.close_inprocess()
+        bench.served_continuous()
+        bench.served_llamacpp()  # kept up (idle) for the llama-server pairs
+        bench.variant_pairs()  # both variants: the paired static waves, then each Poisson load's rounds
+        bench.peers()  # the variants stay up (idle): llama-server runs paired waves against each
+        bench.stop_variants()
+        bench.bandwidth_sample("end")  # a second sample: the machine may have been busier at the start
+    bench.load_choices("bench process", choices.lines)
     return bench.outputs()
 
 
@@ -420,6 +423,12 @@ class BenchRun:
         return (f"{what} is built for this host's instruction set ({self.results['machine']['emulated_on']}), "
                 f"which no variable narrows to the emulated class {self.emulated}'s")
 
+    def load_choices(self, process: str, lines: List[str]) -> None:
+        """Record what ``process`` chose at load (:mod:`scripts.bench.choices`) and log it."""
+        self.results["extra"].setdefault("load_choices", {})[process] = lines
+        for line in lines:
+            log(f"{process} chose at load: {line}")
+
     def served(self, name: str, make_system, describe, after=None) -> None:
         """Build, start, warm up and sweep one served variant; ``after(system, adapter)`` runs while it is up.
 
@@ -439,6 +448,8 @@ class BenchRun:
             adapter = system.start(timeout=min(600, max(60, budget.left())))
             status["detail"] = f"TorchServe {results['versions'].get('torchserve')} {describe(system)} at {adapter.url}"
             log(f"{name} ready in {system.timings['start_to_ready_s']} s (pid {system.pid})")
+            if hasattr(system, "server"):
+                self.load_choices(name, choices_in_log(system.server.model_log()))
             run_wave(adapter, [self.prompts.warm], 4, self.timeout)
             server = system.metrics()
             first = server.snapshot()

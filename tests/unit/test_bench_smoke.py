@@ -196,6 +196,19 @@ def test_served_rows_carry_the_servers_own_figures_from_its_metrics_api(smoke):
         assert whole["requests"] >= sum(r["requests"] for r in rows) > 0
 
 
+def test_each_process_records_what_it_chose_at_load(smoke):
+    """The bench process's and each served worker's load-time decisions, as their loggers wrote them."""
+    from scripts.bench.choices import is_decision
+
+    out, results, stdout, _ = smoke
+    choices = results["extra"]["load_choices"]
+    assert {"bench process", "torchserve", "torchserve-continuous"} <= set(choices)
+    for process, lines in choices.items():
+        assert all(is_decision(line) for line in lines), process
+        assert all(f"{process} chose at load: {line}" in stdout for line in lines), process
+    assert "What each process chose at load" in (out / "results.md").read_text()
+
+
 def test_prompts_have_exact_token_lengths(tokenizer):
     factory = PromptFactory(tokenizer, seed=3)
     for n in (2, 17, 256, 768):
