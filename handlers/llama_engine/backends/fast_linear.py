@@ -79,13 +79,13 @@ WIDE_TAKE = 0.95
 #: A median ratio in this range is taken as unsure: :data:`WIDE_MORE_ROUNDS` more rounds are timed and all decide.
 WIDE_UNSURE, WIDE_MORE_ROUNDS = (0.85, 1.05), 10
 #: Where the bf16 weights go to pair panels (:func:`weight_pairs`), :func:`bf16_prompt_products` takes the native
-#: GEMM while its median ratio is within this share of the side it would take otherwise: only with it does every row count run
-#: natively, and so only with it do a decode step's products run on the pair panels. On an Emerald Rapids Xeon
-#: (bench model, 2 threads, 6 alternated rounds in one process, medians), a load that had taken float32 over a
-#: copy stepped 8 rows in 21.5 ms against 15.8 with the GEMM and its pair panels, and prefilled 8 x 256 tokens
-#: in 2,029 against 1,912 ms; 4 of 29 loads there had taken float32, at native / float32 ratios of 1.03-1.09,
-#: and served 8 streams at 0.82x the throughput of a load beside them that had taken the GEMM (the median of 12
-#: alternated rounds in three runs).
+#: GEMM while its median ratio is within this share of the side it would take otherwise: only with it does every
+#: row count run natively, and so only with it do a decode step's products run on the pair panels. On an Emerald
+#: Rapids Xeon (bench model, 2 threads, 6 alternated rounds in one process, medians), a load that had taken
+#: float32 over a copy stepped 8 rows in 21.5 ms against 15.8 with the GEMM and its pair panels, and prefilled
+#: 8 x 256 tokens in 2,029 against 1,912 ms; 4 of 29 loads there had taken float32, at native / float32 ratios
+#: of 1.03-1.09, and served 8 streams at 0.82x the throughput of a load beside them that had taken the GEMM (the
+#: median of 12 alternated rounds in three runs).
 NATIVE_PROMPT_FAVOUR = 0.15
 #: :func:`float32_linear_kernel` takes the native kernels while they score within this share of the fastest
 #: other kernel: their products are the only part of a decode step that the measurement times. With them, the
@@ -527,7 +527,7 @@ def float32_linear_kernel(linears: Sequence[nn.Linear], native=None, repeats: in
     return kind
 
 
-_WIDE_DECISIONS: Dict[int, str] = {}
+_WIDE_DECISIONS: Dict[Tuple[int, float], str] = {}
 #: What :func:`bf16_prompt_products` may return, and :data:`WIDE_ENV` may force.
 PROMPT_PRODUCTS = ("bfloat16", "float32", "native")
 
