@@ -448,8 +448,7 @@ class BenchRun:
             adapter = system.start(timeout=min(600, max(60, budget.left())))
             status["detail"] = f"TorchServe {results['versions'].get('torchserve')} {describe(system)} at {adapter.url}"
             log(f"{name} ready in {system.timings['start_to_ready_s']} s (pid {system.pid})")
-            if hasattr(system, "server"):
-                self.load_choices(name, choices_in_log(system.server.model_log()))
+            self.load_choices(name, choices_in_log(system.server.model_log()))
             run_wave(adapter, [self.prompts.warm], 4, self.timeout)
             server = system.metrics()
             first = server.snapshot()

@@ -49,7 +49,7 @@ import math
 import os
 import statistics
 import sys
-from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -351,10 +351,10 @@ def pack_linears(model: nn.Module, batch_hint: Optional[int] = None, weight_dtyp
 
 def _bf16_prompt_products(targets, kernels) -> str:
     """:func:`bf16_prompt_products` for a bf16 model's linears, favouring the native GEMM where the weights would
-    go to pair panels with it (:data:`NATIVE_PROMPT_FAVOUR`)."""
+    go to pair panels with it (:data:`NATIVE_PROMPT_FAVOUR`); the pair panels are timed only where that decides."""
     linears = [t[2] for t in targets]
-    pairs = kernels.isa in BF16_GEMM_ISAS and weight_pairs(linears, kernels, torch.bfloat16, torch.bfloat16)
-    return bf16_prompt_products(linears, kernels, native_favour=NATIVE_PROMPT_FAVOUR if pairs else 0.0)
+    return bf16_prompt_products(linears, kernels, native_favour=NATIVE_PROMPT_FAVOUR,
+                                favour_applies=lambda: weight_pairs(linears, kernels, torch.bfloat16, torch.bfloat16))
 
 
 def _swap_native(targets, dtype: torch.dtype, kernels, max_rows: int, weight_dtype: Optional[torch.dtype] = None,
@@ -533,7 +533,7 @@ PROMPT_PRODUCTS = ("bfloat16", "float32", "native")
 
 
 def bf16_prompt_products(linears: Sequence[nn.Linear], kernels=None, repeats: int = 5,
-                         native_favour: float = 0.0) -> str:
+                         native_favour: float = 0.0, favour_applies: Callable[[], bool] = lambda: True) -> str:
     """How a bf16 model's products of a prompt's rows run fastest: ``"bfloat16"`` on oneDNN's bf16 product,
     ``"float32"`` on oneDNN's float32 one over a copy of the weight made for each call, or ``"native"`` on the
     AVX-512 builds' GEMM (``kernels``, where their isa is in :data:`BF16_GEMM_ISAS`: float32 arithmetic, the
@@ -554,7 +554,8 @@ def bf16_prompt_products(linears: Sequence[nn.Linear], kernels=None, repeats: in
     bench run's continuous-batching worker read 0.95 (-> bf16) where the micro-batching one read 0.79 and fresh
     loads read 0.69-0.76; that server's prompts ran at 1.4-1.9 ms a token, micro-batching's at 0.93-1.15.
     ``native_favour`` (:data:`NATIVE_PROMPT_FAVOUR` where the GEMM brings the pair panels) takes the GEMM while
-    its median ratio is within that share of the side taken otherwise (bf16's being 1)."""
+    its median ratio is within that share of the side taken otherwise (bf16's being 1) and ``favour_applies()``,
+    which is asked only then."""
     native = kernels is not None and kernels.isa in BF16_GEMM_ISAS
     setting = os.environ.get(WIDE_ENV, "auto").strip().lower()
     if setting in PROMPT_PRODUCTS:
@@ -579,10 +580,8 @@ def bf16_prompt_products(linears: Sequence[nn.Linear], kernels=None, repeats: in
         ratios = _median_ratios(passes)
         fastest = min(ratios, key=ratios.get)
         taken = fastest if ratios[fastest] < WIDE_TAKE else "bfloat16"
-        if native_favour > 0 and ratios.get("native", math.inf) <= (1 + native_favour) * ratios.get(taken, 1.0):
-            _WIDE_DECISIONS[key] = "native"
-        else:
-            _WIDE_DECISIONS[key] = taken
+        near = taken != "native" and ratios.get("native", math.inf) <= (1 + native_favour) * ratios.get(taken, 1.0)
+        _WIDE_DECISIONS[key] = "native" if native_favour > 0 and near and favour_applies() else taken
         favoured = (f", native favoured by {native_favour:.0%} for its pair panels"
                     if _WIDE_DECISIONS[key] != taken else "")
         logger.info("bf16 prompt products, %d threads, %d rows: %s (medians of %d rounds%s) -> %s", key[0], WIDE_ROWS,
