@@ -25,7 +25,7 @@ from pathlib import Path
 
 from scripts import loadtest
 from scripts.streaming_client import StreamError, TorchServeAdapter, stream_one
-from scripts.tsctl import TorchServe, free_port
+from scripts.tsctl import TorchServe, free_ports
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -92,13 +92,10 @@ def main(argv=None) -> int:
     report["build_s"] = round(time.perf_counter() - started, 1)
 
     print("== 2. start TorchServe from the artifact; loading must compile nothing", flush=True)
-    ports = {"inference": free_port(), "management": free_port(), "metrics": free_port()}
-    server = TorchServe(work / "torchserve", store, models=args.model, ports=ports)
-    started = time.perf_counter()
-    server.start()
+    server = TorchServe(work / "torchserve", store, models=args.model, ports=free_ports())
     try:
-        server.wait_ready(timeout=cfg.frontend.startupTimeout + 60)
-        report["start_to_ready_s"] = round(time.perf_counter() - started, 1)
+        server.start_ready(timeout=cfg.frontend.startupTimeout + 60)
+        report["start_to_ready_s"] = round(time.perf_counter() - server.started_at, 1)
         cache = compile_report(server.model_log())
         report["compile_cache"] = cache
         if cache.get("new_entries") != 0:

@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from scripts.tsctl import TorchServe, free_port
+from scripts.tsctl import TorchServe, free_ports
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -55,11 +55,10 @@ def container_server(model_dir: Path, workdir: Path, env=None) -> TorchServe:
     """
     from scripts.sagemaker_deploy import DEFAULT_ENV
 
-    ports = {"inference": free_port(), "management": free_port(), "metrics": free_port()}
     props = {**CONTAINER_PROPERTIES, "load_models": f"{MODEL_NAME}={model_dir}"}
     store = workdir / ".sagemaker" / "ts" / "models"
     store.mkdir(parents=True, exist_ok=True)
-    return TorchServe(workdir, store, ports=ports, base_config=None, extra=props, env={**DEFAULT_ENV, **(env or {})})
+    return TorchServe(workdir, store, ports=free_ports(), base_config=None, extra=props, env={**DEFAULT_ENV, **(env or {})})
 
 
 def main(argv=None) -> int:
@@ -86,9 +85,8 @@ def main(argv=None) -> int:
     s3_upload.download(args.s3_uri, model_dir, s3)
     make_read_only(model_dir)
     server = container_server(model_dir.resolve(), args.workdir / "container")
-    server.start()
     try:
-        print(f"ready in {server.wait_ready(timeout=900):.1f} s; POST {server.url()}/invocations", flush=True)
+        print(f"ready in {server.start_ready(timeout=900):.1f} s; POST {server.url()}/invocations", flush=True)
         if args.check:
             with requests.post(f"{server.url()}/invocations", json={"inputs": "The function returns"},
                                stream=True, timeout=300) as r:

@@ -34,8 +34,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def free_ports() -> Dict[str, int]:
-    return {"inference": free_port(), "management": free_port(), "metrics": free_port()}
+def free_ports(names=("inference", "management", "metrics"), avoid=()) -> Dict[str, int]:
+    """Distinct free loopback ports, one per name, none in ``avoid``.
+
+    Each socket stays bound until all are chosen: ports chosen one by one and released in
+    between can come back twice, and TorchServe then fails to bind its second listener.
+    """
+    with contextlib.ExitStack() as stack:
+        chosen: Dict[str, int] = {}
+        while len(chosen) < len(names):
+            s = stack.enter_context(socket.socket())
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+            if port not in avoid:
+                chosen[names[len(chosen)]] = port
+        return chosen
+
+
+class PortInUse(RuntimeError):
+    """TorchServe exited because one of its addresses was taken."""
+
+
+BIND_FAILURE = "Failed to bind to address"
 
 
 def read_properties(path: Path) -> Dict[str, str]:
@@ -89,18 +109,27 @@ class TorchServe:
         self.props["model_store"] = str(self.model_store)
         if models is not None:
             self.props["load_models"] = models
-        for name, port in (ports or {}).items():
-            self.props[ADDRESS_KEYS[name]] = f"http://127.0.0.1:{port}"
-        if ports:  # a second server must not collide on TorchServe's default gRPC ports either
-            self.props.setdefault("grpc_inference_port", str(free_port()))
-            self.props.setdefault("grpc_management_port", str(free_port()))
-        self.props.update(extra or {})
+        self.extra_props = dict(extra or {})
+        # Ports a caller passed were free when chosen; start_ready chooses again if one was taken since.
+        self.ports_chosen = bool(ports)
+        if ports:
+            self.use_ports(ports)
+        self.props.update(self.extra_props)
         self.tmpdir = self.workdir / "tmp"
         base_dir = Path(base_config).resolve().parent if base_config is not None else ROOT
         self.props["vmargs"] = " ".join([_absolute_log_config(arg, base_dir) for arg in self.props.get("vmargs", "").split()]
                                         + [f"-Djava.io.tmpdir={self.tmpdir}"])
         self.extra_env = dict(env or {})
         self.process: Optional[subprocess.Popen] = None
+        self.started_at: Optional[float] = None
+
+    def use_ports(self, ports: Dict[str, int]) -> None:
+        """Listen on ``ports``, and on free gRPC ports (a second server must not collide on
+        TorchServe's default gRPC ports either), except where the extra properties say otherwise."""
+        chosen = {ADDRESS_KEYS[name]: f"http://127.0.0.1:{port}" for name, port in ports.items()}
+        grpc = free_ports(("grpc_inference_port", "grpc_management_port"), avoid=set(ports.values()))
+        chosen.update((key, str(port)) for key, port in grpc.items())
+        self.props.update((key, value) for key, value in chosen.items() if key not in self.extra_props)
 
     def url(self, api: str = "inference") -> str:
         return self.props[ADDRESS_KEYS[api]]
@@ -155,9 +184,36 @@ class TorchServe:
         log = open(self.workdir / log_name, "wb")
         cmd = ["torchserve", "--start", "--foreground", "--ncs", "--ts-config", str(config),
                "--model-store", str(self.model_store)]
+        self.started_at = time.perf_counter()  # of the last start, the one start_ready kept
         self.process = subprocess.Popen(cmd, cwd=self.workdir, env=self.env(), stdout=log,
                                         stderr=subprocess.STDOUT, start_new_session=True)
         return self.process
+
+    def bind_failure(self) -> str:
+        """The frontend's "Failed to bind to address: ..." line, if it printed one. It goes to the
+        console only: ts_log.log shows nothing but a clean "Inference model server stopped"."""
+        path = self.workdir / "torchserve.out"
+        text = path.read_text(errors="replace") if path.exists() else ""
+        return next((line.split("IOException: ", 1)[-1].strip() for line in text.splitlines()
+                     if BIND_FAILURE in line), "")
+
+    def start_ready(self, timeout: float = 300.0, attempts: int = 3, started=None) -> float:
+        """start() and wait_ready(). Free ports chosen before the start can be taken by another
+        process before the JVM binds them; then the server starts again on newly chosen ones.
+        ``started(process)`` is called after each start (``make serve`` records the pid)."""
+        for attempt in range(1, attempts + 1):
+            process = self.start()
+            if started is not None:
+                started(process)
+            try:
+                return self.wait_ready(timeout)
+            except PortInUse as exc:
+                self.stop()
+                if not self.ports_chosen or attempt == attempts:
+                    raise
+                print(f"{exc.args[0].splitlines()[0]}; starting again on other free ports", file=sys.stderr)
+                self.use_ports(free_ports())
+        raise AssertionError("unreachable")
 
     def log_tail(self, n: int = 60) -> str:
         lines = []
@@ -172,6 +228,9 @@ class TorchServe:
         started = time.monotonic()
         while time.monotonic() - started < timeout:
             if self.process is not None and self.process.poll() is not None:
+                taken = self.bind_failure()
+                if taken:
+                    raise PortInUse(f"torchserve could not listen: {taken} (address already in use)\n{self.log_tail()}")
                 raise RuntimeError(f"torchserve exited with {self.process.returncode}\n{self.log_tail()}")
             failure = self.load_failure()
             if failure:
@@ -212,9 +271,8 @@ class TorchServe:
 def running(workdir: Path, model_store: Path, models: Optional[str] = None, timeout: float = 300.0, **kwargs):
     """A TorchServe on free loopback ports, ready when entered and stopped by PID on exit."""
     server = TorchServe(workdir, model_store, models=models, ports=free_ports(), **kwargs)
-    server.start()
     try:
-        server.ready_seconds = server.wait_ready(timeout)
+        server.ready_seconds = server.start_ready(timeout)
         yield server
     finally:
         server.stop()
@@ -367,17 +425,19 @@ def start_server(args, pid_file: Path) -> int:
     (args.workdir / "key_file.json").unlink(missing_ok=True)
     server = TorchServe(args.workdir, args.model_store, models=load_models,
                         ports=free_ports() if args.free_ports else None)
-    process = server.start()
-    pid_file.write_text(str(process.pid))
     try:
-        seconds = server.wait_ready(args.timeout or startup_timeout(load_models, args.model_store))
+        seconds = server.start_ready(args.timeout or startup_timeout(load_models, args.model_store),
+                                     started=lambda process: pid_file.write_text(str(process.pid)))
     except (RuntimeError, TimeoutError) as exc:
         print(exc, file=sys.stderr)
-        stop_group(process.pid)
+        if isinstance(exc, PortInUse):
+            print("another process listens there: `make stop` stops a server started from this workdir, "
+                  "`make serve SERVE_ARGS=--free-ports` listens on free ports", file=sys.stderr)
+        server.stop()
         pid_file.unlink(missing_ok=True)
         return 1
     names = ", ".join(f"{server.url()}/predictions/{m.split('=')[0]}" for m in load_models.split(","))
-    print(f"torchserve ready in {seconds:.1f} s (pid {process.pid}): {names}; "
+    print(f"torchserve ready in {seconds:.1f} s (pid {server.process.pid}): {names}; "
           f"logs in {args.workdir}/logs, inference key in {args.workdir}/key_file.json")
     return 0
 

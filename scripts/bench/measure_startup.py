@@ -26,7 +26,7 @@ import yaml
 
 from scripts import build_model
 from scripts.streaming_client import TorchServeAdapter, stream_one
-from scripts.tsctl import TorchServe, free_port
+from scripts.tsctl import TorchServe, free_ports
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -46,12 +46,10 @@ def make_cold_copy(store: Path, name: str, cold_name: str) -> None:
 
 
 def time_to_first_token(store: Path, model: str, workdir: Path, timeout: float) -> dict:
-    ports = {"inference": free_port(), "management": free_port(), "metrics": free_port()}
-    server = TorchServe(workdir, store, models=model, ports=ports)
-    started = time.perf_counter()
-    server.start()
+    server = TorchServe(workdir, store, models=model, ports=free_ports())
     try:
-        server.wait_ready(timeout)
+        server.start_ready(timeout)
+        started = server.started_at
         ready = time.perf_counter() - started
         adapter = TorchServeAdapter(server.url(), model, {"Authorization": f"Bearer {server.key}"})
         record = stream_one(adapter, "The function returns", 8, timeout)

@@ -58,18 +58,15 @@ class TorchServeSystem:
         self.timings["archive_s"] = round(time.perf_counter() - started, 2)
 
     def start(self, timeout: float) -> Adapter:
-        from scripts.tsctl import TorchServe, free_port
+        from scripts.tsctl import TorchServe, free_ports
 
         workdir = self.work / "torchserve"
         shutil.rmtree(workdir, ignore_errors=True)
         workdir.mkdir(parents=True)
-        ports = {"inference": free_port(), "management": free_port(), "metrics": free_port()}
         base = {} if self.base_config is None else {"base_config": self.base_config}
-        self.server = TorchServe(workdir, self.store, models=self.model_name, ports=ports, **base)
-        started = time.perf_counter()
-        self.server.start()
-        self.timings["ready_s"] = round(self.server.wait_ready(timeout), 2)
-        self.timings["start_to_ready_s"] = round(time.perf_counter() - started, 2)
+        self.server = TorchServe(workdir, self.store, models=self.model_name, ports=free_ports(), **base)
+        self.timings["ready_s"] = round(self.server.start_ready(timeout), 2)
+        self.timings["start_to_ready_s"] = round(time.perf_counter() - self.server.started_at, 2)
         return TorchServeAdapter(self.server.url(), self.model_name, self.server.auth_headers())
 
     @property

@@ -102,10 +102,9 @@ def test_building_in_the_process_that_then_starts_torchserve_fails_on_the_cores(
 def load_failure(tmp_path, store, **env) -> str:
     """Start TorchServe on ``store`` with ``env``; the model must fail to load, and this is why."""
     ts = TorchServe(tmp_path / "ts", store, models=MODEL, ports=free_ports(), env=subprocess_env(**env))
-    ts.start()
     try:
         with pytest.raises(RuntimeError) as info:
-            ts.wait_ready(timeout=120)
+            ts.start_ready(timeout=120)
     finally:
         ts.stop()
     return str(info.value)

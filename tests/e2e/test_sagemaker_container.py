@@ -32,9 +32,8 @@ def container(model_store, tmp_path_factory):
             s3_upload.download(uri, downloaded, s3)
         with guarded_read_only_view(downloaded, work / "ro" / "model", what="the container") as (model_dir, _):
             server = sagemaker_local.container_server(model_dir, work / "container")
-            server.start()
             try:
-                server.wait_ready(timeout=300)
+                server.start_ready(timeout=300)
                 server.upload_report = report
                 yield server
             finally:
