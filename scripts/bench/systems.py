@@ -82,6 +82,14 @@ class TorchServeSystem:
             self.server.stop()
 
 
+#: What a peer's log says when its port was taken: llama-server's, and uvicorn's (vLLM) errno text.
+PORT_TAKEN = ("couldn't bind http server socket", "address already in use")
+
+
+class PortTaken(RuntimeError):
+    """A peer exited because another process had taken its port."""
+
+
 class PeerSystem(ABC):
     """A peer server started from its own environment; subclasses say how."""
 
@@ -117,18 +125,33 @@ class PeerSystem(ABC):
     def pid(self) -> Optional[int]:
         return None if self.process is None else self.process.pid
 
-    def start(self, timeout: float) -> Adapter:
+    def start(self, timeout: float, attempts: int = 3) -> Adapter:
+        """Start on a free port and wait for health; a port taken before the peer bound it (its log
+        says so) is chosen again, as ``TorchServe.start_ready`` does."""
+        for attempt in range(1, attempts + 1):
+            try:
+                return self._start_once(timeout)
+            except PortTaken:
+                if attempt == attempts:
+                    raise
+                self.stop()
+        raise AssertionError("unreachable")
+
+    def _start_once(self, timeout: float) -> Adapter:
         from scripts.tsctl import free_port
 
         self.port = free_port()
         self.work.mkdir(parents=True, exist_ok=True)
-        log = open(self.work / f"{self.name}.log", "wb")
+        log_path = self.work / f"{self.name}.log"
+        log = open(log_path, "wb")
         started = time.perf_counter()
         self.process = subprocess.Popen(self.command(), cwd=self.work, env=self.env(), stdout=log,
                                         stderr=subprocess.STDOUT, start_new_session=True)
         while time.perf_counter() - started < timeout:
             if self.process.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.process.returncode}; see {self.work / (self.name + '.log')}")
+                text = log_path.read_text(errors="replace").lower()
+                error = PortTaken if any(marker in text for marker in PORT_TAKEN) else RuntimeError
+                raise error(f"{self.name} exited with {self.process.returncode}; see {log_path}")
             try:
                 if requests.get(self.base_url + self.health_path, timeout=2).status_code == 200:
                     self.timings["start_to_ready_s"] = round(time.perf_counter() - started, 2)

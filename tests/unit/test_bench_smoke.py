@@ -318,19 +318,11 @@ ThreadingHTTPServer(("127.0.0.1", port), H).serve_forever()
 def test_peer_is_detected_started_driven_and_stopped_by_pid(tmp_path, monkeypatch):
     from scripts.bench.systems import LlamaCppSystem, VllmSystem
 
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    server = bin_dir / "llama-server"
-    server.write_text(FAKE_LLAMA_SERVER.format(python=sys.executable))
-    server.chmod(0o755)
-    gguf = tmp_path / "bench.gguf"
-    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
-
-    missing = LlamaCppSystem(tmp_path / "w0", "bfloat16", 2, 8, 1024, gguf=gguf)
+    gguf = fake_llama_server(tmp_path, monkeypatch)
+    missing = LlamaCppSystem(tmp_path / "w0", "bfloat16", 2, 8, 1024, gguf=tmp_path / "absent.gguf")
     found, detail = missing.detect()
-    assert not found and detail.startswith("not installed") and str(gguf) in detail
+    assert not found and detail.startswith("not installed") and str(tmp_path / "absent.gguf") in detail
 
-    gguf.write_bytes(b"GGUF")
     peer = LlamaCppSystem(tmp_path / "w1", "bfloat16", 2, 8, 1024, gguf=gguf)
     assert peer.detect()[0]
     adapter = peer.start(timeout=30)
@@ -346,6 +338,50 @@ def test_peer_is_detected_started_driven_and_stopped_by_pid(tmp_path, monkeypatc
     vllm = VllmSystem(tmp_path / "w2", tmp_path, "bfloat16", 8, 1024, venv=tmp_path / "no-venv")
     found, detail = vllm.detect()
     assert not found and detail.startswith("not installed")
+
+
+def fake_llama_server(tmp_path, monkeypatch) -> Path:
+    """A stand-in llama-server first on PATH; returns its GGUF's path (created)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    server = bin_dir / "llama-server"
+    server.write_text(FAKE_LLAMA_SERVER.format(python=sys.executable))
+    server.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    gguf = tmp_path / "bench.gguf"
+    gguf.write_bytes(b"GGUF")
+    return gguf
+
+
+def test_a_peer_whose_port_was_taken_starts_again_on_another(tmp_path, monkeypatch):
+    import socket
+
+    from scripts import tsctl
+    from scripts.bench.systems import LlamaCppSystem, PortTaken
+
+    gguf = fake_llama_server(tmp_path, monkeypatch)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        real_free_port = tsctl.free_port
+        monkeypatch.setattr(tsctl, "free_port", lambda: port)
+        always_taken = LlamaCppSystem(tmp_path / "w0", "bfloat16", 2, 8, 1024, gguf=gguf)
+        always_taken.detect()
+        with pytest.raises(PortTaken, match="exited with 1"):
+            always_taken.start(timeout=30, attempts=2)
+
+        chosen = iter([port])
+        monkeypatch.setattr(tsctl, "free_port", lambda: next(chosen, None) or real_free_port())
+        peer = LlamaCppSystem(tmp_path / "w1", "bfloat16", 2, 8, 1024, gguf=gguf)
+        peer.detect()
+        try:
+            adapter = peer.start(timeout=30)
+            assert peer.port != port
+            records = run_wave(adapter, [Prompt(" a", [1, 5])], 3, timeout=30)
+            assert records[0].ok and records[0].output_tokens == 3
+        finally:
+            peer.stop()
 
 
 def test_smoke_as_an_avx2_cpu_serves_with_that_classs_dtype_and_kernels(smoke, tiny_model_dir, tmp_path):
