@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -181,12 +182,12 @@ class TorchServe:
         self.tmpdir.mkdir(parents=True, exist_ok=True)
         config = self.workdir / "config.properties"
         config.write_text("".join(f"{k}={v}\n" for k, v in self.props.items()))
-        log = open(self.workdir / log_name, "wb")
         cmd = ["torchserve", "--start", "--foreground", "--ncs", "--ts-config", str(config),
                "--model-store", str(self.model_store)]
         self.started_at = time.perf_counter()  # of the last start, the one start_ready kept
-        self.process = subprocess.Popen(cmd, cwd=self.workdir, env=self.env(), stdout=log,
-                                        stderr=subprocess.STDOUT, start_new_session=True)
+        with open(self.workdir / log_name, "wb") as log:  # the child keeps its own copy
+            self.process = subprocess.Popen(cmd, cwd=self.workdir, env=self.env(), stdout=log,
+                                            stderr=subprocess.STDOUT, start_new_session=True)
         return self.process
 
     def bind_failure(self) -> str:
@@ -282,8 +283,10 @@ def stop_group(pid: int, timeout: float = 30.0, reap=None) -> None:
     """SIGTERM the process group led by ``pid``, then SIGKILL what is left.
 
     ``reap`` collects the leader when it is our child; an unreaped zombie would keep the
-    group alive in the eyes of ``killpg(pid, 0)``.
+    group alive in the eyes of ``killpg(pid, 0)``, for both waits. Without one, a leader this
+    process started (``tsctl start`` and ``stop`` called in one process) is reaped by its pid.
     """
+    reap = reap or functools.partial(_reap_child, pid)
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.killpg(pid, sig)
@@ -298,6 +301,13 @@ def stop_group(pid: int, timeout: float = 30.0, reap=None) -> None:
             except ProcessLookupError:
                 return
             time.sleep(0.2)
+
+
+def _reap_child(pid: int) -> None:
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:  # not our child: its own parent reaps it
+        pass
 
 
 def load_models_value(models: str, model_store: Path) -> str:

@@ -143,10 +143,10 @@ class PeerSystem(ABC):
         self.port = free_port()
         self.work.mkdir(parents=True, exist_ok=True)
         log_path = self.work / f"{self.name}.log"
-        log = open(log_path, "wb")
         started = time.perf_counter()
-        self.process = subprocess.Popen(self.command(), cwd=self.work, env=self.env(), stdout=log,
-                                        stderr=subprocess.STDOUT, start_new_session=True)
+        with open(log_path, "wb") as log:  # the child keeps its own copy
+            self.process = subprocess.Popen(self.command(), cwd=self.work, env=self.env(), stdout=log,
+                                            stderr=subprocess.STDOUT, start_new_session=True)
         while time.perf_counter() - started < timeout:
             if self.process.poll() is not None:
                 text = log_path.read_text(errors="replace").lower()

@@ -101,3 +101,20 @@ def test_the_frontend_cpu_bench_reads_process_cpu_and_serves_torchserves_default
     assert "vmargs" in ours and "vmargs" not in props and {**props, "vmargs": ours["vmargs"]} == ours
     vmargs = TorchServe(tmp_path / "serve", tmp_path, base_config=path).props["vmargs"]
     assert "log4j" not in vmargs and (tmp_path / "default" / "metrics.yaml").is_file()
+
+
+def test_stopping_a_group_this_process_started_reaps_its_leader(tmp_path):
+    """``tsctl start`` and ``stop`` in one process (as the tests call them): the SIGTERMed leader is
+    our child, and left unreaped its zombie kept the group alive for both waits (60 s a stop)."""
+    import os
+    import subprocess
+
+    from scripts.tsctl import stop_group
+
+    leader = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    stop_group(leader.pid, timeout=2)
+    with pytest.raises(ChildProcessError):
+        os.waitpid(leader.pid, os.WNOHANG)
+    with pytest.raises(ProcessLookupError):
+        os.killpg(leader.pid, 0)
+    leader.returncode = -15  # reaped above; Popen must not wait for it again
