@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional, TypeVar
 
 import requests
 
@@ -53,7 +53,25 @@ def free_ports(names=("inference", "management", "metrics"), avoid=()) -> Dict[s
 
 
 class PortInUse(RuntimeError):
-    """TorchServe exited because one of its addresses was taken."""
+    """A server exited because one of its addresses was taken."""
+
+
+T = TypeVar("T")
+
+
+def retry_on_taken_port(start_once: Callable[[], T], stop: Callable[[], None], attempts: int = 3) -> T:
+    """``start_once()``, which chooses its ports afresh from the second call on, until it raises no
+    :class:`PortInUse` (up to ``attempts`` calls; ``stop()`` after each that did). A port chosen free
+    can be taken by another process in the seconds before a server binds it."""
+    for attempt in range(1, attempts + 1):
+        try:
+            return start_once()
+        except PortInUse as exc:
+            stop()
+            if attempt == attempts:
+                raise
+            print(f"{exc.args[0].splitlines()[0]}; starting again on other free ports", file=sys.stderr)
+    raise AssertionError("unreachable")
 
 
 BIND_FAILURE = "Failed to bind to address"
@@ -199,22 +217,20 @@ class TorchServe:
                      if BIND_FAILURE in line), "")
 
     def start_ready(self, timeout: float = 300.0, attempts: int = 3, started=None) -> float:
-        """start() and wait_ready(). Free ports chosen before the start can be taken by another
-        process before the JVM binds them; then the server starts again on newly chosen ones.
+        """start() and wait_ready(), again on newly chosen ports where ports chosen free were taken
+        before the JVM bound them (:func:`retry_on_taken_port`); configured ports are tried once.
         ``started(process)`` is called after each start (``make serve`` records the pid)."""
-        for attempt in range(1, attempts + 1):
+        tries = iter(range(attempts))
+
+        def once() -> float:
+            if next(tries):
+                self.use_ports(free_ports())
             process = self.start()
             if started is not None:
                 started(process)
-            try:
-                return self.wait_ready(timeout)
-            except PortInUse as exc:
-                self.stop()
-                if not self.ports_chosen or attempt == attempts:
-                    raise
-                print(f"{exc.args[0].splitlines()[0]}; starting again on other free ports", file=sys.stderr)
-                self.use_ports(free_ports())
-        raise AssertionError("unreachable")
+            return self.wait_ready(timeout)
+
+        return retry_on_taken_port(once, self.stop, attempts if self.ports_chosen else 1)
 
     def log_tail(self, n: int = 60) -> str:
         lines = []

@@ -24,6 +24,7 @@ from typing import Dict, List, Optional, Tuple
 import requests
 
 from scripts.streaming_client import Adapter, TorchServeAdapter
+from scripts.tsctl import PortInUse, retry_on_taken_port
 
 from .clients import LlamaServerAdapter, OpenAICompletionsAdapter
 from .server_metrics import ServerMetrics
@@ -86,7 +87,7 @@ class TorchServeSystem:
 PORT_TAKEN = ("couldn't bind http server socket", "address already in use")
 
 
-class PortTaken(RuntimeError):
+class PortTaken(PortInUse):
     """A peer exited because another process had taken its port."""
 
 
@@ -127,15 +128,8 @@ class PeerSystem(ABC):
 
     def start(self, timeout: float, attempts: int = 3) -> Adapter:
         """Start on a free port and wait for health; a port taken before the peer bound it (its log
-        says so) is chosen again, as ``TorchServe.start_ready`` does."""
-        for attempt in range(1, attempts + 1):
-            try:
-                return self._start_once(timeout)
-            except PortTaken:
-                if attempt == attempts:
-                    raise
-                self.stop()
-        raise AssertionError("unreachable")
+        says so) is chosen again (``tsctl.retry_on_taken_port``)."""
+        return retry_on_taken_port(lambda: self._start_once(timeout), self.stop, attempts)
 
     def _start_once(self, timeout: float) -> Adapter:
         from scripts.tsctl import free_port
