@@ -207,6 +207,65 @@ def test_linear_over_pair_panels_is_the_float64_product(kernels, x_dtype, rows, 
     assert kernels.linear(x[:0], packed, pairs=True).shape == (0, outer)  # no rows: nothing to do
 
 
+AMX_FLAGS = frozenset({"amx_tile", "amx_bf16"})
+AMX_TILES = pytest.mark.skipif(not AMX_FLAGS | cpu_kernels.ISA_NEEDS["avx512bf16"] <= FLAGS,
+                               reason="this CPU has no AMX tiles")
+
+
+@pytest.fixture
+def tiles_from(kernels):
+    """Sets the fewest rows the AMX tiles take (``amx_min_rows``) for a test, and restores it after."""
+    before = kernels.amx_min_rows()
+    yield kernels.amx_min_rows
+    kernels.amx_min_rows(before)
+
+
+@AMX_TILES
+@pytest.mark.parametrize("kernels", ["avx512bf16"], indirect=True)
+@pytest.mark.parametrize("rows, inner, outer", [(1, 32, 32), (2, 768, 96), (15, 288, 64), (16, 64, 32),
+                                                (17, 544, 32), (32, 96, 128), (33, 3072, 64), (100, 256, 96)])
+def test_amx_tiles_compute_the_float64_product_over_pair_panels(kernels, tiles_from, rows, inner, outer):
+    """bf16 rows over pair panels on the tile unit: 16- and 32-row blocks and their tails (1, 15, 17, 33, 100
+    rows), K in one block of 256, several, or a block and a tail (288, 544); strided rows, into a given
+    tensor."""
+    assert tiles_from(1) == 1
+    gen = torch.Generator().manual_seed(rows * inner + outer)
+    wide = torch.randn(rows, inner + 32, generator=gen).to(torch.bfloat16)
+    x = wide[:, 16:16 + inner]
+    w = torch.randn(outer, inner, generator=gen).to(torch.bfloat16)
+    out = torch.full((rows, outer), float("nan"), dtype=torch.bfloat16)
+    assert kernels.linear(x, kernels.pack_pairs(w), out=out, pairs=True) is out
+    assert_product(out, x, w)
+
+
+@AMX_TILES
+@pytest.mark.parametrize("kernels", ["avx512bf16"], indirect=True)
+def test_amx_tiles_take_the_rows_they_are_set_to_take(kernels, tiles_from):
+    """From ``amx_min_rows`` rows a product runs on the tiles, which sum in another order than the vector tiles
+    (some roundings differ), below on the vector tiles; 0 keeps every row count on the vector tiles."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 3072, generator=gen).to(torch.bfloat16)
+    w = torch.randn(768, 3072, generator=gen).to(torch.bfloat16)
+    packed = kernels.pack_pairs(w)
+    assert tiles_from(0) == 0
+    vector = kernels.linear(x, packed, pairs=True)
+    assert tiles_from(65) == 65 and torch.equal(kernels.linear(x, packed, pairs=True), vector)
+    assert tiles_from(64) == 64
+    tiled = kernels.linear(x, packed, pairs=True)
+    assert not torch.equal(tiled, vector)
+    assert_product(tiled, x, w)
+    assert_product(vector, x, w)
+
+
+@pytest.mark.parametrize("kernels", ISAS, indirect=True)
+def test_builds_without_amx_tiles_say_so(kernels):
+    """Only the avx512bf16 build, on a CPU with AMX, has tiles to set; the others answer 0 whatever is asked."""
+    if kernels.isa == "avx512bf16" and AMX_FLAGS <= FLAGS:
+        assert kernels.amx_min_rows() > 0, "an AMX CPU whose tiles this build cannot use (Linux before 5.16?)"
+    else:
+        assert kernels.amx_min_rows() == 0 and kernels.amx_min_rows(4) == 0
+
+
 @pytest.mark.parametrize("kernels", ISAS[:2], indirect=True)
 def test_pair_panels_name_the_weights_they_cannot_lay_out(kernels):
     """An odd K, outputs not a multiple of 32, or float32: a ValueError with the shape, and no product."""

@@ -1152,8 +1152,10 @@ def test_a_native_linear_in_pair_panels_computes_the_plain_ones_product(monkeypa
 @PAIRED
 def test_a_bf16_model_decodes_the_same_tokens_with_its_weights_in_pair_panels(tiny_model_dir, monkeypatch):
     """The tiny model with ``LLAMA_WEIGHT_PAIRS=on`` and ``off``: every decode-step product in pair panels (one
-    native call per step, ``pairs``) or none; the same greedy tokens, logits within bf16's rounding."""
+    native call per step, ``pairs``) or none; the same greedy tokens, logits within bf16's rounding. (As on a CPU
+    without AMX, where ``off`` keeps the native kernels: on one with AMX it means oneDNN's packed products.)"""
     monkeypatch.setenv(fast_linear.WIDE_ENV, "native")
+    monkeypatch.setattr(fast_linear, "is_amx", lambda flags=None: False)
     logits, backends = [], []
     for setting in ("on", "off"):
         monkeypatch.setenv(fast_linear.PAIRS_ENV, setting)
@@ -1176,3 +1178,81 @@ def test_a_bf16_model_decodes_the_same_tokens_with_its_weights_in_pair_panels(ti
             tokens.append(seen)
     assert tokens[0] == tokens[1]
     torch.testing.assert_close(logits[0], logits[1], rtol=0.05, atol=0.05 * logits[1].abs().max().item())
+
+
+TILED = type("K", (), {"isa": "avx512bf16", "amx_min_rows": lambda self, set_to=None: 2})()
+UNTILED = type("K", (), {"isa": "avx512bf16", "amx_min_rows": lambda self, set_to=None: 0})()
+
+
+def test_bf16_on_an_amx_cpu_runs_natively_only_where_the_build_has_the_tiles(monkeypatch):
+    """On an AMX CPU bf16 goes to the native kernels where they multiply on the tiles (``amx_min_rows`` > 0) and
+    the pair panels are not switched off; else it stays on oneDNN's packed products. Without AMX, the tiles do not
+    matter."""
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(fast_linear, "packing_supported", lambda dtype, device: True)
+    monkeypatch.delenv(fast_linear.PAIRS_ENV, raising=False)
+    for build, on_amx in ((TILED, TILED), (UNTILED, None)):
+        monkeypatch.setattr(cpu_kernels, "load", lambda build=build: build)
+        assert fast_linear.native_kernels_for(torch.bfloat16, cpu, AMX) is on_amx
+        assert fast_linear.native_kernels_for(torch.bfloat16, cpu, AVX512_BF16) is build
+        assert fast_linear.native_kernels_for(torch.float32, cpu, AMX) is None
+    monkeypatch.setattr(cpu_kernels, "load", lambda: TILED)
+    assert fast_linear.amx_tiles(TILED) and not fast_linear.amx_tiles(UNTILED)
+    assert not fast_linear.amx_tiles(type("K", (), {"isa": "avx512bf16"})())
+    monkeypatch.setenv(fast_linear.PAIRS_ENV, "off")
+    assert not fast_linear.amx_tiles(TILED) and fast_linear.native_kernels_for(torch.bfloat16, cpu, AMX) is None
+
+
+@pytest.mark.skipif(NATIVE is None or NATIVE.isa != "avx512bf16" or not packing_supported(torch.bfloat16, "cpu"),
+                    reason="needs the native kernels' avx512bf16 build and oneDNN bf16")
+def test_a_bf16_model_on_amx_tiles_keeps_every_product_native_in_pair_panels_without_measuring(tiny_model_dir,
+                                                                                              monkeypatch):
+    """Where the tiles run (here made to look so), a bf16 model's products all stay native at every row count,
+    in pair panels, a decode step in one native call; nothing is timed at load. A forced prompt side
+    (``LLAMA_BF16_PROMPT_PRODUCTS=bfloat16``) is still honoured."""
+    monkeypatch.delenv(fast_linear.PAIRS_ENV, raising=False)
+    monkeypatch.delenv(fast_linear.WIDE_ENV, raising=False)
+    monkeypatch.setattr(fast_linear, "amx_tiles", lambda kernels: True)
+    monkeypatch.setattr(NATIVE, "amx_min_rows", lambda set_to=None: 2)
+
+    def timed(*args, **kwargs):
+        raise AssertionError("nothing is timed at load on the tiles")
+
+    measured = fast_linear.bf16_prompt_products
+    monkeypatch.setattr(fast_linear, "bf16_prompt_products", timed)
+    monkeypatch.setattr(fast_linear, "weight_pairs", timed)
+    backend = TorchSlotBackend(load(tiny_model_dir, torch.bfloat16), max_slots=2, max_length=64, owns_model=True)
+    native = [m for module in (backend.model, *backend._fused) for m in module.modules() if isinstance(m, NativeLinear)]
+    assert native and all(m.pairs and m.max_rows == sys.maxsize for m in native)
+    assert backend._decode_layers is not None and backend._decode_layers.pairs
+    monkeypatch.setenv(fast_linear.WIDE_ENV, "bfloat16")
+    monkeypatch.setattr(fast_linear, "bf16_prompt_products", measured)  # which answers the forced side unmeasured
+    model = load(tiny_model_dir, torch.bfloat16)
+    assert pack_linears(model) > 0
+    assert all(m.max_rows == fast_linear.NATIVE_MAX_ROWS and not m.pairs
+               for m in model.modules() if isinstance(m, NativeLinear))
+
+
+@pytest.mark.skipif(NATIVE is None or NATIVE.isa != "avx512bf16" or NATIVE.amx_min_rows() == 0,
+                    reason="this CPU has no AMX tiles")
+def test_a_bf16_model_on_amx_tiles_decodes_the_tokens_of_onednns_products(tiny_model_dir, monkeypatch):
+    """On an AMX CPU, the tiny model on the tiles (prompts of 14-16 rows, decode steps of 3) and on oneDNN's packed
+    products (``LLAMA_WEIGHT_PAIRS=off``): the same greedy tokens, logits within bf16's rounding."""
+    monkeypatch.delenv(fast_linear.WIDE_ENV, raising=False)
+    runs = []
+    for setting in ("auto", "off"):
+        monkeypatch.setenv(fast_linear.PAIRS_ENV, setting)
+        backend = TorchSlotBackend(load(tiny_model_dir, torch.bfloat16), max_slots=4, max_length=96, owns_model=True)
+        assert (backend._decode_layers is not None) == (setting == "auto")
+        prompt = prompts(batch=1, length=20, seed=5)[0][0].tolist()
+        with torch.inference_mode():
+            got = [backend.prefill_slot(slot, prompt[:14 + slot]) for slot in range(3)]
+            seen = [[int(g.argmax())] for g in got]
+            for _ in range(6):
+                got = list(backend.decode_slots([0, 1, 2], [s[-1] for s in seen]))
+                for s, g in zip(seen, got):
+                    s.append(int(g.argmax()))
+        runs.append((seen, torch.stack(got).float()))
+    (tiled, tiled_logits), (onednn, onednn_logits) = runs
+    assert tiled == onednn
+    torch.testing.assert_close(tiled_logits, onednn_logits, rtol=0.05, atol=0.05 * onednn_logits.abs().max().item())

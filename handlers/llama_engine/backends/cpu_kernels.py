@@ -206,6 +206,7 @@ _FUNCTIONS = {
                     [_P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _I64, _I32, _I32, _I32], _I32),
     "_decode_layers": ("llk_decode_layers", [_P] * 11 + [_F32, _F32, _I32, _I32, _I32, _I32, _I64], _I32),
     "_pack_pairs": ("llk_pack_pairs", [_P, _P, _I64, _I64], _I32),
+    "_amx_min_rows": ("llk_amx_min_rows", [_I64], _I64),
     "_pool_check": ("llk_pool_check", [_I64, _I64, _I32], _I64),
     "_isa": ("llk_isa", [], ctypes.c_char_p),
 }
@@ -260,6 +261,11 @@ class CpuKernels:
         if self._pack_pairs(weight.data_ptr(), packed.data_ptr(), weight.shape[1], weight.shape[0]):
             raise ValueError(f"pair panels: the {self.isa} build refused a {tuple(weight.shape)} weight")
         return packed
+
+    def amx_min_rows(self, set_to: Optional[int] = None) -> int:
+        """The fewest rows of a bf16 product over pair panels that run on AMX's tiles (0: this build or CPU has
+        none); ``set_to`` sets it first (0 keeps every row count on the vector tiles)."""
+        return int(self._amx_min_rows(-1 if set_to is None else set_to))
 
     def takes_pairs(self, weight: torch.Tensor) -> bool:
         """Whether this build multiplies ``weight`` in pair panels: bf16 ``[N, K]``, K even, N a multiple of

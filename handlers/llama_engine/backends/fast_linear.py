@@ -246,9 +246,10 @@ def packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
 def native_kernels_for(dtype: torch.dtype, device: torch.device, flags: Optional[FrozenSet[str]] = None):
     """The native kernels where :class:`NativeLinear` serves ``dtype`` weights on ``device`` without a
     measurement, else None: bfloat16 on a CPU whose kernels multiply bf16 pairs natively (the
-    ``avx512bf16`` build) and that has no AMX; float32 on an ``avx2``-class CPU, where oneDNN has no
-    wider instructions than the ``avx2`` build. ``flags``: the CPU's (default: this machine's). float32
-    on the other x86 classes is measured at load (:func:`measured_native_kernels`).
+    ``avx512bf16`` build), where it has AMX only if the build multiplies on its tiles (:func:`amx_tiles`);
+    float32 on an ``avx2``-class CPU, where oneDNN has no wider instructions than the ``avx2`` build.
+    ``flags``: the CPU's (default: this machine's). float32 on the other x86 classes is measured at load
+    (:func:`measured_native_kernels`).
 
     Elsewhere oneDNN's packed products were as fast or faster (bench model, one pass over the
     weights, 2 threads). Zen 5 EPYC: float32 against oneDNN's AVX-512, 1 row 11.0 ms native against
@@ -257,20 +258,34 @@ def native_kernels_for(dtype: torch.dtype, device: torch.device, flags: Optional
     build (which converts to float32), 1 row 6.3 against 6.1, 8 rows 13.2 against 7.4. AMX Xeon,
     bf16, where oneDNN multiplies on the AMX tiles: 1 row 8.4 against 8.9, 2 rows 9.8 against 8.7,
     8 rows 16.9 against 9.1; a decode step at 8 rows took 13.8 ms with oneDNN's linears and the
-    native attention, 21.8 with the native linears too. float32 on an ``avx2`` CPU: see
-    :data:`GEMM_ISAS`.
+    native attention, 21.8 with the native linears too (in their plain layout, before the pair panels and
+    the kernels' own AMX tiles: with them, an AMX Xeon's decode steps ran 2.26x faster at 1 row and 1.83x at
+    8 than on oneDNN's products). float32 on an ``avx2`` CPU: see :data:`GEMM_ISAS`.
     """
     if not packing_supported(dtype, device):
         return None
     flags = cpu_flags() if flags is None else flags
-    if dtype == torch.bfloat16 and not is_amx(flags):
+    if dtype == torch.bfloat16:
         isa = "avx512bf16"
     elif dtype == torch.float32 and cpu_class(flags) == "avx2":
         isa = "avx2"
     else:
         return None
     kernels = cpu_kernels.for_device(device)
-    return kernels if kernels is not None and kernels.isa == isa else None
+    if kernels is None or kernels.isa != isa:
+        return None
+    return None if dtype == torch.bfloat16 and is_amx(flags) and not amx_tiles(kernels) else kernels
+
+
+def amx_tiles(kernels) -> bool:
+    """Whether ``kernels`` multiply a bf16 prompt's rows over pair panels on AMX's tiles (the ``avx512bf16``
+    build on a CPU with AMX whose tiles Linux grants), and the pair panels are not switched off
+    (:data:`PAIRS_ENV`). Then one copy of a bf16 weight, in pair panels, serves every row count natively:
+    the vector tiles below :meth:`.CpuKernels.amx_min_rows` rows, the AMX tiles from there."""
+    rows = getattr(kernels, "amx_min_rows", None)
+    if rows is None or os.environ.get(PAIRS_ENV, "auto").strip().lower() == "off":
+        return False
+    return rows() > 0
 
 
 def measured_native_kernels(dtype: torch.dtype, device: torch.device, flags: Optional[FrozenSet[str]] = None):
@@ -334,6 +349,9 @@ def pack_linears(model: nn.Module, batch_hint: Optional[int] = None, weight_dtyp
         return 0
     kernels = native_kernels_for(weight.dtype, weight.device)
     if kernels is not None:
+        if weight.dtype == torch.bfloat16 and amx_tiles(kernels) and os.environ.get(WIDE_ENV, "auto").strip().lower() \
+                in ("auto", "native"):
+            return _swap_native(targets, weight.dtype, kernels, sys.maxsize, pairs=True)
         prompts = _bf16_prompt_products(targets, kernels) if weight.dtype == torch.bfloat16 else None
         max_rows = sys.maxsize if prompts == "native" else native_max_rows(kernels)
         return _swap_native(targets, weight.dtype, kernels, max_rows, wide_in_float32=prompts == "float32")
@@ -358,15 +376,19 @@ def _bf16_prompt_products(targets, kernels) -> str:
 
 
 def _swap_native(targets, dtype: torch.dtype, kernels, max_rows: int, weight_dtype: Optional[torch.dtype] = None,
-                 wide_in_float32: bool = False) -> int:
+                 wide_in_float32: bool = False, pairs: Optional[bool] = None) -> int:
     """:func:`_swap` for :class:`NativeLinear` (its weights kept in ``weight_dtype`` when given). bf16 weights
-    whose every row count runs natively go to pair panels where :func:`weight_pairs` says so and they fit."""
+    whose every row count runs natively go to pair panels where ``pairs`` is true, or (None) where
+    :func:`weight_pairs` says so, and they fit."""
     kept = weight_dtype or dtype
-    pairs = max_rows == sys.maxsize and kept == torch.bfloat16 and weight_pairs([t[2] for t in targets], kernels,
-                                                                                 dtype, kept)
+    if pairs is None:
+        pairs = max_rows == sys.maxsize and kept == torch.bfloat16 and weight_pairs([t[2] for t in targets], kernels,
+                                                                                     dtype, kept)
     stored = f"{weight_dtype} weights, " if weight_dtype is not None else ""
     wide = ", more rows in float32" if wide_in_float32 else ""
     layout = ", pair panels where they fit" if pairs else ""
+    if pairs and amx_tiles(kernels):
+        layout += f", AMX tiles from {kernels.amx_min_rows()} rows"
     return _swap(targets, dtype,
                  lambda linear: NativeLinear(linear, kernels, max_rows, weight_dtype, wide_in_float32, pairs),
                  f"{stored}native up to {max_rows} rows{wide}{layout}, {kernels.isa}")
