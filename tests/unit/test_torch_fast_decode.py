@@ -1206,10 +1206,15 @@ def test_bf16_on_an_amx_cpu_runs_natively_only_where_the_build_has_the_tiles(mon
 @pytest.mark.skipif(NATIVE is None or NATIVE.isa != "avx512bf16" or not packing_supported(torch.bfloat16, "cpu"),
                     reason="needs the native kernels' avx512bf16 build and oneDNN bf16")
 def test_a_bf16_model_on_amx_tiles_keeps_every_product_native_in_pair_panels_without_measuring(tiny_model_dir,
-                                                                                              monkeypatch):
+                                                                                              monkeypatch, caplog):
     """Where the tiles run (here made to look so), a bf16 model's products all stay native at every row count,
-    in pair panels, a decode step in one native call; nothing is timed at load. A forced prompt side
-    (``LLAMA_BF16_PROMPT_PRODUCTS=bfloat16``) is still honoured."""
+    in pair panels, a decode step in one native call; nothing is timed at load, and one line says so, which
+    a bench page lists with the choices timed. A forced prompt side (``LLAMA_BF16_PROMPT_PRODUCTS=bfloat16``)
+    is still honoured."""
+    from scripts.bench.choices import is_decision
+
+    caplog.set_level(logging.INFO, logger="llama_engine")
+    monkeypatch.setattr(fast_linear, "_AMX_LOGGED", {})
     monkeypatch.delenv(fast_linear.PAIRS_ENV, raising=False)
     monkeypatch.delenv(fast_linear.WIDE_ENV, raising=False)
     monkeypatch.setattr(fast_linear, "amx_tiles", lambda kernels: True)
@@ -1225,6 +1230,8 @@ def test_a_bf16_model_on_amx_tiles_keeps_every_product_native_in_pair_panels_wit
     native = [m for module in (backend.model, *backend._fused) for m in module.modules() if isinstance(m, NativeLinear)]
     assert native and all(m.pairs and m.max_rows == sys.maxsize for m in native)
     assert backend._decode_layers is not None and backend._decode_layers.pairs
+    said = [r.getMessage() for r in caplog.records if "AMX tiles," in r.getMessage()]
+    assert len(said) == 1 and is_decision(said[0]) and "from 2 row(s)" in said[0], said
     monkeypatch.setenv(fast_linear.WIDE_ENV, "bfloat16")
     monkeypatch.setattr(fast_linear, "bf16_prompt_products", measured)  # which answers the forced side unmeasured
     model = load(tiny_model_dir, torch.bfloat16)

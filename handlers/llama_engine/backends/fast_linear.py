@@ -278,10 +278,10 @@ def native_kernels_for(dtype: torch.dtype, device: torch.device, flags: Optional
 
 
 def amx_tiles(kernels) -> bool:
-    """Whether ``kernels`` multiply a bf16 prompt's rows over pair panels on AMX's tiles (the ``avx512bf16``
-    build on a CPU with AMX whose tiles Linux grants), and the pair panels are not switched off
-    (:data:`PAIRS_ENV`). Then one copy of a bf16 weight, in pair panels, serves every row count natively:
-    the vector tiles below :meth:`.CpuKernels.amx_min_rows` rows, the AMX tiles from there."""
+    """Whether ``kernels`` multiply bf16 rows over pair panels on AMX's tiles (the ``avx512bf16`` build on a
+    CPU with AMX whose tiles Linux grants), and the pair panels are not switched off (:data:`PAIRS_ENV`).
+    Then one copy of a bf16 weight, in pair panels, serves every row count natively, on the tiles from
+    :meth:`.CpuKernels.amx_min_rows` rows (1 unless set)."""
     rows = getattr(kernels, "amx_min_rows", None)
     if rows is None or os.environ.get(PAIRS_ENV, "auto").strip().lower() == "off":
         return False
@@ -351,6 +351,7 @@ def pack_linears(model: nn.Module, batch_hint: Optional[int] = None, weight_dtyp
     if kernels is not None:
         if weight.dtype == torch.bfloat16 and amx_tiles(kernels) and os.environ.get(WIDE_ENV, "auto").strip().lower() \
                 in ("auto", "native"):
+            _log_amx_tiles(kernels)
             return _swap_native(targets, weight.dtype, kernels, sys.maxsize, pairs=True)
         prompts = _bf16_prompt_products(targets, kernels) if weight.dtype == torch.bfloat16 else None
         max_rows = sys.maxsize if prompts == "native" else native_max_rows(kernels)
@@ -365,6 +366,20 @@ def pack_linears(model: nn.Module, batch_hint: Optional[int] = None, weight_dtyp
     return _swap(targets, weight.dtype,
                  lambda linear: PackedLinear(linear, batch_hint or (FP32_BATCH_HINT if fp32 else ONEDNN_BATCH_HINT)),
                  "onednn", check=fp32)
+
+
+_AMX_LOGGED: Dict[int, bool] = {}
+
+
+def _log_amx_tiles(kernels) -> None:
+    """Say once per process and thread count that bf16 products run on the tiles: nothing is timed for it, and a
+    bench page lists it with the choices that are (``scripts.bench.choices``)."""
+    threads = torch.get_num_threads()
+    if not _AMX_LOGGED.setdefault(threads, False):
+        _AMX_LOGGED[threads] = True
+        logger.info("bf16 linears on AMX tiles, %d threads: every row count native in pair panels, on the tiles "
+                    "from %d row(s), not timed (%s=off: oneDNN's packed products)", threads, kernels.amx_min_rows(),
+                    PAIRS_ENV)
 
 
 def _bf16_prompt_products(targets, kernels) -> str:
@@ -388,7 +403,7 @@ def _swap_native(targets, dtype: torch.dtype, kernels, max_rows: int, weight_dty
     wide = ", more rows in float32" if wide_in_float32 else ""
     layout = ", pair panels where they fit" if pairs else ""
     if pairs and amx_tiles(kernels):
-        layout += f", AMX tiles from {kernels.amx_min_rows()} rows"
+        layout += f", AMX tiles from {kernels.amx_min_rows()} row(s)"
     return _swap(targets, dtype,
                  lambda linear: NativeLinear(linear, kernels, max_rows, weight_dtype, wide_in_float32, pairs),
                  f"{stored}native up to {max_rows} rows{wide}{layout}, {kernels.isa}")
