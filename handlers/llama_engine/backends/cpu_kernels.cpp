@@ -1057,10 +1057,10 @@ static constexpr long AMX_K = 32;
 static constexpr long AMX_KB = 256;
 // At least this many work items a thread: the panels of a 768-output weight came in 5 items for 2 threads.
 static constexpr long AMX_SPLIT = 4;
-// The fewest rows the tiles take by default. One row runs on them a little faster than on the vector tiles
-// (0.94-0.97x the time), and each row's sums then add in one order whatever rows come with it: a prompt
-// decodes the same greedy tokens alone and in a batch (on the vector tiles from 2 rows, a tiny model's
-// did not).
+// The fewest rows the tiles take by default. From one row, each row's sums add in one order whatever rows
+// come with it: a prompt decodes the same greedy tokens alone and in a batch (with one row on the vector
+// tiles, a tiny model's did not). It costs little: one row's pass over the bench model's weights took 0.90x
+// the vector tiles' time, a whole one-row decode step 1.04x (8.31 against 7.97 ms, 12 alternated rounds).
 static std::atomic<long> amx_min_rows{1};
 
 bool amx_usable() {
@@ -1856,7 +1856,7 @@ LLK_API int llk_linear(const void *x, long ldx, int x_dtype, const void *w, int 
 }
 
 // The fewest rows of a bf16 product over pair panels that run on AMX's tiles: 0 where this build or CPU has
-// none. set > 0 sets it first (for the torch backend's measurement at load), set 0 turns the tiles off.
+// none. set > 0 sets it first (tests and A/B probes), set 0 turns the tiles off.
 LLK_API long llk_amx_min_rows(long set) {
 #if defined(LLK_AMX)
     if (!amx_usable()) return 0;
