@@ -1149,6 +1149,19 @@ def test_a_native_linear_in_pair_panels_computes_the_plain_ones_product(monkeypa
     assert not NativeLinear(torch.nn.Linear(96, 48).to(torch.bfloat16), NATIVE, sys.maxsize, pairs=True).pairs
 
 
+def greedy_in_three_slots(backend, prompt, length, steps=6):
+    """Prefill ``prompt``'s first ``length``, ``length`` + 1 and ``length`` + 2 tokens into slots 0-2, then decode
+    the three greedily together for ``steps`` steps: each slot's tokens, and the last step's logits (float32)."""
+    with torch.inference_mode():
+        got = [backend.prefill_slot(slot, prompt[:length + slot]) for slot in range(3)]
+        seen = [[int(g.argmax())] for g in got]
+        for _ in range(steps):
+            got = list(backend.decode_slots([0, 1, 2], [s[-1] for s in seen]))
+            for s, g in zip(seen, got):
+                s.append(int(g.argmax()))
+    return seen, torch.stack(got).float()
+
+
 @PAIRED
 def test_a_bf16_model_decodes_the_same_tokens_with_its_weights_in_pair_panels(tiny_model_dir, monkeypatch):
     """The tiny model with ``LLAMA_WEIGHT_PAIRS=on`` and ``off``: every decode-step product in pair panels (one
@@ -1166,16 +1179,10 @@ def test_a_bf16_model_decodes_the_same_tokens_with_its_weights_in_pair_panels(ti
         backends.append(backend)
     prompt = prompts(batch=1, length=20, seed=3)[0][0].tolist()
     tokens = []
-    with torch.inference_mode():
-        for backend in backends:
-            got = [backend.prefill_slot(slot, prompt[:12 + slot]) for slot in range(3)]
-            seen = [[int(g.argmax())] for g in got]
-            for _ in range(6):
-                got = list(backend.decode_slots([0, 1, 2], [s[-1] for s in seen]))
-                for s, g in zip(seen, got):
-                    s.append(int(g.argmax()))
-            logits.append(torch.stack(got).float())
-            tokens.append(seen)
+    for backend in backends:
+        seen, last = greedy_in_three_slots(backend, prompt, 12)
+        logits.append(last)
+        tokens.append(seen)
     assert tokens[0] == tokens[1]
     torch.testing.assert_close(logits[0], logits[1], rtol=0.05, atol=0.05 * logits[1].abs().max().item())
 
@@ -1251,15 +1258,7 @@ def test_a_bf16_model_on_amx_tiles_decodes_the_tokens_of_onednns_products(tiny_m
         monkeypatch.setenv(fast_linear.PAIRS_ENV, setting)
         backend = TorchSlotBackend(load(tiny_model_dir, torch.bfloat16), max_slots=4, max_length=96, owns_model=True)
         assert (backend._decode_layers is not None) == (setting == "auto")
-        prompt = prompts(batch=1, length=20, seed=5)[0][0].tolist()
-        with torch.inference_mode():
-            got = [backend.prefill_slot(slot, prompt[:14 + slot]) for slot in range(3)]
-            seen = [[int(g.argmax())] for g in got]
-            for _ in range(6):
-                got = list(backend.decode_slots([0, 1, 2], [s[-1] for s in seen]))
-                for s, g in zip(seen, got):
-                    s.append(int(g.argmax()))
-        runs.append((seen, torch.stack(got).float()))
+        runs.append(greedy_in_three_slots(backend, prompts(batch=1, length=20, seed=5)[0][0].tolist(), 14))
     (tiled, tiled_logits), (onednn, onednn_logits) = runs
     assert tiled == onednn
     torch.testing.assert_close(tiled_logits, onednn_logits, rtol=0.05, atol=0.05 * onednn_logits.abs().max().item())
