@@ -220,11 +220,13 @@ class TorchServe:
         """start() and wait_ready(), again on newly chosen ports where ports chosen free were taken
         before the JVM bound them (:func:`retry_on_taken_port`); configured ports are tried once.
         ``started(process)`` is called after each start (``make serve`` records the pid)."""
-        tries = iter(range(attempts))
+        starts = 0
 
         def once() -> float:
-            if next(tries):
+            nonlocal starts
+            if starts:  # the ports of the start before were taken
                 self.use_ports(free_ports())
+            starts += 1
             process = self.start()
             if started is not None:
                 started(process)

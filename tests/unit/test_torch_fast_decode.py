@@ -1221,7 +1221,7 @@ def test_a_bf16_model_on_amx_tiles_keeps_every_product_native_in_pair_panels_wit
     from scripts.bench.choices import is_decision
 
     caplog.set_level(logging.INFO, logger="llama_engine")
-    monkeypatch.setattr(fast_linear, "_AMX_LOGGED", {})
+    monkeypatch.setattr(fast_linear, "_AMX_LOGGED", set())
     monkeypatch.delenv(fast_linear.PAIRS_ENV, raising=False)
     monkeypatch.delenv(fast_linear.WIDE_ENV, raising=False)
     monkeypatch.setattr(fast_linear, "amx_tiles", lambda kernels: True)

@@ -1090,11 +1090,12 @@ __attribute__((target("amx-tile"))) void amx_configure(int rows) {
 
 __attribute__((target("amx-tile"))) void amx_release() { _tile_release(); }
 
-// Where x's A tiles (16 rows by 32 k, or fewer rows) start: x + m rows + k kstep, rows stride bytes apart.
+// Where x's A tiles (16 rows by 32 k, or fewer rows) start: row m, column k at x + m ld + k kstep; a tile's
+// rows are stride bytes apart.
 struct ATiles {
     const bf16 *x;
-    long rows, kstep, stride;
-    const bf16 *at(long m, long k) const { return x + m * rows + k * kstep; }
+    long ld, kstep, stride;
+    const bf16 *at(long m, long k) const { return x + m * ld + k * kstep; }
 };
 
 // y[m, n0 + j] (m < M, j < 32) = x's A tiles (rows [0, Mp), Mp a multiple of R, zeros past M; or M rows, at most

@@ -283,9 +283,7 @@ def amx_tiles(kernels) -> bool:
     Then one copy of a bf16 weight, in pair panels, serves every row count natively, on the tiles from
     :meth:`.CpuKernels.amx_min_rows` rows (1 unless set)."""
     rows = getattr(kernels, "amx_min_rows", None)
-    if rows is None or os.environ.get(PAIRS_ENV, "auto").strip().lower() == "off":
-        return False
-    return rows() > 0
+    return rows is not None and pairs_setting() != "off" and rows() > 0
 
 
 def measured_native_kernels(dtype: torch.dtype, device: torch.device, flags: Optional[FrozenSet[str]] = None):
@@ -349,8 +347,7 @@ def pack_linears(model: nn.Module, batch_hint: Optional[int] = None, weight_dtyp
         return 0
     kernels = native_kernels_for(weight.dtype, weight.device)
     if kernels is not None:
-        if weight.dtype == torch.bfloat16 and amx_tiles(kernels) and os.environ.get(WIDE_ENV, "auto").strip().lower() \
-                in ("auto", "native"):
+        if weight.dtype == torch.bfloat16 and amx_tiles(kernels) and prompt_products_setting() in ("auto", "native"):
             _log_amx_tiles(kernels)
             return _swap_native(targets, weight.dtype, kernels, sys.maxsize, pairs=True)
         prompts = _bf16_prompt_products(targets, kernels) if weight.dtype == torch.bfloat16 else None
@@ -368,15 +365,16 @@ def pack_linears(model: nn.Module, batch_hint: Optional[int] = None, weight_dtyp
                  "onednn", check=fp32)
 
 
-_AMX_LOGGED: Dict[int, bool] = {}
+#: Thread counts this process has said it runs bf16 on the AMX tiles at.
+_AMX_LOGGED: set = set()
 
 
 def _log_amx_tiles(kernels) -> None:
     """Say once per process and thread count that bf16 products run on the tiles: nothing is timed for it, and a
     bench page lists it with the choices that are (``scripts.bench.choices``)."""
     threads = torch.get_num_threads()
-    if not _AMX_LOGGED.setdefault(threads, False):
-        _AMX_LOGGED[threads] = True
+    if threads not in _AMX_LOGGED:
+        _AMX_LOGGED.add(threads)
         logger.info("bf16 linears on AMX tiles, %d threads: every row count native in pair panels, on the tiles "
                     "from %d row(s), not timed (%s=off: oneDNN's packed products)", threads, kernels.amx_min_rows(),
                     PAIRS_ENV)
@@ -594,7 +592,7 @@ def bf16_prompt_products(linears: Sequence[nn.Linear], kernels=None, repeats: in
     its median ratio is within that share of the side taken otherwise (bf16's being 1) and ``favour_applies()``,
     which is asked only then."""
     native = kernels is not None and kernels.isa in BF16_GEMM_ISAS
-    setting = os.environ.get(WIDE_ENV, "auto").strip().lower()
+    setting = prompt_products_setting()
     if setting in PROMPT_PRODUCTS:
         if setting == "native" and not native:
             raise ValueError(f"{WIDE_ENV}=native needs the native CPU kernels' avx512 or avx512bf16 build "
@@ -649,9 +647,7 @@ def weight_pairs(linears: Sequence[nn.Linear], kernels, compute_dtype: torch.dty
     medians) the plain layout's tiles ran at ~140 GFLOP/s from 4 rows up and the pair panels at 200-240:
     1.53x at 8 rows, 1.52-1.61x at 12 to 39, even at 1 and 2; float32 rows over bf16 weights 1.39-1.46x at 8 to
     32. A build without them, or weights of another dtype, returns False."""
-    setting = os.environ.get(PAIRS_ENV, "auto").strip().lower()
-    if setting not in ("auto", "on", "off"):
-        raise ValueError(f"{PAIRS_ENV}={setting!r}: use auto, on or off")
+    setting = pairs_setting()
     if setting == "off":
         return False
     if weight_dtype != torch.bfloat16 or kernels is None or kernels.isa not in cpu_kernels.PAIRS_ISAS:
@@ -681,6 +677,19 @@ def weight_pairs(linears: Sequence[nn.Linear], kernels, compute_dtype: torch.dty
                     1e3 * statistics.median(passes["plain"]), 1e3 * statistics.median(passes["pairs"]), ratio,
                     repeats, "pairs" if _PAIRS_DECISIONS[key] else "plain")
     return _PAIRS_DECISIONS[key]
+
+
+def pairs_setting() -> str:
+    """:data:`PAIRS_ENV`: ``auto`` (unset), ``on`` or ``off``; anything else is a ValueError naming it."""
+    setting = os.environ.get(PAIRS_ENV, "auto").strip().lower()
+    if setting not in ("auto", "on", "off"):
+        raise ValueError(f"{PAIRS_ENV}={setting!r}: use auto, on or off")
+    return setting
+
+
+def prompt_products_setting() -> str:
+    """:data:`WIDE_ENV`: ``auto`` (unset) or the side of :data:`PROMPT_PRODUCTS` it forces."""
+    return os.environ.get(WIDE_ENV, "auto").strip().lower()
 
 
 #: How :func:`bf16_prompt_products` names each side in its log line.
