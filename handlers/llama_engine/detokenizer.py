@@ -9,23 +9,35 @@ This is the prefix/read-offset scheme of TGI and vLLM.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, List, Sequence
 
 REPLACEMENT_CHAR = "\ufffd"
 PROMPT_CONTEXT_TOKENS = 5
 
 
+def decoder_of(tokenizer) -> Callable[[List[int]], str]:
+    """``ids -> text`` without special tokens and without transformers' clean-up of spaces.
+
+    A fast tokenizer's own Rust tokenizer is called directly: transformers' ``decode`` returns
+    the same text (it calls that tokenizer, and the clean-up is off), but its argument checks
+    took 26-30 us a call against 1.2-1.5 us (the bench model's tokenizer, 6 tokens). Two calls a
+    token, eight rows a step: 0.5 ms of a continuous-batching step that was otherwise 0.7 ms of
+    Python around a 22 ms forward pass (the bench model, bf16, on an AMX Xeon).
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        return lambda ids: backend.decode(ids, skip_special_tokens=True)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_ids: Sequence[int] = ()):
         self.tokenizer = tokenizer
+        self._decode = decoder_of(tokenizer)
         self._ids = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
         self._context_len = len(self._ids)
-
-    def _decode(self, ids) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True,
-                                     clean_up_tokenization_spaces=False)
 
     def add(self, token_id: int) -> str:
         """Add one generated token; return the text it completes (possibly "")."""

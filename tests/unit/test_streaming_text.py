@@ -1,9 +1,11 @@
 """Incremental detokenization and the batched streamer, on the embedded model's byte-level BPE."""
+import random
+
 import pytest
 import torch
 
 from llama_engine import GenerationRequest, SamplingParams
-from llama_engine.detokenizer import IncrementalDetokenizer
+from llama_engine.detokenizer import IncrementalDetokenizer, decoder_of
 from llama_engine.lifecycle import Limits, PreparedRequest, RequestLifecycle
 from llama_engine.stopping import FINISH_EOS, FINISH_LENGTH, StoppingCriteria
 from llama_engine.streamer import BatchTextStreamer
@@ -50,6 +52,37 @@ def test_cjk_streams_without_waiting_for_a_space(tokenizer):
 def test_no_prompt_echo(tokenizer):
     _, pieces = stream_pieces(tokenizer, "The prompt text", " and the answer")
     assert "".join(pieces) == " and the answer"
+
+
+def test_the_fast_tokenizers_own_decoder_gives_transformers_text(tokenizer):
+    rng = random.Random(0)
+    decode = decoder_of(tokenizer)
+    samples = [[rng.randrange(len(tokenizer)) for _ in range(rng.randrange(1, 9))] for _ in range(2000)]
+    samples += [[tokenizer.bos_token_id, *ids, tokenizer.eos_token_id] for ids in samples[:50]]
+    for ids in samples:
+        assert decode(ids) == tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+class SlowTokenizer:
+    """A tokenizer without a Rust backend (a sentencepiece ``LlamaTokenizer``): only ``decode``."""
+
+    def __init__(self, fast):
+        self.fast = fast
+        self.calls = []
+
+    def decode(self, ids, **kwargs):
+        self.calls.append(kwargs)
+        return self.fast.decode(ids, **kwargs)
+
+
+@pytest.mark.parametrize("text", TEXTS[1:3])
+def test_a_tokenizer_without_a_backend_decodes_through_its_own_decode(tokenizer, text):
+    slow = SlowTokenizer(tokenizer)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    detok = IncrementalDetokenizer(slow, tokenizer("x")["input_ids"])
+    assert "".join([detok.add(i) for i in ids] + [detok.flush()]) == text
+    assert slow.calls and all(c == {"skip_special_tokens": True, "clean_up_tokenization_spaces": False}
+                              for c in slow.calls)
 
 
 def make_row(tokenizer, max_new_tokens, prompt="Hi"):
