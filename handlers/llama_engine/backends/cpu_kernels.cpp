@@ -1163,8 +1163,9 @@ bool amx_linear_pairs(const bf16 *x, long ldx, const bf16 *P, bf16 *y, long ldy,
         thread_local std::vector<bf16, AlignedAlloc<bf16>> tiles;
         tiles.resize((size_t)(Mp * K));
         bf16 *const copied = tiles.data();
-        // Copied by every thread, 16 rows a work item: one thread's copy took 0.04-0.14x of the products'
-        // time (the bench model's weights: 1.11x -> 1.04x oneDNN's time at 256 rows, 1.04x -> 0.91x at 768).
+        // Copied by every thread, 16 rows a work item. Copied by the calling thread alone, the bench model's 85
+        // bf16 products took 1.08x oneDNN's time at 256 rows and 0.99x at 768; so, 1.04x and 0.92x (15
+        // alternated rounds). Whole prefills moved less than the host's noise (0.99x / 1.01x, 13 rounds).
         pool().run(Mp / 16, threads, [&](long block) {
             for (long m = block * 16; m < block * 16 + 16; m++)
                 for (long k = 0; k < K; k += AMX_K) {
