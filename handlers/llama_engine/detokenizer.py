@@ -9,6 +9,7 @@ This is the prefix/read-offset scheme of TGI and vLLM.
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable, List, Sequence
 
 REPLACEMENT_CHAR = "\ufffd"
@@ -27,13 +28,12 @@ def decoder_of(tokenizer) -> Callable[[List[int]], str]:
     """
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:
-        return lambda ids: backend.decode(ids, skip_special_tokens=True)
-    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        return functools.partial(backend.decode, skip_special_tokens=True)
+    return functools.partial(tokenizer.decode, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_ids: Sequence[int] = ()):
-        self.tokenizer = tokenizer
         self._decode = decoder_of(tokenizer)
         self._ids = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:])
         self._prefix_offset = 0
