@@ -936,6 +936,9 @@ def test_bf16_prompt_products_run_in_float32_where_that_measures_faster(monkeypa
     monkeypatch.setenv(fast_linear.WIDE_ENV, "native")
     with pytest.raises(ValueError, match="avx512 or avx512bf16 build"):
         fast_linear.bf16_prompt_products(linears, type("K", (), {"isa": "avx2"})())
+    monkeypatch.setenv(fast_linear.WIDE_ENV, "bf16")
+    with pytest.raises(ValueError, match=r"LLAMA_BF16_PROMPT_PRODUCTS='bf16': use auto, bfloat16, float32 or native"):
+        fast_linear.bf16_prompt_products(linears)
 
 
 def test_outputs_off_the_gemm_panels_leave_a_prompts_rows_to_onednn():
@@ -1245,6 +1248,9 @@ def test_a_bf16_model_on_amx_tiles_keeps_every_product_native_in_pair_panels_wit
     assert pack_linears(model) > 0
     assert all(m.max_rows == fast_linear.NATIVE_MAX_ROWS and not m.pairs
                for m in model.modules() if isinstance(m, NativeLinear))
+    monkeypatch.setenv(fast_linear.WIDE_ENV, "bf16")
+    with pytest.raises(ValueError, match="LLAMA_BF16_PROMPT_PRODUCTS='bf16'"):
+        pack_linears(load(tiny_model_dir, torch.bfloat16))
 
 
 @pytest.mark.skipif(NATIVE is None or NATIVE.isa != "avx512bf16" or NATIVE.amx_min_rows() == 0,

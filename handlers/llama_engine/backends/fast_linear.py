@@ -688,8 +688,13 @@ def pairs_setting() -> str:
 
 
 def prompt_products_setting() -> str:
-    """:data:`WIDE_ENV`: ``auto`` (unset) or the side of :data:`PROMPT_PRODUCTS` it forces."""
-    return os.environ.get(WIDE_ENV, "auto").strip().lower()
+    """:data:`WIDE_ENV`: ``auto`` (unset) or the side of :data:`PROMPT_PRODUCTS` it forces; anything else is a
+    ValueError naming it (a misspelt side would otherwise run as ``auto``, and on AMX leave the tiles)."""
+    setting = os.environ.get(WIDE_ENV, "auto").strip().lower()
+    if setting != "auto" and setting not in PROMPT_PRODUCTS:
+        raise ValueError(f"{WIDE_ENV}={setting!r}: use auto, " + ", ".join(PROMPT_PRODUCTS[:-1])
+                         + f" or {PROMPT_PRODUCTS[-1]}")
+    return setting
 
 
 #: How :func:`bf16_prompt_products` names each side in its log line.
