@@ -907,7 +907,8 @@ of a class already measured gets a page and a column of its own (`benchmarks-avx
 Options: `--dtype float32`, `--checkpoint float32`, `--threads N`, `--no-peers`, `--llama-gguf PATH`, `--max-minutes M`, `--out DIR`,
 `--docs PATH`/`--no-docs`, `--systems A,B`, `--scenarios A,B` (length, ttft, concurrency, paired, poisson, poisson-wide, poisson-steady),
 `--poisson-rate R`, `--poisson-duration S`, `--poisson-rounds N`, `--cpu-class CLASS` (measure as a CPU of a
-lower class would, on this one: its own page, `benchmarks-CLASS-emulated.md`). How far continuous batching can get
+lower class would, on this one: its own page, `benchmarks-CLASS-emulated.md`, `benchmarks-CLASS-on-HOST-emulated.md`
+on a host of another class than `avx512-bf16`). How far continuous batching can get
 ahead of micro-batching on the Poisson load at all: `.venv/bin/python -m scripts.bench.continuous_bound`
 (see docs/continuous-batching.md).
 
@@ -1047,9 +1048,15 @@ ahead of micro-batching on the Poisson load at all: `.venv/bin/python -m scripts
 """
 
 
+#: The host class of the first emulated runs: their pages are named without it (``benchmarks-avx2-emulated.md``),
+#: a class emulated on another host's with it (``benchmarks-avx2-on-amx-emulated.md``).
+FIRST_EMULATION_HOST = "avx512-bf16"
+
+
 def default_docs(machine: dict) -> Path:
     """The page a full run rewrites: its CPU class's own (``docs/benchmarks-avx2.md``; for a run on an
-    emulated class ``docs/benchmarks-avx2-emulated.md``), so that a run on one class never replaces
+    emulated class ``docs/benchmarks-avx2-emulated.md``, ``docs/benchmarks-avx2-on-amx-emulated.md`` on an AMX host:
+    :data:`FIRST_EMULATION_HOST`), so that a run on one class never replaces
     another's; where another CPU of the class holds its column (:func:`cpu_column`), this CPU's
     (``docs/benchmarks-avx512-bf16-intel-6-207.md``). ``docs/benchmarks.md`` is their index
     (:func:`render_index`)."""
@@ -1057,7 +1064,9 @@ def default_docs(machine: dict) -> Path:
     cpu = cpu_short(machine.get("cpu", ""))
     slug = "-" + re.sub(r"[^a-z0-9]+", "-", cpu.lower()).strip("-") if qualified else ""
     if machine.get("emulated_on"):
-        return DOCS_PAGE.with_name(f"{DOCS_PAGE.stem}-{machine['cpu_class']}{slug}-emulated.md")
+        host = machine["emulated_on"]
+        on = "" if host == FIRST_EMULATION_HOST else f"-on-{host}"
+        return DOCS_PAGE.with_name(f"{DOCS_PAGE.stem}-{machine['cpu_class']}{on}{slug}-emulated.md")
     return DOCS_PAGE.with_name(f"{DOCS_PAGE.stem}-{cpu_label(machine)}{slug}.md")
 
 

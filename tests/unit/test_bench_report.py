@@ -189,6 +189,9 @@ def test_two_cpus_of_one_class_each_keep_their_latest_run_and_page(tmp_path, mon
     report.update_by_cpu(emulated, by_cpu)
     assert report.default_docs(run(zen4, 50.0, emulated_on="avx512-bf16")["machine"]) == \
         tmp_path / "docs" / "benchmarks-avx2-amd-25-17-emulated.md"
+    on_amx = run("Intel(R) Xeon(R) Processor (family 6, model 167)", 50.0, emulated_on="amx")
+    assert report.cpu_column(on_amx["machine"], json.loads(by_cpu.read_text())) == "avx2 (emulated on amx)"
+    assert report.default_docs(on_amx["machine"]) == tmp_path / "docs" / "benchmarks-avx2-on-amx-emulated.md"
 
 
 def test_a_cpu_named_before_its_family_was_recorded_is_the_same_cpu():
