@@ -663,6 +663,30 @@ def test_decode_layers_only_where_every_product_is_native_without_a_bias_or_unle
                             **options)._decode_layers is None
 
 
+def test_on_off_switches_take_their_spellings_and_name_a_typo(monkeypatch, tiny_model_dir):
+    """``LLAMA_PACKED_LINEAR``, ``LLAMA_GATHER_WEIGHTS`` and ``LLAMA_DECODE_LAYERS``: 0/off/false/no, 1/on/true/yes
+    in any case, or the switch's own words; a typo is a ValueError naming the switch, not a silent "on"."""
+    switches = ((fast_linear.ENV, ("auto", "native")), (fast_linear.GATHER_ENV, ()),
+                (torch_backend.DECODE_LAYERS_ENV, ("auto",)))
+    for name, words in switches:
+        for spelled, meant in [(v, "off") for v in ("0", "OFF", " false ", "no")] + \
+                              [(v, "on") for v in ("1", "On", "true", "YES")] + [(w, w) for w in words]:
+            monkeypatch.setenv(name, spelled)
+            assert fast_linear.switch_setting(name, "auto", *words) == meant
+        monkeypatch.setenv(name, "of")
+        with pytest.raises(ValueError, match=re.escape(f"{name}='of': use 0, 1")):
+            fast_linear.switch_setting(name, "auto", *words)
+        monkeypatch.delenv(name)
+        assert fast_linear.switch_setting(name, "auto", "auto") == "auto"
+    monkeypatch.setenv(fast_linear.ENV, "nativ")
+    with pytest.raises(ValueError, match="LLAMA_PACKED_LINEAR='nativ'"):
+        pack_linears(load(tiny_model_dir, torch.float32))
+    monkeypatch.delenv(fast_linear.ENV)
+    monkeypatch.setenv(fast_linear.GATHER_ENV, "of")
+    with pytest.raises(ValueError, match="LLAMA_GATHER_WEIGHTS='of'"):
+        fast_linear.gather_weights([torch.nn.Linear(8, 8)])
+
+
 @needs_native
 def test_a_slot_backend_of_its_own_model_gathers_the_weights_a_decode_step_streams_in_its_order(tiny_model_dir,
                                                                                                monkeypatch):

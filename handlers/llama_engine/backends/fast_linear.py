@@ -59,6 +59,24 @@ from . import cpu_kernels
 
 logger = logging.getLogger(__name__)
 
+#: The spellings an on/off environment switch takes (:func:`switch_setting`).
+OFF, ON = ("0", "off", "false", "no"), ("1", "on", "true", "yes")
+
+
+def switch_setting(name: str, default: str, *others: str) -> str:
+    """Environment switch ``name``, lowered and stripped (``default`` when unset): ``"off"`` for any of
+    :data:`OFF`, ``"on"`` for any of :data:`ON`, or one of ``others``; anything else is a ValueError that names
+    the switch and what it takes (a typo would otherwise leave the switch as it was)."""
+    setting = os.environ.get(name, default).strip().lower()
+    if setting in OFF:
+        return "off"
+    if setting in ON:
+        return "on"
+    if setting not in others:
+        raise ValueError(f"{name}={setting!r}: use " + ", ".join(("0", "1") + others))
+    return setting
+
+
 #: Environment switch: "0" leaves a decode step's weights where they were loaded (:func:`gather_weights`).
 GATHER_ENV = "LLAMA_GATHER_WEIGHTS"
 #: Each weight :func:`gather_weights` places starts on a cache line.
@@ -328,8 +346,8 @@ def pack_linears(model: nn.Module, batch_hint: Optional[int] = None, weight_dtyp
     A weight shared by another module (tied embeddings) is packed as a copy; the other module
     keeps the original.
     """
-    setting = os.environ.get(ENV, "auto").strip().lower()
-    if setting in ("0", "false", "off", "no"):
+    setting = switch_setting(ENV, "auto", "auto", "native")
+    if setting == "off":
         return 0
     targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
                if type(child) is nn.Linear]
@@ -434,7 +452,7 @@ def gather_weights(linears: Sequence["NativeLinear"]) -> Optional[torch.Tensor]:
     alternated rounds of 40 steps, medians): 8.51 ms as loaded, 8.09 gathered on 4 KiB pages, 7.52
     on huge pages; 8 rows 13.87 against 13.21. Weight by weight, so memory holds one weight twice at most.
     """
-    if not linears or os.environ.get(GATHER_ENV, "1").strip().lower() in ("0", "off", "no", "false"):
+    if not linears or switch_setting(GATHER_ENV, "1") == "off":
         return None
     dtype = linears[0].weight.dtype
     if any(linear.weight.dtype != dtype or linear.weight.device.type != "cpu" for linear in linears):
@@ -494,7 +512,7 @@ def _float32_kind(setting: str, linears: Sequence[nn.Linear], device: torch.devi
     """``(kind, kernels)`` for a float32 model's linears: ``"onednn"``, ``"plain"`` or ``"native"`` (with the
     kernels), as ``LLAMA_PACKED_LINEAR`` says or else :func:`float32_linear_kernel` measures."""
     native = measured_native_kernels(torch.float32, device)
-    if setting in ("1", "true", "on", "yes"):
+    if setting == "on":
         return "onednn", None
     if setting == "native":
         if native is not None:

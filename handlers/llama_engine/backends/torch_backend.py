@@ -17,6 +17,7 @@ from .fast_linear import (
     bf16_weight_kernels,
     gather_weights,
     pack_linears,
+    switch_setting,
     tune_native_prefetch,
 )
 
@@ -381,7 +382,7 @@ class TorchSlotBackend(OnePassSlotBackend):
         :class:`.NativeLinear` without a bias, over weights of one dtype, every norm with one epsilon, and
         dtypes the call serves. Else ``(None, 0)``. ``LLAMA_DECODE_LAYERS=0`` keeps the Python loop (an A/B
         baseline)."""
-        if not self._fused_ops or os.environ.get(DECODE_LAYERS_ENV, "auto").strip().lower() in ("0", "off", "no"):
+        if not self._fused_ops or switch_setting(DECODE_LAYERS_ENV, "auto", "auto") == "off":
             return None, 0
         inner, layers, products = self.model.model, [], []
         for layer, fused in zip(inner.layers, self._fused):
