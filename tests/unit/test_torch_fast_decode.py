@@ -666,7 +666,7 @@ def test_decode_layers_only_where_every_product_is_native_without_a_bias_or_unle
 def test_on_off_switches_take_their_spellings_and_name_a_typo(monkeypatch, tiny_model_dir):
     """``LLAMA_PACKED_LINEAR``, ``LLAMA_GATHER_WEIGHTS`` and ``LLAMA_DECODE_LAYERS``: 0/off/false/no, 1/on/true/yes
     in any case, or the switch's own words; a typo is a ValueError naming the switch, not a silent "on"."""
-    switches = ((fast_linear.ENV, ("auto", "native")), (fast_linear.GATHER_ENV, ()),
+    switches = ((fast_linear.ENV, ("auto", "native")), (fast_linear.GATHER_ENV, ("auto",)),
                 (torch_backend.DECODE_LAYERS_ENV, ("auto",)))
     for name, words in switches:
         for spelled, meant in [(v, "off") for v in ("0", "OFF", " false ", "no")] + \

@@ -452,7 +452,7 @@ def gather_weights(linears: Sequence["NativeLinear"]) -> Optional[torch.Tensor]:
     alternated rounds of 40 steps, medians): 8.51 ms as loaded, 8.09 gathered on 4 KiB pages, 7.52
     on huge pages; 8 rows 13.87 against 13.21. Weight by weight, so memory holds one weight twice at most.
     """
-    if not linears or switch_setting(GATHER_ENV, "1") == "off":
+    if not linears or switch_setting(GATHER_ENV, "auto", "auto") == "off":
         return None
     dtype = linears[0].weight.dtype
     if any(linear.weight.dtype != dtype or linear.weight.device.type != "cpu" for linear in linears):
