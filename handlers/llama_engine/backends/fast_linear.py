@@ -63,18 +63,25 @@ logger = logging.getLogger(__name__)
 OFF, ON = ("0", "off", "false", "no"), ("1", "on", "true", "yes")
 
 
-def switch_setting(name: str, default: str, *others: str) -> str:
-    """Environment switch ``name``, lowered and stripped (``default`` when unset): ``"off"`` for any of
-    :data:`OFF`, ``"on"`` for any of :data:`ON`, or one of ``others``; anything else is a ValueError that names
-    the switch and what it takes (a typo would otherwise leave the switch as it was)."""
+def env_word(name: str, default: str, words: Sequence[str], aliases: Optional[Dict[str, str]] = None) -> str:
+    """Environment variable ``name``, lowered and stripped (``default`` when unset), as one of ``words`` (a
+    spelling in ``aliases`` stands for its word); anything else is a ValueError that names the variable and its
+    words (a typo would otherwise leave the switch as it was)."""
     setting = os.environ.get(name, default).strip().lower()
-    if setting in OFF:
-        return "off"
-    if setting in ON:
-        return "on"
-    if setting not in others:
-        raise ValueError(f"{name}={setting!r}: use " + ", ".join(("0", "1") + others))
-    return setting
+    word = aliases.get(setting, setting) if aliases else setting
+    if word not in words:
+        raise ValueError(f"{name}={setting!r}: use {', '.join(words[:-1])} or {words[-1]}")
+    return word
+
+
+_ON_OFF = {**dict.fromkeys(OFF, "0"), **dict.fromkeys(ON, "1")}
+
+
+def switch_setting(name: str, default: str, *others: str) -> str:
+    """On/off environment switch ``name`` (:func:`env_word`): ``"off"`` for any of :data:`OFF`, ``"on"`` for
+    any of :data:`ON`, or one of ``others``."""
+    word = env_word(name, default, ("0", "1") + others, _ON_OFF)
+    return {"0": "off", "1": "on"}.get(word, word)
 
 
 #: Environment switch: "0" leaves a decode step's weights where they were loaded (:func:`gather_weights`).
@@ -699,20 +706,13 @@ def weight_pairs(linears: Sequence[nn.Linear], kernels, compute_dtype: torch.dty
 
 def pairs_setting() -> str:
     """:data:`PAIRS_ENV`: ``auto`` (unset), ``on`` or ``off``; anything else is a ValueError naming it."""
-    setting = os.environ.get(PAIRS_ENV, "auto").strip().lower()
-    if setting not in ("auto", "on", "off"):
-        raise ValueError(f"{PAIRS_ENV}={setting!r}: use auto, on or off")
-    return setting
+    return env_word(PAIRS_ENV, "auto", ("auto", "on", "off"))
 
 
 def prompt_products_setting() -> str:
     """:data:`WIDE_ENV`: ``auto`` (unset) or the side of :data:`PROMPT_PRODUCTS` it forces; anything else is a
     ValueError naming it (a misspelt side would otherwise run as ``auto``, and on AMX leave the tiles)."""
-    setting = os.environ.get(WIDE_ENV, "auto").strip().lower()
-    if setting != "auto" and setting not in PROMPT_PRODUCTS:
-        raise ValueError(f"{WIDE_ENV}={setting!r}: use auto, " + ", ".join(PROMPT_PRODUCTS[:-1])
-                         + f" or {PROMPT_PRODUCTS[-1]}")
-    return setting
+    return env_word(WIDE_ENV, "auto", ("auto",) + PROMPT_PRODUCTS)
 
 
 #: How :func:`bf16_prompt_products` names each side in its log line.
