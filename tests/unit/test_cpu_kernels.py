@@ -455,6 +455,80 @@ def test_prompt_attention_runs_on_every_build_and_says_what_it_does_not_run(kern
         kernels.prompt_attention(q, torch.randn(8, 3, 64), torch.randn(8, 3, 64), 0.125)
 
 
+def assert_tile_attention(got, q, k, v) -> None:
+    """Attention on the tiles: float32 scores and sums, the softmax's weights rounded to bf16 (a relative 2^-9
+    each, so at most 2^-9 of the largest value a row sees), then the output rounded to bf16."""
+    want = causal_reference(q, k.float(), v.float())
+    assert_attention(got, want, torch.bfloat16, bound=2 ** -9 * v.float().abs().max().item() + 2e-5)
+
+
+@AMX_TILES
+@pytest.mark.parametrize("kernels", ["avx512bf16"], indirect=True)
+@pytest.mark.parametrize("tokens, heads, kv_heads, dim", [(1, 2, 2, 32), (15, 4, 2, 32), (47, 12, 12, 64),
+                                                          (49, 6, 3, 64), (100, 8, 2, 128), (257, 12, 12, 64),
+                                                          (130, 2, 2, 256), (33, 2, 1, 96)])
+def test_prompt_attention_on_amx_tiles_is_causal_softmax_attention(kernels, tokens, heads, kv_heads, dim):
+    """bf16 queries, keys and values on the tiles: query tails (not multiples of the 16-row tiles or the
+    48-query work items), position tails (not multiples of the 16-position panels or the 32-position steps),
+    GQA groups, head sizes 32 to 256, strided rows, one and two threads. The weights are rounded to bf16, so
+    the result differs from the float32 kernel's."""
+    q, k, v = (t.to(torch.bfloat16) for t in fused_qkv(tokens, heads, kv_heads, dim, seed=tokens * dim + heads))
+    assert kernels.supports_tile_attention(torch.bfloat16, torch.bfloat16, dim)
+    threads = torch.get_num_threads()
+    try:
+        for count, keys in ((1, k), (2, k), (2, k.contiguous())):
+            torch.set_num_threads(count)
+            got = kernels.prompt_attention(q, keys, v, dim ** -0.5, tiles=True)
+            assert got.shape == (tokens, heads, dim)
+            assert_tile_attention(got, q, k, v)
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(got[0], v[0].repeat_interleave(heads // kv_heads, 0))  # the first token: its own value
+    if tokens > 32:
+        assert not torch.equal(got, kernels.prompt_attention(q, k, v, dim ** -0.5))
+
+
+@AMX_TILES
+@pytest.mark.parametrize("kernels", ["avx512bf16"], indirect=True)
+@pytest.mark.parametrize("start, tokens, heads, kv_heads, dim", [(200, 100, 8, 2, 64), (1, 1, 2, 2, 32),
+                                                                 (7, 50, 12, 12, 64), (300, 3, 4, 1, 128)])
+def test_prompt_attention_on_amx_tiles_of_a_later_chunk_reads_the_cache(kernels, start, tokens, heads, kv_heads,
+                                                                         dim):
+    """A later chunk over its slot of a bf16 cache ``[slots, kv_heads, max_length, head_dim]`` on the tiles."""
+    gen = torch.Generator().manual_seed(start + tokens + dim)
+    end = start + tokens
+    k_layer, v_layer = (torch.randn(3, kv_heads, 400, dim, generator=gen).to(torch.bfloat16) for _ in range(2))
+    q = torch.randn(tokens, heads + 2 * kv_heads, dim, generator=gen)[:, :heads].to(torch.bfloat16)
+    k, v = (c[1].transpose(0, 1)[:end] for c in (k_layer, v_layer))
+    got = kernels.prompt_attention(q, k, v, dim ** -0.5, start, tiles=True)
+    assert got.shape == (tokens, heads, dim)
+    assert_tile_attention(got, q, k, v)
+
+
+@AMX_TILES
+@pytest.mark.parametrize("kernels", ["avx512bf16"], indirect=True)
+def test_prompt_attention_on_amx_tiles_is_stable_for_large_scores(kernels):
+    q, k, v = (t.to(torch.bfloat16) for t in fused_qkv(60, 2, 2, 32, seed=3, spread=30.0))  # scores in thousands
+    got = kernels.prompt_attention(q, k, v, 32 ** -0.5, tiles=True)
+    assert torch.isfinite(got).all()
+    assert_tile_attention(got, q, k, v)
+
+
+@pytest.mark.parametrize("kernels", ISAS, indirect=True)
+def test_prompt_attention_on_amx_tiles_is_refused_where_they_do_not_run(kernels):
+    """Tiles need an AMX CPU, the avx512bf16 build, bf16 q, k and v and a head size that is a multiple of 32;
+    elsewhere the call raises, naming what it needs, and does not fall back silently."""
+    q, k, v = (t.to(torch.bfloat16) for t in fused_qkv(8, 4, 2, 64, seed=1))
+    tiles_here = kernels.isa == "avx512bf16" and AMX_FLAGS <= FLAGS
+    assert kernels.supports_tile_attention(torch.bfloat16, torch.bfloat16, 64) == tiles_here
+    q48, k48, v48 = (t.to(torch.bfloat16) for t in fused_qkv(8, 4, 2, 48, seed=1))
+    for args in [(q48, k48, v48), (q.float(), k.float(), v.float())] + ([] if tiles_here else [(q, k, v)]):
+        assert not kernels.supports_tile_attention(args[0].dtype, args[1].dtype, args[0].shape[-1])
+        with pytest.raises(ValueError, match="on AMX's tiles: needs an AMX CPU, .* bfloat16 q, k and v, a head_dim "
+                                             "that is a multiple of 32"):
+            kernels.prompt_attention(*args, 0.125, tiles=True)
+
+
 def test_the_library_name_follows_the_source_and_the_flags(tmp_path, monkeypatch):
     names = {isa: cpu_kernels.library_name(isa) for isa in cpu_kernels.ISAS}
     assert len(set(names.values())) == len(names)

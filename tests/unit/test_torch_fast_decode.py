@@ -38,6 +38,8 @@ NATIVE = cpu_kernels.load()
 needs_native = pytest.mark.skipif(NATIVE is None, reason="the native CPU kernels do not run on this CPU")
 PAIRED = pytest.mark.skipif(NATIVE is None or NATIVE.isa not in cpu_kernels.PAIRS_ISAS,
                             reason="the native kernels' AVX-512 builds lay weights out in pair panels")
+needs_amx_tiles = pytest.mark.skipif(NATIVE is None or not NATIVE.supports_tile_attention(torch.bfloat16, torch.bfloat16, 64),
+                                     reason="this CPU has no AMX tiles")
 #: The backend with the native kernels and with torch's own (``LLAMA_CPU_KERNELS=0``).
 KERNELS = [pytest.param("native", marks=needs_native), "torch"]
 
@@ -831,7 +833,7 @@ def test_float32_prompt_chunks_attend_through_the_native_prompt_kernel_and_keep_
     layer but the last (where only the row with logits attends, as a decode row), on every build; the
     logits are the plain model's (a float32 cache) or within the bf16 cache's rounding."""
     monkeypatch.setenv(cpu_kernels.ENV, isa)
-    monkeypatch.setattr(torch_backend, "native_prompt_pays", lambda *args: True)  # whatever this CPU measures
+    monkeypatch.setattr(torch_backend, "native_prompt_pays", lambda *args, **kwargs: True)  # whatever this CPU measures
     backend = TorchSlotBackend.from_pretrained(str(tiny_model_dir), 2, 320, "float32", "cpu",
                                                kv_cache_dtype=kv_cache_dtype)
     kernels = backend._prompt_kernels
@@ -839,14 +841,15 @@ def test_float32_prompt_chunks_attend_through_the_native_prompt_kernel_and_keep_
     calls = []
     real = kernels.prompt_attention
     monkeypatch.setattr(kernels, "prompt_attention",
-                        lambda q, k, v, scale, start=0: calls.append((q.shape[0], start)) or real(q, k, v, scale, start))
+                        lambda q, k, v, scale, start=0, tiles=False: calls.append((q.shape[0], start, tiles))
+                        or real(q, k, v, scale, start, tiles))
     layers = backend.model.config.num_hidden_layers - 1
     ids = prompts(batch=1, length=300)[0][0].tolist()
     want = reference_logits(load(tiny_model_dir, torch.float32), torch.tensor([ids]), torch.ones(1, 300), 3)
     tolerance = "float32" if kv_cache_dtype == "float32" else "bfloat16"
     with torch.inference_mode():
         got = [backend.prefill_slot(0, ids)]
-        assert calls == [(300, 0)] * layers
+        assert calls == [(300, 0, False)] * layers
         for _ in range(3):
             got.append(backend.decode_slots([0], [int(got[-1].argmax())])[0])
         for g, w in zip(got, want):
@@ -854,7 +857,7 @@ def test_float32_prompt_chunks_attend_through_the_native_prompt_kernel_and_keep_
         calls.clear()
         backend.step_slots([], [], [PrefillChunk(1, ids[:140], 0)])
         (last,) = backend.step_slots([], [], [PrefillChunk(1, ids[140:], 140)]).prefills
-    assert calls == [(140, 0)] * layers + [(160, 140)] * layers
+    assert calls == [(140, 0, False)] * layers + [(160, 140, False)] * layers
     assert_close(last, want[0][0], tolerance)
 
 
@@ -863,21 +866,33 @@ def test_bf16_prompt_chunks_attend_through_the_native_prompt_kernel_where_torch_
                                                                                               monkeypatch, isa):
     """bf16 arithmetic on a CPU without AMX (where torch's way is :class:`_PromptAttention`'s blocks): a whole
     prompt, a first chunk and a later one go through ``prompt_attention`` once a layer but the last, on every
-    build, and the logits stay within bf16 rounding of the blocks'. An AMX CPU keeps SDPA's bf16 kernel."""
+    build, and the logits stay within bf16 rounding of the blocks'. An AMX CPU takes SDPA's bf16 kernel where
+    the build has no tiles, and the tiles where it has (the next test)."""
     monkeypatch.setenv(cpu_kernels.ENV, isa)
-    monkeypatch.setattr(torch_backend, "native_prompt_pays", lambda *args: True)  # whatever this CPU measures
+    monkeypatch.setattr(torch_backend, "native_prompt_pays", lambda *args, **kwargs: True)  # whatever this CPU measures
     backend = TorchSlotBackend.from_pretrained(str(bf16_checkpoint), 2, 320, "bfloat16", "cpu")
     assert backend.dtype == backend.kv_dtype == torch.bfloat16
     if cpu_info.is_amx(cpu_info.cpu_flags()):
-        assert backend._prompt_kernels is None and not backend._prompt_by_blocks
+        assert not backend._prompt_by_blocks and backend._prompt_tiles == (isa == "avx512bf16")
+        assert (backend._prompt_kernels is None) == (isa != "avx512bf16")
         return
     kernels = backend._prompt_kernels
-    assert kernels is not None and kernels.isa == isa and backend._prompt_by_blocks
+    assert kernels is not None and kernels.isa == isa and backend._prompt_by_blocks and not backend._prompt_tiles
+    native, blocks = native_and_torch_prompts(backend, kernels, monkeypatch, tiles=False)
+    for got, want in zip(native, blocks):
+        assert_close(got, want)
+    assert not torch.equal(native[0], blocks[0]), "the blocks round their scores and weights to bf16; the kernel does not"
+
+
+def native_and_torch_prompts(backend, kernels, monkeypatch, tiles: bool):
+    """A whole 300-token prompt (slot 0), then the same as chunks of 140 and 160 (slot 1), first through the
+    native prompt kernel, which must be called once a layer but the last with ``tiles``, then torch's way:
+    each way's last logits of the two (float32)."""
     calls = []
     real = kernels.prompt_attention
     monkeypatch.setattr(kernels, "prompt_attention",
-                        lambda q, k, v, scale, start=0: calls.append((q.dtype, q.shape[0], start))
-                        or real(q, k, v, scale, start))
+                        lambda q, k, v, scale, start=0, tiles=False: calls.append((q.dtype, q.shape[0], start, tiles))
+                        or real(q, k, v, scale, start, tiles))
     layers = backend.model.config.num_hidden_layers - 1
     ids = prompts(batch=1, length=300)[0][0].tolist()
 
@@ -891,14 +906,28 @@ def test_bf16_prompt_chunks_attend_through_the_native_prompt_kernel_where_torch_
 
     with torch.inference_mode():
         native = run(True)
-        assert calls == [(torch.bfloat16, 300, 0)] * layers + [(torch.bfloat16, 140, 0)] * layers + [
-            (torch.bfloat16, 160, 140)] * layers
+        assert calls == [(torch.bfloat16, 300, 0, tiles)] * layers + [(torch.bfloat16, 140, 0, tiles)] * layers + [
+            (torch.bfloat16, 160, 140, tiles)] * layers
         calls.clear()
-        blocks = run(False)
+        torch_way = run(False)
     assert not calls
-    for got, want in zip(native, blocks):
+    return native, torch_way
+
+
+@needs_amx_tiles
+def test_bf16_prompt_chunks_attend_on_amx_tiles_where_the_cpu_has_them(bf16_checkpoint, monkeypatch):
+    """bf16 arithmetic over a bf16 cache on an AMX CPU: a whole prompt, a first chunk and a later one attend on
+    the tiles (``tiles=True``) once a layer but the last, and the logits stay within bf16 rounding of SDPA's
+    bf16 flash kernel, the way taken otherwise."""
+    monkeypatch.setenv(cpu_kernels.ENV, "avx512bf16")
+    monkeypatch.setattr(torch_backend, "native_prompt_pays", lambda *args, **kwargs: kwargs["tiles"])
+    backend = TorchSlotBackend.from_pretrained(str(bf16_checkpoint), 2, 320, "bfloat16", "cpu")
+    assert backend._prompt_tiles and not backend._prompt_by_blocks
+    kernels = backend._prompt_kernels
+    assert kernels is not None and kernels.isa == "avx512bf16"
+    tiles, sdpa = native_and_torch_prompts(backend, kernels, monkeypatch, tiles=True)
+    for got, want in zip(tiles, sdpa):
         assert_close(got, want)
-    assert not torch.equal(native[0], blocks[0]), "the blocks round their scores and weights to bf16; the kernel does not"
 
 
 @needs_native
@@ -910,7 +939,7 @@ def test_prompts_attend_natively_only_where_the_kernel_measures_as_fast_once_per
     kernels = cpu_kernels.load()
     calls = []
     real = kernels.prompt_attention
-    monkeypatch.setattr(kernels, "prompt_attention", lambda *args: calls.append(args[0].shape) or real(*args))
+    monkeypatch.setattr(kernels, "prompt_attention", lambda *args, **kwargs: calls.append(args[0].shape) or real(*args, **kwargs))
     with caplog.at_level(logging.INFO, logger=torch_backend.__name__):
         decision = torch_backend.native_prompt_pays(kernels, torch.float32, torch.bfloat16, 4, 2, 32)
         measured = len(calls)
@@ -919,9 +948,31 @@ def test_prompts_attend_natively_only_where_the_kernel_measures_as_fast_once_per
     assert calls[0] == (torch_backend.PROMPT_SAMPLE_TOKENS, 4, 32)
     assert re.search(r"prompt attention, torch.float32 over a torch.bfloat16 cache, 512 tokens, \d+ threads: native "
                      r"[\d.]+ ms, torch [\d.]+ ms \(best\) -> (native|torch)", caplog.text)
-    monkeypatch.setattr(torch_backend, "native_prompt_pays", lambda *args: False)
+    monkeypatch.setattr(torch_backend, "native_prompt_pays", lambda *args, **kwargs: False)
     backend = TorchSlotBackend.from_pretrained(str(tiny_model_dir), 1, 64, "float32", "cpu", kv_cache_dtype="bfloat16")
     assert backend._prompt_kernels is None and backend._prompt_by_blocks
+
+
+@needs_amx_tiles
+def test_prompt_attention_on_amx_tiles_is_timed_against_sdpa(monkeypatch, caplog):
+    """With ``tiles``, :func:`native_prompt_pays` times the kernel on the tiles against SDPA's causal kernel (the
+    way an AMX CPU takes otherwise), and keeps that decision apart from the one without tiles."""
+    monkeypatch.setattr(torch_backend, "_PROMPT_DECISIONS", {})
+    kernels = cpu_kernels.load()
+    calls, sdpa = [], []
+    real, real_sdpa = kernels.prompt_attention, torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(kernels, "prompt_attention",
+                        lambda *args, **kwargs: calls.append(kwargs.get("tiles")) or real(*args, **kwargs))
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *args, **kwargs: sdpa.append(kwargs.get("is_causal")) or real_sdpa(*args, **kwargs))
+    with caplog.at_level(logging.INFO, logger=torch_backend.__name__):
+        torch_backend.native_prompt_pays(kernels, torch.bfloat16, torch.bfloat16, 4, 2, 64, tiles=True)
+    assert calls == [True] * 5 and sdpa == [True] * 5
+    assert re.search(r"prompt attention, torch.bfloat16 over a torch.bfloat16 cache, 512 tokens, \d+ threads: native "
+                     r"on AMX tiles [\d.]+ ms, torch SDPA [\d.]+ ms \(best\) -> (native|torch)", caplog.text)
+    calls.clear(), sdpa.clear()
+    torch_backend.native_prompt_pays(kernels, torch.bfloat16, torch.bfloat16, 4, 2, 64, tiles=False)
+    assert calls == [False] * 5 and not sdpa  # its own decision, against the blocks
 
 
 def test_the_float32_measurement_streams_fresh_weights_of_the_models_shapes_past_the_caches(monkeypatch):

@@ -199,7 +199,8 @@ _FUNCTIONS = {
     "_attention": ("llk_decode_attention",
                    [_P, _I64, _I32, _P, _P, _I32, _P, _P, _I64, _I64, _I64, _I64, _I64, _F32, _P, _I32], _I32),
     "_prompt_attention": ("llk_prompt_attention",
-                          [_P, _I64, _I32, _P, _P, _I32, _P, _I64, _I64, _I64, _I64, _I64, _F32, _P, _I32], _I32),
+                          [_P, _I64, _I32, _P, _P, _I32, _P, _I64, _I64, _I64, _I64, _I64, _F32, _P, _I32, _I32],
+                          _I32),
     "_add_rmsnorm": ("llk_add_rmsnorm", [_P, _P, _P, _P, _I64, _I64, _F32, _I32, _I32], _I32),
     "_silu_mul": ("llk_silu_mul", [_P, _P, _I64, _I64, _I32, _I32], _I32),
     "_rope_store": ("llk_rope_store",
@@ -207,6 +208,7 @@ _FUNCTIONS = {
     "_decode_layers": ("llk_decode_layers", [_P] * 11 + [_F32, _F32, _I32, _I32, _I32, _I32, _I64], _I32),
     "_pack_pairs": ("llk_pack_pairs", [_P, _P, _I64, _I64], _I32),
     "_amx_min_rows": ("llk_amx_min_rows", [_I64], _I64),
+    "_amx_usable": ("llk_amx_usable", [], _I32),
     "_pool_check": ("llk_pool_check", [_I64, _I64, _I32], _I64),
     "_isa": ("llk_isa", [], ctypes.c_char_p),
 }
@@ -292,13 +294,15 @@ class CpuKernels:
         return out
 
     def prompt_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                         start: int = 0) -> torch.Tensor:
+                         start: int = 0, tiles: bool = False) -> torch.Tensor:
         """A prompt chunk's causal attention: queries ``q`` ``[tokens, heads, head_dim]``, float32 or bfloat16
         (each token's heads side by side, rows may be strided), at positions ``start .. start + tokens - 1``,
         each over the keys and values at or before its own. ``k`` and ``v``: ``[start + tokens,
         kv_heads, head_dim]`` of one dtype, float32 or bfloat16, ``head_dim`` contiguous (a first
         chunk's own rows of the fused q/k/v product, or a slot of the cache viewed as
-        ``k_layer[slot].transpose(0, 1)``). The arithmetic is float32 whatever the dtypes. Returns
+        ``k_layer[slot].transpose(0, 1)``). The arithmetic is float32 whatever the dtypes; with ``tiles``
+        (only where :meth:`supports_tile_attention`), both products run on AMX's tiles and the softmax's
+        weights are rounded to bf16 between them, as SDPA's bf16 flash kernel rounds them. Returns
         ``[tokens, heads, head_dim]`` in ``q``'s dtype. Only where :meth:`supports_prompt_attention`."""
         tokens, heads, dim = q.shape
         if q.dtype not in DTYPE_CODES or q.stride(2) != 1 or q.stride(1) != dim:
@@ -314,7 +318,11 @@ class CpuKernels:
         strides = (ctypes.c_long * 4)(k.stride(0), k.stride(1), v.stride(0), v.stride(1))
         code = self._prompt_attention(q.data_ptr(), q.stride(0), DTYPE_CODES[q.dtype], k.data_ptr(), v.data_ptr(),
                                       DTYPE_CODES[k.dtype], strides, tokens, start, heads, k.shape[1], dim, scale,
-                                      out.data_ptr(), torch.get_num_threads())
+                                      out.data_ptr(), torch.get_num_threads(), int(tiles))
+        if code == -3:
+            raise ValueError(f"native prompt attention on AMX's tiles: needs an AMX CPU, the {self.isa} build "
+                             f"being avx512bf16, bfloat16 q, k and v, a head_dim that is a multiple of 32 (got "
+                             f"{q.dtype} over {k.dtype}, head_dim {dim})")
         if code:
             raise ValueError(f"native prompt attention: unsupported on {self.isa} ({heads} heads over "
                              f"{k.shape[1]}, head_dim {dim})")
@@ -374,6 +382,12 @@ class CpuKernels:
         head size is a multiple of 32)."""
         return (dtype in DTYPE_CODES and kv_dtype in DTYPE_CODES and head_dim % 16 == 0 and kv_heads >= 1
                 and heads % kv_heads == 0)
+
+    def supports_tile_attention(self, dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int) -> bool:
+        """Whether :meth:`prompt_attention` runs on AMX's tiles (``tiles=True``) here: an AMX CPU, bfloat16
+        queries, keys and values, a head size that is a multiple of 32 (one tile row of a query)."""
+        return (dtype == kv_dtype == torch.bfloat16 and head_dim % 32 == 0 and head_dim > 0
+                and self._amx_usable() == 1)
 
     def supports_attention(self, q_dtype: torch.dtype, kv_dtype: torch.dtype, heads: int, kv_heads: int,
                            head_dim: int) -> bool:

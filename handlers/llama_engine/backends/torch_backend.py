@@ -148,30 +148,32 @@ PROMPT_SAMPLE_TOKENS = 512
 
 
 def native_prompt_pays(kernels, dtype: torch.dtype, kv: torch.dtype, heads: int, kv_heads: int, head_dim: int,
-                       rounds: int = 4) -> bool:
+                       rounds: int = 4, tiles: bool = False) -> bool:
     """Whether the native prompt kernel (:class:`_NativePrompt`) attends a prompt at least as fast as torch's
-    way here (:class:`_PromptAttention`: bf16 blocks, float32 blocks over a bf16 cache, or SDPA's causal
-    kernel), measured once per process and shape on one layer's attention of
-    :data:`PROMPT_SAMPLE_TOKENS` random tokens, the two taking turns; each side scores the sum of its two
-    fastest runs. A tie goes to the kernel, whose float32 scores and weights are the more exact.
+    way here (:class:`_PromptAttention`: bf16 blocks, float32 blocks over a bf16 cache; with ``tiles``, the
+    kernel on AMX's tiles against SDPA's causal bf16 flash kernel, which an AMX CPU takes otherwise), measured
+    once per process and shape on one layer's attention of :data:`PROMPT_SAMPLE_TOKENS` random tokens, the
+    two taking turns; each side scores the sum of its two fastest runs. A tie goes to the kernel, whose
+    float32 scores (and weights, off the tiles) are the more exact.
 
     The kernel's tile is AVX2's on every build: measured 1.7x faster than SDPA on a Zen 3 EPYC, as fast
     as bf16 blocks within a Zen 4's whole prefill; a CPU with two 512-bit multiply-add units (a Zen 5
     EPYC, AVX-512 Xeons) may run torch's AVX-512 products faster, hence the measurement (~50 ms)."""
-    key = (dtype, kv, heads, kv_heads, head_dim, torch.get_num_threads())
+    key = (dtype, kv, heads, kv_heads, head_dim, tiles, torch.get_num_threads())
     if key in _PROMPT_DECISIONS:
         return _PROMPT_DECISIONS[key]
     gen = torch.Generator().manual_seed(0)
     tokens, scale = PROMPT_SAMPLE_TOKENS, head_dim ** -0.5
     q = torch.randn(tokens, heads, head_dim, generator=gen).to(dtype)
     k, v = (torch.randn(tokens, kv_heads, head_dim, generator=gen).to(dtype) for _ in range(2))
-    torch_way = _PromptAttention(0, 0, dtype)
-    passes = cpu_kernels.alternate_passes({"native": lambda: kernels.prompt_attention(q, k, v, scale),
-                                           "torch": lambda: torch_way(q, k, v, None, None, heads != kv_heads)},
-                                          rounds)
+    torch_way = _Chunk(_CausalPrompt(0, tokens)) if tiles else _PromptAttention(0, 0, dtype)
+    cache = [t.transpose(0, 1).unsqueeze(0) for t in (k, v)]  # one slot [1, kv_heads, tokens, head_dim]
+    passes = cpu_kernels.alternate_passes({"native": lambda: kernels.prompt_attention(q, k, v, scale, tiles=tiles),
+                                           "torch": lambda: torch_way(q, k, v, *cache, heads != kv_heads)}, rounds)
     decision = _PROMPT_DECISIONS[key] = cpu_kernels.choose_fastest(passes, "native", margin=0.0) == "native"
-    logger.info("prompt attention, %s over a %s cache, %d tokens, %d threads: native %.2f ms, torch %.2f ms (best) "
-                "-> %s", dtype, kv, tokens, key[-1], 1e3 * min(passes["native"]), 1e3 * min(passes["torch"]),
+    logger.info("prompt attention, %s over a %s cache, %d tokens, %d threads: native%s %.2f ms, torch%s %.2f ms "
+                "(best) -> %s", dtype, kv, tokens, key[-1], " on AMX tiles" if tiles else "",
+                1e3 * min(passes["native"]), " SDPA" if tiles else "", 1e3 * min(passes["torch"]),
                 "native" if decision else "torch")
     return decision
 
@@ -325,15 +327,18 @@ class TorchSlotBackend(OnePassSlotBackend):
         self._fused_ops = self._kernels is not None and self._fuses_small_ops()
         #: Prompt chunks attend by :class:`_PromptAttention` (see :func:`prompts_attend_by_blocks`).
         self._prompt_by_blocks = prompts_attend_by_blocks(self.dtype, self.kv_dtype, self.device)
+        #: bf16 prompt attention over a bf16 cache runs on AMX's tiles where the CPU has them (else SDPA's).
+        self._prompt_tiles = kernels is not None and kernels.supports_tile_attention(self.dtype, self.kv_dtype,
+                                                                                     self.head_dim)
         #: Prompt chunks attend through these kernels (:class:`_NativePrompt`), where they run them and measure
-        #: as fast as torch's way (:func:`native_prompt_pays`): float32 arithmetic, and bf16 where the blocks
-        #: would run (an AMX CPU keeps SDPA's bf16 flash kernel).
+        #: as fast as torch's way (:func:`native_prompt_pays`): float32 arithmetic, bf16 where the blocks
+        #: would run, and bf16 on AMX's tiles.
         self._prompt_kernels = kernels if (
-            kernels is not None and (self.dtype == torch.float32 or self._prompt_by_blocks)
+            kernels is not None and (self.dtype == torch.float32 or self._prompt_by_blocks or self._prompt_tiles)
             and kernels.supports_prompt_attention(self.dtype, self.kv_dtype, self.n_heads, self.n_kv_heads,
                                                   self.head_dim)
             and native_prompt_pays(kernels, self.dtype, self.kv_dtype, self.n_heads, self.n_kv_heads,
-                                   self.head_dim)) else None
+                                   self.head_dim, tiles=self._prompt_tiles)) else None
         #: Decode-only passes of up to ``_decode_layers_rows`` rows run their layers in one native call.
         self._decode_layers, self._decode_layers_rows = self._native_decode_layers()
 
@@ -449,7 +454,8 @@ class TorchSlotBackend(OnePassSlotBackend):
         """How a prompt chunk's tokens attend: through the native kernel where it runs, else by blocks or
         through SDPA (:func:`prompts_attend_by_blocks`)."""
         if self._prompt_kernels is not None:
-            return _NativePrompt(self._prompt_kernels, self.head_dim ** -0.5, chunk.slot, chunk.start)
+            return _NativePrompt(self._prompt_kernels, self.head_dim ** -0.5, chunk.slot, chunk.start,
+                                 self._prompt_tiles)
         if self._prompt_by_blocks:
             return _PromptAttention(chunk.slot, chunk.start, self.dtype, self.device)
         return _Chunk(_CausalPrompt(chunk.slot, end) if chunk.start == 0
@@ -722,14 +728,14 @@ class _NativePrompt:
     weights not rounded to bf16 (7.6e-3 from float64 at 768 tokens against 1.3e-2).
     """
 
-    def __init__(self, kernels, scale: float, slot: int, start: int):
-        self.kernels, self.scale, self.slot, self.start = kernels, scale, slot, start
+    def __init__(self, kernels, scale: float, slot: int, start: int, tiles: bool = False):
+        self.kernels, self.scale, self.slot, self.start, self.tiles = kernels, scale, slot, start, tiles
 
     def __call__(self, q, k, v, k_layer, v_layer, gqa: bool) -> torch.Tensor:
         if self.start:
             end = self.start + q.shape[0]
             k, v = (c[self.slot].transpose(0, 1)[:end] for c in (k_layer, v_layer))  # [end, kv_heads, head_dim]
-        return self.kernels.prompt_attention(q, k, v, self.scale, self.start)
+        return self.kernels.prompt_attention(q, k, v, self.scale, self.start, tiles=self.tiles)
 
 
 class _PromptAttention:
