@@ -524,8 +524,9 @@ def test_prompt_attention_on_amx_tiles_is_refused_where_they_do_not_run(kernels)
     q48, k48, v48 = (t.to(torch.bfloat16) for t in fused_qkv(8, 4, 2, 48, seed=1))
     for args in [(q48, k48, v48), (q.float(), k.float(), v.float())] + ([] if tiles_here else [(q, k, v)]):
         assert not kernels.supports_tile_attention(args[0].dtype, args[1].dtype, args[0].shape[-1])
-        with pytest.raises(ValueError, match="on AMX's tiles: needs an AMX CPU, .* bfloat16 q, k and v, a head_dim "
-                                             "that is a multiple of 32"):
+        with pytest.raises(ValueError, match="on AMX's tiles: needs an AMX CPU and the avx512bf16 build \\(here: "
+                                             f"{kernels.isa}\\), bfloat16 q, k and v, a head_dim that is a "
+                                             "multiple of 32"):
             kernels.prompt_attention(*args, 0.125, tiles=True)
 
 

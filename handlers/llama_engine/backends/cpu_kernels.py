@@ -322,8 +322,8 @@ class CpuKernels:
                                       DTYPE_CODES[k.dtype], strides, tokens, start, heads, k.shape[1], dim, scale,
                                       out.data_ptr(), torch.get_num_threads(), int(tiles))
         if code == -3:
-            raise ValueError(f"native prompt attention on AMX's tiles: needs an AMX CPU, the {self.isa} build "
-                             f"being avx512bf16, bfloat16 q, k and v, a head_dim that is a multiple of 32 (got "
+            raise ValueError(f"native prompt attention on AMX's tiles: needs an AMX CPU and the avx512bf16 build "
+                             f"(here: {self.isa}), bfloat16 q, k and v, a head_dim that is a multiple of 32 (got "
                              f"{q.dtype} over {k.dtype}, head_dim {dim})")
         if code:
             raise ValueError(f"native prompt attention: unsupported on {self.isa} ({heads} heads over "
