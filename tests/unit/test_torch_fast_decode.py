@@ -579,13 +579,17 @@ def test_fused_small_ops_only_for_models_they_compute(tiny_model_dir, monkeypatc
 
 
 class CountedCalls:
-    """Wraps a callable and counts the calls (the backend's native decode layers, here)."""
+    """Wraps a callable and counts the calls (the backend's native decode layers, here): ``calls`` of decode
+    rows, ``prompts`` of a prompt chunk (a ``prompt_start`` given)."""
 
     def __init__(self, inner):
-        self.inner, self.calls = inner, 0
+        self.inner, self.calls, self.prompts = inner, 0, 0
 
     def __call__(self, *args, **kwargs):
-        self.calls += 1
+        if kwargs.get("prompt_start") is None:
+            self.calls += 1
+        else:
+            self.prompts += 1
         return self.inner(*args, **kwargs)
 
 
@@ -598,7 +602,8 @@ def test_decode_steps_run_their_layers_in_one_native_call_with_the_python_loops_
                                                                                         monkeypatch):
     """Decode-only passes (one row, rows of different lengths in slots out of order) through
     ``DecodeLayers``: the logits and K/V cache of the Python layer loop, bit for bit; a mixed pass and a
-    pass of more rows than the call runs keep the Python loop. A bf16 cache under float32 arithmetic too.
+    pass of more rows than the call runs keep the Python loop. The prompts (each alone in its pass) go through
+    it too where they attend through the native prompt kernel. A bf16 cache under float32 arithmetic too.
     float32 weights off the ``avx2`` class run natively where the load-time measurement picks the native
     kernels (here forced by ``LLAMA_PACKED_LINEAR=native``); their weights are gathered as well."""
     cpu, torch_dtype = torch.device("cpu"), getattr(torch, dtype)
@@ -632,9 +637,45 @@ def test_decode_steps_run_their_layers_in_one_native_call_with_the_python_loops_
             backend._decode_layers_rows = min(backend._decode_layers_rows, 2)
             got += list(backend.decode_slots([0, 1, 2], [6, 7, 8]))  # more rows than it runs: the Python loop
             logits.append(torch.stack(got))
-    assert counted.calls == 4
+    assert counted.calls == 4 and counted.prompts == (3 if native._prompt_kernels is not None else 0)
     assert torch.equal(logits[0], logits[1])
     assert torch.equal(native.k_cache, python.k_cache) and torch.equal(native.v_cache, python.v_cache)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype, weight_dtype, kv", [("float32", torch.bfloat16, "auto"),
+                                                     ("float32", torch.bfloat16, "float32"),
+                                                     pytest.param("bfloat16", None, "auto", marks=BF16)])
+def test_a_prompt_alone_runs_its_layers_in_one_native_call_with_the_python_loops_numbers(tiny_model_dir, dtype,
+                                                                                        weight_dtype, kv,
+                                                                                        monkeypatch):
+    """A pass of one prompt chunk and nothing else (a whole prompt, a first chunk and a later one over the cache,
+    a one-token prompt) through ``DecodeLayers``' prompt mode where it attends through the native prompt kernel
+    (on AMX's tiles where the backend takes them): the last row's logits and the K/V cache of the Python layer
+    loop, bit for bit."""
+    monkeypatch.setattr(torch_backend, "native_prompt_pays", lambda *args, **kwargs: True)  # whatever this CPU measures
+    backends = [TorchSlotBackend(load(tiny_model_dir, getattr(torch, dtype)), max_slots=3, max_length=320,
+                                 owns_model=True, weight_dtype=weight_dtype, kv_cache_dtype=kv) for _ in range(2)]
+    native, python = backends
+    assert native._decode_layers is not None and native._prompt_kernels is not None
+    python._decode_layers_rows = 0
+    native._decode_layers = counted = CountedCalls(native._decode_layers)
+    tiles = []
+    inner = counted.inner
+    counted.inner = lambda *args, **kwargs: tiles.append(kwargs.get("tiles")) or inner(*args, **kwargs)
+    ids = prompts(batch=1, length=300)[0][0].tolist()
+    logits = []
+    with torch.inference_mode():
+        for backend in backends:
+            got = [backend.prefill_slot(0, ids), backend.prefill_slot(2, ids[:1])]
+            backend.step_slots([], [], [PrefillChunk(1, ids[:140], 0)])
+            got += backend.step_slots([], [], [PrefillChunk(1, ids[140:], 140)]).prefills
+            logits.append(torch.stack(got))
+    assert counted.prompts == 4 and counted.calls == 0
+    assert tiles == [native._prompt_tiles] * 4
+    assert torch.equal(logits[0], logits[1])
+    assert torch.equal(native.k_cache, python.k_cache) and torch.equal(native.v_cache, python.v_cache)
+    assert native.slot_length(1) == 300 and native.slot_length(2) == 1
 
 
 @needs_native
@@ -887,7 +928,9 @@ def test_bf16_prompt_chunks_attend_through_the_native_prompt_kernel_where_torch_
 def native_and_torch_prompts(backend, kernels, monkeypatch, tiles: bool):
     """A whole 300-token prompt (slot 0), then the same as chunks of 140 and 160 (slot 1), first through the
     native prompt kernel, which must be called once a layer but the last with ``tiles``, then torch's way:
-    each way's last logits of the two (float32)."""
+    each way's last logits of the two (float32). The Python layer loop's calls (a prompt alone in its pass
+    runs its layers in one native call otherwise, tested on its own)."""
+    monkeypatch.setattr(backend, "_decode_layers", None)
     calls = []
     real = kernels.prompt_attention
     monkeypatch.setattr(kernels, "prompt_attention",

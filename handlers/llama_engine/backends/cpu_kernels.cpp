@@ -1990,11 +1990,39 @@ inline void step_linear(const T *x, long ldx, const void *w, T *y, long ldy, lon
     linear<T, TW>(x, ldx, (const TW *)w, y, ldy, M, K, N, threads, one_row_prefetch);
 }
 
+// A prompt chunk run by decode_layers: its rows are positions [start, start + M) of one slot, and attend as the
+// torch backend's native prompt part does (prompt_attention over their own keys and values for a first chunk,
+// else over the slot's cache; on AMX's tiles with `tiles`). The last layer runs only the last row, as a decode
+// row (what the fused forward does for the row with logits): hidden and delta come back in row 0.
+struct PromptChunk {
+    long start;
+    bool tiles;
+};
+
+template <class T, class TC>
+int chunk_attention(const PromptChunk &chunk, T *qkv, long QKV, TC *k, TC *v, long slot, const StepShape &s,
+                    long M, float scale, T *attn, int threads) {
+    const long H = s.H, Hkv = s.Hkv, Dh = s.Dh;
+    bool done;
+    if (chunk.start == 0) {
+        const long ld[4] = {QKV, Dh, QKV, Dh};
+        done = prompt_attention<T, T>(qkv, QKV, qkv + H * Dh, qkv + (H + Hkv) * Dh, ld, M, 0, H, Hkv, Dh, scale,
+                                      attn, threads, chunk.tiles);
+    } else {
+        const long ld[4] = {Dh, s.Lmax * Dh, Dh, s.Lmax * Dh}, base = slot * Hkv * s.Lmax * Dh;
+        done = prompt_attention<T, TC>(qkv, QKV, k + base, v + base, ld, M, chunk.start, H, Hkv, Dh, scale, attn,
+                                       threads, chunk.tiles);
+    }
+    return done ? 0 : -3;
+}
+
 template <class T, class TW, class TC, bool PAIRS = false>
 int decode_layers(T *hidden, T *delta, T *scratch, const StepShape &s, const void *const *weights,
                   void *const *caches, const T *cos, const T *ssin, const int64_t *positions, const int64_t *slots,
-                  const int64_t *lens, float eps, float scale, int threads, long one_row_prefetch) {
-    const long M = s.M, D = s.D, QKV = (s.H + 2 * s.Hkv) * s.Dh, HD = s.H * s.Dh, I = s.I;
+                  const int64_t *lens, float eps, float scale, int threads, long one_row_prefetch,
+                  const PromptChunk *chunk = nullptr) {
+    long M = s.M;
+    const long D = s.D, QKV = (s.H + 2 * s.Hkv) * s.Dh, HD = s.H * s.Dh, I = s.I;
     T *normed = scratch, *qkv = normed + M * D, *attn = qkv + M * QKV, *gate_up = attn + M * HD,
       *act = gate_up + M * 2 * I;
     for (long l = 0; l < s.layers; l++) {
@@ -2003,8 +2031,20 @@ int decode_layers(T *hidden, T *delta, T *scratch, const StepShape &s, const voi
         add_rmsnorm<T>(hidden, l ? delta : nullptr, (const T *)w[0], normed, M, D, eps, threads);
         step_linear<T, TW, PAIRS>(normed, D, w[1], qkv, QKV, M, D, QKV, threads, one_row_prefetch);
         rope_store<T, TC>(qkv, QKV, M, s.H, s.Hkv, s.Dh, cos, ssin, positions, slots, k, v, s.Lmax, threads);
-        int code = decode_attention_d<T, TC>(qkv, QKV, k, v, slots, lens, M, s.H, s.Hkv, s.Lmax, s.Dh, scale, attn,
+        int code;
+        if (chunk && l + 1 < s.layers) {
+            code = chunk_attention<T, TC>(*chunk, qkv, QKV, k, v, slots[0], s, M, scale, attn, threads);
+        } else if (chunk) {  // the last layer: the last row alone
+            memmove(hidden, hidden + (M - 1) * D, D * sizeof(T));
+            memmove(qkv, qkv + (M - 1) * QKV, QKV * sizeof(T));
+            const int64_t last_slot = slots[M - 1], last_len = lens[M - 1];
+            M = 1;
+            code = decode_attention_d<T, TC>(qkv, QKV, k, v, &last_slot, &last_len, 1, s.H, s.Hkv, s.Lmax, s.Dh, scale,
+                                             attn, threads);
+        } else {
+            code = decode_attention_d<T, TC>(qkv, QKV, k, v, slots, lens, M, s.H, s.Hkv, s.Lmax, s.Dh, scale, attn,
                                              threads);
+        }
         if (code) return code;
         step_linear<T, TW, PAIRS>(attn, HD, w[2], delta, D, M, HD, D, threads, one_row_prefetch);
         add_rmsnorm<T>(hidden, delta, (const T *)w[3], normed, M, D, eps, threads);
@@ -2171,16 +2211,21 @@ LLK_API int llk_rope_store(void *qkv, long ldq, long tokens, long H, long Hkv, l
 
 // 0 on success, -1 for an unsupported combination of dtypes (activations, weights, cache) or head
 // size: see decode_layers above. dims: M, D, H, Hkv, Dh, I, Lmax, layers.
+// prompt_start: -1, the rows are decode rows; else they are one prompt chunk at positions from prompt_start of
+// slots[0] (PromptChunk; `tiles`: its attention on AMX's tiles, -3 where they do not run).
 LLK_API int llk_decode_layers(void *hidden, void *delta, void *scratch, const long *dims, const void *const *weights,
                               void *const *caches, const void *cos, const void *ssin, const int64_t *positions,
                               const int64_t *slots, const int64_t *lens, float eps, float scale, int dtype,
-                              int w_dtype, int kv_dtype, int threads, long one_row_prefetch) {
+                              int w_dtype, int kv_dtype, int threads, long one_row_prefetch, long prompt_start,
+                              int tiles) {
     const StepShape s{dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], dims[6], dims[7]};
     if (s.Hkv < 1 || s.H % s.Hkv != 0 || s.H / s.Hkv > 64 || s.Dh % (2 * Vec::N) != 0 || s.Dh > 512) return -1;
+    const PromptChunk chunk{prompt_start, tiles != 0};
+    const PromptChunk *prompt = prompt_start >= 0 ? &chunk : nullptr;
 #define LLK_LAYERS(T, TW, TC, ...)                                                                   \
     return decode_layers<T, TW, TC, ##__VA_ARGS__>((T *)hidden, (T *)delta, (T *)scratch, s, weights, caches, \
                                                    (const T *)cos, (const T *)ssin, positions, slots, lens, eps,  \
-                                                   scale, threads, one_row_prefetch)
+                                                   scale, threads, one_row_prefetch, prompt)
 #if defined(LLK_VEC512)
     const long qkv = (s.H + 2 * s.Hkv) * s.Dh;
     if (w_dtype == PAIRS_CODE && (s.D % PANEL_COLS || qkv % PANEL_COLS || (2 * s.I) % PANEL_COLS || s.I % 2))
