@@ -580,13 +580,13 @@ def test_fused_small_ops_only_for_models_they_compute(tiny_model_dir, monkeypatc
 
 class CountedCalls:
     """Wraps a callable and counts the calls (the backend's native decode layers, here): ``calls`` of decode
-    rows, ``prompts`` of a prompt chunk (a ``prompt_start`` given)."""
+    rows only, ``prompts`` of passes with prompt chunks (``chunks`` given)."""
 
     def __init__(self, inner):
         self.inner, self.calls, self.prompts = inner, 0, 0
 
     def __call__(self, *args, **kwargs):
-        if kwargs.get("prompt_start") is None:
+        if not kwargs.get("chunks"):
             self.calls += 1
         else:
             self.prompts += 1
@@ -601,9 +601,9 @@ def test_decode_steps_run_their_layers_in_one_native_call_with_the_python_loops_
                                                                                         weight_dtype, kv,
                                                                                         monkeypatch):
     """Decode-only passes (one row, rows of different lengths in slots out of order) through
-    ``DecodeLayers``: the logits and K/V cache of the Python layer loop, bit for bit; a mixed pass and a
-    pass of more rows than the call runs keep the Python loop. The prompts (each alone in its pass) go through
-    it too where they attend through the native prompt kernel. A bf16 cache under float32 arithmetic too.
+    ``DecodeLayers``: the logits and K/V cache of the Python layer loop, bit for bit; a pass of more rows than
+    the call runs keeps the Python loop. The prompts (each alone in its pass) and a mixed pass go through it
+    too where they attend through the native prompt kernel. A bf16 cache under float32 arithmetic too.
     float32 weights off the ``avx2`` class run natively where the load-time measurement picks the native
     kernels (here forced by ``LLAMA_PACKED_LINEAR=native``); their weights are gathered as well."""
     cpu, torch_dtype = torch.device("cpu"), getattr(torch, dtype)
@@ -632,12 +632,12 @@ def test_decode_steps_run_their_layers_in_one_native_call_with_the_python_loops_
             got += list(backend.decode_slots([1], [int(got[1].argmax())]))
             for _ in range(3):
                 got += list(backend.decode_slots([3, 0, 1], [int(g.argmax()) for g in got[-3:]]))
-            step = backend.step_slots([0, 3], [4, 5], [PrefillChunk(2, prompts_[2], 0)])  # mixed: the Python loop
+            step = backend.step_slots([0, 3], [4, 5], [PrefillChunk(2, prompts_[2], 0)])  # mixed
             got += list(step.decode) + step.prefills
             backend._decode_layers_rows = min(backend._decode_layers_rows, 2)
             got += list(backend.decode_slots([0, 1, 2], [6, 7, 8]))  # more rows than it runs: the Python loop
             logits.append(torch.stack(got))
-    assert counted.calls == 4 and counted.prompts == (3 if native._prompt_kernels is not None else 0)
+    assert counted.calls == 4 and counted.prompts == (4 if native._prompt_kernels is not None else 0)
     assert torch.equal(logits[0], logits[1])
     assert torch.equal(native.k_cache, python.k_cache) and torch.equal(native.v_cache, python.v_cache)
 
@@ -649,12 +649,13 @@ def test_decode_steps_run_their_layers_in_one_native_call_with_the_python_loops_
 def test_a_prompt_alone_runs_its_layers_in_one_native_call_with_the_python_loops_numbers(tiny_model_dir, dtype,
                                                                                         weight_dtype, kv,
                                                                                         monkeypatch):
-    """A pass of one prompt chunk and nothing else (a whole prompt, a first chunk and a later one over the cache,
-    a one-token prompt) through ``DecodeLayers``' prompt mode where it attends through the native prompt kernel
-    (on AMX's tiles where the backend takes them): the last row's logits and the K/V cache of the Python layer
-    loop, bit for bit."""
+    """Passes with prompt chunks through ``DecodeLayers`` where they attend through the native prompt kernel (on
+    AMX's tiles where the backend takes them): a whole prompt, a first chunk and a later one over the cache, a
+    one-token prompt, two prompts together (micro-batching's prefill), and decode rows beside a first chunk and
+    a later one (continuous batching's mixed pass): the logits and the K/V cache of the Python layer loop, bit
+    for bit."""
     monkeypatch.setattr(torch_backend, "native_prompt_pays", lambda *args, **kwargs: True)  # whatever this CPU measures
-    backends = [TorchSlotBackend(load(tiny_model_dir, getattr(torch, dtype)), max_slots=3, max_length=320,
+    backends = [TorchSlotBackend(load(tiny_model_dir, getattr(torch, dtype)), max_slots=6, max_length=320,
                                  owns_model=True, weight_dtype=weight_dtype, kv_cache_dtype=kv) for _ in range(2)]
     native, python = backends
     assert native._decode_layers is not None and native._prompt_kernels is not None
@@ -670,12 +671,15 @@ def test_a_prompt_alone_runs_its_layers_in_one_native_call_with_the_python_loops
             got = [backend.prefill_slot(0, ids), backend.prefill_slot(2, ids[:1])]
             backend.step_slots([], [], [PrefillChunk(1, ids[:140], 0)])
             got += backend.step_slots([], [], [PrefillChunk(1, ids[140:], 140)]).prefills
+            got += backend.step_slots([], [], [PrefillChunk(3, ids[:37], 0), PrefillChunk(4, ids[50:60], 0)]).prefills
+            step = backend.step_slots([2, 0], [7, 8], [PrefillChunk(3, ids[37:90], 37), PrefillChunk(5, ids[:5], 0)])
+            got += list(step.decode) + step.prefills
             logits.append(torch.stack(got))
-    assert counted.prompts == 4 and counted.calls == 0
-    assert tiles == [native._prompt_tiles] * 4
+    assert counted.prompts == 6 and counted.calls == 0
+    assert tiles == [native._prompt_tiles] * 6
     assert torch.equal(logits[0], logits[1])
     assert torch.equal(native.k_cache, python.k_cache) and torch.equal(native.v_cache, python.v_cache)
-    assert native.slot_length(1) == 300 and native.slot_length(2) == 1
+    assert [native.slot_length(s) for s in range(6)] == [301, 300, 2, 90, 10, 5]
 
 
 @needs_native

@@ -1990,28 +1990,35 @@ inline void step_linear(const T *x, long ldx, const void *w, T *y, long ldy, lon
     linear<T, TW>(x, ldx, (const TW *)w, y, ldy, M, K, N, threads, one_row_prefetch);
 }
 
-// A prompt chunk run by decode_layers: its rows are positions [start, start + M) of one slot, and attend as the
-// torch backend's native prompt part does (prompt_attention over their own keys and values for a first chunk,
-// else over the slot's cache; on AMX's tiles with `tiles`). The last layer runs only the last row, as a decode
-// row (what the fused forward does for the row with logits): hidden and delta come back in row 0.
+// Prompt chunks run by decode_layers after its decode rows: chunk c is rows [row0, row0 + rows) of the pass, at
+// positions [start, start + rows) of one slot, and attends as the torch backend's native prompt part does
+// (prompt_attention over its own keys and values for a first chunk, else over the slot's cache; on AMX's tiles
+// with `tiles`). In the last layer only the rows with logits run on, each as a decode row (the fused forward's
+// way): the decode rows, then each chunk's last row, moved up to rows [0, decode rows + chunks).
 struct PromptChunk {
-    long start;
+    long row0, rows, slot, start;
+};
+struct PromptChunks {
+    long count;
+    const PromptChunk *chunk;
     bool tiles;
 };
 
 template <class T, class TC>
-int chunk_attention(const PromptChunk &chunk, T *qkv, long QKV, TC *k, TC *v, long slot, const StepShape &s,
-                    long M, float scale, T *attn, int threads) {
-    const long H = s.H, Hkv = s.Hkv, Dh = s.Dh;
+int chunk_attention(const PromptChunk &c, bool tiles, const T *qkv, long QKV, const TC *k, const TC *v,
+                    const StepShape &s, float scale, T *attn, int threads) {
+    const long H = s.H, Hkv = s.Hkv, Dh = s.Dh, HD = H * Dh;
+    const T *q = qkv + c.row0 * QKV;
+    T *out = attn + c.row0 * HD;
     bool done;
-    if (chunk.start == 0) {
+    if (c.start == 0) {
         const long ld[4] = {QKV, Dh, QKV, Dh};
-        done = prompt_attention<T, T>(qkv, QKV, qkv + H * Dh, qkv + (H + Hkv) * Dh, ld, M, 0, H, Hkv, Dh, scale,
-                                      attn, threads, chunk.tiles);
+        done = prompt_attention<T, T>(q, QKV, q + H * Dh, q + (H + Hkv) * Dh, ld, c.rows, 0, H, Hkv, Dh, scale, out,
+                                      threads, tiles);
     } else {
-        const long ld[4] = {Dh, s.Lmax * Dh, Dh, s.Lmax * Dh}, base = slot * Hkv * s.Lmax * Dh;
-        done = prompt_attention<T, TC>(qkv, QKV, k + base, v + base, ld, M, chunk.start, H, Hkv, Dh, scale, attn,
-                                       threads, chunk.tiles);
+        const long ld[4] = {Dh, s.Lmax * Dh, Dh, s.Lmax * Dh}, base = c.slot * Hkv * s.Lmax * Dh;
+        done = prompt_attention<T, TC>(q, QKV, k + base, v + base, ld, c.rows, c.start, H, Hkv, Dh, scale, out,
+                                       threads, tiles);
     }
     return done ? 0 : -3;
 }
@@ -2020,30 +2027,39 @@ template <class T, class TW, class TC, bool PAIRS = false>
 int decode_layers(T *hidden, T *delta, T *scratch, const StepShape &s, const void *const *weights,
                   void *const *caches, const T *cos, const T *ssin, const int64_t *positions, const int64_t *slots,
                   const int64_t *lens, float eps, float scale, int threads, long one_row_prefetch,
-                  const PromptChunk *chunk = nullptr) {
+                  const PromptChunks &chunks) {
     long M = s.M;
     const long D = s.D, QKV = (s.H + 2 * s.Hkv) * s.Dh, HD = s.H * s.Dh, I = s.I;
     T *normed = scratch, *qkv = normed + M * D, *attn = qkv + M * QKV, *gate_up = attn + M * HD,
       *act = gate_up + M * 2 * I;
+    const long R = chunks.count ? chunks.chunk[0].row0 : M;  // the decode rows
+    std::vector<int64_t> last_slots, last_lens;  // the rows with logits' in the last layer
     for (long l = 0; l < s.layers; l++) {
         const void *const *w = weights + 6 * l;
         TC *k = (TC *)caches[2 * l], *v = (TC *)caches[2 * l + 1];
         add_rmsnorm<T>(hidden, l ? delta : nullptr, (const T *)w[0], normed, M, D, eps, threads);
         step_linear<T, TW, PAIRS>(normed, D, w[1], qkv, QKV, M, D, QKV, threads, one_row_prefetch);
         rope_store<T, TC>(qkv, QKV, M, s.H, s.Hkv, s.Dh, cos, ssin, positions, slots, k, v, s.Lmax, threads);
-        int code;
-        if (chunk && l + 1 < s.layers) {
-            code = chunk_attention<T, TC>(*chunk, qkv, QKV, k, v, slots[0], s, M, scale, attn, threads);
-        } else if (chunk) {  // the last layer: the last row alone
-            memmove(hidden, hidden + (M - 1) * D, D * sizeof(T));
-            memmove(qkv, qkv + (M - 1) * QKV, QKV * sizeof(T));
-            const int64_t last_slot = slots[M - 1], last_len = lens[M - 1];
-            M = 1;
-            code = decode_attention_d<T, TC>(qkv, QKV, k, v, &last_slot, &last_len, 1, s.H, s.Hkv, s.Lmax, s.Dh, scale,
-                                             attn, threads);
+        int code = 0;
+        if (chunks.count && l + 1 == s.layers) {  // the decode rows and each chunk's last row, as decode rows
+            last_slots.assign(slots, slots + R);
+            last_lens.assign(lens, lens + R);
+            for (long c = 0; c < chunks.count; c++) {
+                const long from = chunks.chunk[c].row0 + chunks.chunk[c].rows - 1, to = R + c;
+                memmove(hidden + to * D, hidden + from * D, D * sizeof(T));
+                memmove(qkv + to * QKV, qkv + from * QKV, QKV * sizeof(T));
+                last_slots.push_back(slots[from]);
+                last_lens.push_back(lens[from]);
+            }
+            M = R + chunks.count;
+            code = decode_attention_d<T, TC>(qkv, QKV, k, v, last_slots.data(), last_lens.data(), M, s.H, s.Hkv,
+                                             s.Lmax, s.Dh, scale, attn, threads);
         } else {
-            code = decode_attention_d<T, TC>(qkv, QKV, k, v, slots, lens, M, s.H, s.Hkv, s.Lmax, s.Dh, scale, attn,
-                                             threads);
+            if (R > 0)
+                code = decode_attention_d<T, TC>(qkv, QKV, k, v, slots, lens, R, s.H, s.Hkv, s.Lmax, s.Dh, scale,
+                                                 attn, threads);
+            for (long c = 0; c < chunks.count && !code; c++)
+                code = chunk_attention<T, TC>(chunks.chunk[c], chunks.tiles, qkv, QKV, k, v, s, scale, attn, threads);
         }
         if (code) return code;
         step_linear<T, TW, PAIRS>(attn, HD, w[2], delta, D, M, HD, D, threads, one_row_prefetch);
@@ -2211,17 +2227,17 @@ LLK_API int llk_rope_store(void *qkv, long ldq, long tokens, long H, long Hkv, l
 
 // 0 on success, -1 for an unsupported combination of dtypes (activations, weights, cache) or head
 // size: see decode_layers above. dims: M, D, H, Hkv, Dh, I, Lmax, layers.
-// prompt_start: -1, the rows are decode rows; else they are one prompt chunk at positions from prompt_start of
-// slots[0] (PromptChunk; `tiles`: its attention on AMX's tiles, -3 where they do not run).
+// `chunks` prompt chunks follow the decode rows, 4 numbers each in `chunk_info`: first row, rows, slot, first
+// position (PromptChunk; `tiles`: their attention on AMX's tiles, -3 where they do not run); 0: decode rows only.
 LLK_API int llk_decode_layers(void *hidden, void *delta, void *scratch, const long *dims, const void *const *weights,
                               void *const *caches, const void *cos, const void *ssin, const int64_t *positions,
                               const int64_t *slots, const int64_t *lens, float eps, float scale, int dtype,
-                              int w_dtype, int kv_dtype, int threads, long one_row_prefetch, long prompt_start,
-                              int tiles) {
+                              int w_dtype, int kv_dtype, int threads, long one_row_prefetch, long chunks,
+                              const long *chunk_info, int tiles) {
     const StepShape s{dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], dims[6], dims[7]};
     if (s.Hkv < 1 || s.H % s.Hkv != 0 || s.H / s.Hkv > 64 || s.Dh % (2 * Vec::N) != 0 || s.Dh > 512) return -1;
-    const PromptChunk chunk{prompt_start, tiles != 0};
-    const PromptChunk *prompt = prompt_start >= 0 ? &chunk : nullptr;
+    static_assert(sizeof(PromptChunk) == 4 * sizeof(long), "chunk_info's layout");
+    const PromptChunks prompt{chunks, (const PromptChunk *)chunk_info, tiles != 0};
 #define LLK_LAYERS(T, TW, TC, ...)                                                                   \
     return decode_layers<T, TW, TC, ##__VA_ARGS__>((T *)hidden, (T *)delta, (T *)scratch, s, weights, caches, \
                                                    (const T *)cos, (const T *)ssin, positions, slots, lens, eps,  \

@@ -67,7 +67,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Dict, FrozenSet, Hashable, Optional, Sequence
+from typing import Callable, Dict, FrozenSet, Hashable, Optional, Sequence, Tuple
 
 import torch
 
@@ -207,7 +207,7 @@ _FUNCTIONS = {
     "_silu_mul": ("llk_silu_mul", [_P, _P, _I64, _I64, _I32, _I32], _I32),
     "_rope_store": ("llk_rope_store",
                     [_P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _I64, _I32, _I32, _I32], _I32),
-    "_decode_layers": ("llk_decode_layers", [_P] * 11 + [_F32, _F32, _I32, _I32, _I32, _I32, _I64, _I64, _I32],
+    "_decode_layers": ("llk_decode_layers", [_P] * 11 + [_F32, _F32, _I32, _I32, _I32, _I32, _I64, _I64, _P, _I32],
                        _I32),
     "_pack_pairs": ("llk_pack_pairs", [_P, _P, _I64, _I64], _I32),
     "_amx_min_rows": ("llk_amx_min_rows", [_I64], _I64),
@@ -446,18 +446,20 @@ class DecodeLayers:
 
     def __call__(self, hidden: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cos: torch.Tensor,
                  signed_sin: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                 lengths: torch.Tensor, prompt_start: Optional[int] = None, tiles: bool = False) -> torch.Tensor:
+                 lengths: torch.Tensor, chunks: Sequence[Tuple[int, int, int, int]] = (),
+                 tiles: bool = False) -> torch.Tensor:
         """Run every layer over ``hidden`` ``[rows, hidden]`` (the tokens' embeddings; updated in place with
         each layer's residual but the last's, which is returned for the final norm to add). Row ``r``'s
         token sits at ``positions[r]`` of slot ``slots[r]`` and attends to its first ``lengths[r]`` positions
         (int64 tensors).
 
-        With ``prompt_start``, the rows are one prompt chunk at positions ``prompt_start ..`` of one slot,
-        attending as :meth:`CpuKernels.prompt_attention` (``tiles`` as there) would in each layer but the
-        last, which runs the last row alone, as a decode row (the fused forward's way for the row with
-        logits): its hidden state and residual come back in row 0. Python's ~110 calls a pass go with the
-        decode step's: each refilled the caches the kernels had just flushed (~100 us a call on an AMX
-        Xeon, ~10 ms of a 256-token prefill)."""
+        ``chunks``: prompt chunks after the decode rows, each ``(first row, rows, slot, first position)``,
+        attending as :meth:`CpuKernels.prompt_attention` (``tiles`` as there) would, in each layer but the
+        last. That one runs only the rows with logits, each as a decode row (the fused forward's way): the
+        decode rows, then each chunk's last row, whose hidden states and residuals come back in the first
+        ``decode rows + len(chunks)`` rows. Python's ~110 calls a pass go as a decode step's did: each
+        refilled the caches the kernels had just flushed (~100 us a call on an AMX Xeon, ~10 ms of a
+        256-token prefill)."""
         if (hidden.dtype, self.weight_dtype, k_cache.dtype) not in DECODE_LAYERS_DTYPES:
             raise ValueError(f"native decode layers: unsupported dtypes ({hidden.dtype} activations, "
                              f"{self.weight_dtype} weights, {k_cache.dtype} cache)")
@@ -475,7 +477,8 @@ class DecodeLayers:
             PAIRS_CODE if self.pairs else DTYPE_CODES[self.weight_dtype], DTYPE_CODES[k_cache.dtype],
             torch.get_num_threads(),
             self.kernels.one_row_prefetch.get((hidden.dtype, self.weight_dtype), 0),
-            -1 if prompt_start is None else prompt_start, int(tiles))
+            len(chunks), (ctypes.c_long * (4 * len(chunks) or 1))(*[n for chunk in chunks for n in chunk]),
+            int(tiles))
         if code == -3:
             raise ValueError("native decode layers: a prompt's attention on AMX's tiles does not run here (see "
                              "CpuKernels.supports_tile_attention)")

@@ -473,8 +473,8 @@ class TorchSlotBackend(OnePassSlotBackend):
         lengths = [self._lengths[s] for s in slots]
         if not chunks and 0 < len(slots) <= self._decode_layers_rows:
             return self._decode_natively(slots, tokens, lengths), []
-        if not slots and len(chunks) == 1 and self._prefills_natively(chunks[0]):
-            return None, [self._prefill_natively(chunks[0])]
+        if chunks and self._runs_natively(len(slots) + sum(len(c.token_ids) for c in chunks)):
+            return self._pass_natively(slots, tokens, lengths, chunks)
         ids, token_slots, token_positions = list(tokens), list(slots), list(lengths)
         parts, sizes, last = [], [], list(range(len(slots)))
         if slots:
@@ -515,27 +515,38 @@ class TorchSlotBackend(OnePassSlotBackend):
             self._lengths[s] += 1
         return logits
 
-    def _prefills_natively(self, chunk: PrefillChunk) -> bool:
-        """Whether a pass of this chunk alone runs its layers in one native call: where decode steps do, its
-        prompt attends through the native kernel, and every product takes its rows natively."""
-        return (self._decode_layers is not None and self._prompt_kernels is not None
-                and len(chunk.token_ids) <= self._decode_layers_rows)
+    def _runs_natively(self, rows: int) -> bool:
+        """Whether a pass with prompt chunks runs its layers in one native call: where decode steps do, its
+        prompts attend through the native kernel, and every product takes its ``rows`` natively."""
+        return self._decode_layers is not None and self._prompt_kernels is not None and rows <= self._decode_layers_rows
 
-    def _prefill_natively(self, chunk: PrefillChunk) -> torch.Tensor:
-        """A pass of one prompt chunk through :attr:`_decode_layers` (its prompt mode): the last row's logits
-        of :meth:`_fused_forward`, without its ~110 calls from Python, each of which found the caches the
-        kernels had flushed (a 256-token prefill of the bench model: ~10 ms of ~60 outside the kernels on
-        an AMX Xeon, against ~2 ms when the kernels do nothing)."""
-        inner, n = self.model.model, len(chunk.token_ids)
-        end = chunk.start + n
-        positions = torch.arange(chunk.start, end, dtype=torch.int64)
-        hidden = inner.embed_tokens(torch.tensor(chunk.token_ids, dtype=torch.long))
+    def _pass_natively(self, slots: List[int], tokens: Sequence[int], lengths: List[int],
+                       chunks: Sequence[PrefillChunk]):
+        """A pass with prompt chunks through :attr:`_decode_layers` (decode rows first, then the chunks): the
+        logits of :meth:`_fused_forward`, without its ~110 calls from Python, each of which found the caches
+        the kernels had flushed (a 256-token prefill of the bench model: ~10 ms of ~60 outside the kernels on
+        an AMX Xeon, against ~2 ms when the kernels do nothing). Returns what :meth:`_step` does."""
+        inner = self.model.model
+        ids, token_slots, positions, spans = list(tokens), list(slots), list(lengths), []
+        for chunk in chunks:
+            spans.append((len(ids), len(chunk.token_ids), chunk.slot, chunk.start))
+            ids += chunk.token_ids
+            token_slots += [chunk.slot] * len(chunk.token_ids)
+            positions += range(chunk.start, chunk.start + len(chunk.token_ids))
+        positions = torch.tensor(positions, dtype=torch.int64)
+        hidden = inner.embed_tokens(torch.tensor(ids, dtype=torch.long))
         delta = self._decode_layers(hidden, self.k_cache, self.v_cache, self._cos, self._signed_sin, positions,
-                                    torch.full((n,), chunk.slot, dtype=torch.int64), positions + 1,
-                                    prompt_start=chunk.start, tiles=self._prompt_tiles)
-        normed = self._kernels.add_rmsnorm(hidden[:1], delta[:1], inner.norm.weight, inner.norm.variance_epsilon)
-        self._lengths[chunk.slot] = end
-        return self.model.lm_head(normed).float()[0]
+                                    torch.tensor(token_slots, dtype=torch.int64), positions + 1, chunks=spans,
+                                    tiles=self._prompt_tiles)
+        rows = len(slots) + len(chunks)
+        normed = self._kernels.add_rmsnorm(hidden[:rows], delta[:rows], inner.norm.weight,
+                                           inner.norm.variance_epsilon)
+        logits = self.model.lm_head(normed).float()
+        for s in slots:
+            self._lengths[s] += 1
+        for chunk in chunks:
+            self._lengths[chunk.slot] = chunk.start + len(chunk.token_ids)
+        return (logits[:len(slots)] if slots else None), list(logits[len(slots):])
 
     def _rows_attention(self, slots: List[int], lengths: List[int]):
         """How rows of one query each (row ``b`` at position ``lengths[b]`` of ``slots[b]``) attend: through
