@@ -340,7 +340,8 @@ class TorchSlotBackend(OnePassSlotBackend):
                                                   self.head_dim)
             and native_prompt_pays(kernels, self.dtype, self.kv_dtype, self.n_heads, self.n_kv_heads,
                                    self.head_dim, tiles=self._prompt_tiles)) else None
-        #: Decode-only passes of up to ``_decode_layers_rows`` rows run their layers in one native call.
+        #: Passes of up to ``_decode_layers_rows`` rows run their layers in one native call: decode-only ones,
+        #: and those with prompt chunks where the prompts attend natively (:meth:`_runs_natively`).
         self._decode_layers, self._decode_layers_rows = self._native_decode_layers()
 
     def _allocate_cache(self) -> None:
@@ -467,8 +468,8 @@ class TorchSlotBackend(OnePassSlotBackend):
 
         Returns the decode rows' logits ``[rows, vocab]`` (None without rows) and each
         chunk's last logits. The tokens of every row and chunk go through the linear layers
-        as one matrix; only attention is per part (:class:`_DecodeRows`, :class:`_Chunk`). A pass of
-        decode rows alone runs its layers in one native call where it can (:meth:`_decode_natively`).
+        as one matrix; only attention is per part (:class:`_DecodeRows`, :class:`_Chunk`). A pass runs its
+        layers in one native call where it can (:meth:`_decode_natively`, :meth:`_pass_natively`).
         """
         lengths = [self._lengths[s] for s in slots]
         if not chunks and 0 < len(slots) <= self._decode_layers_rows:
