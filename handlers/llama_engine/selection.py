@@ -58,12 +58,15 @@ class TokenSelector:
 
         The most likely token always survives top-k and top-p, so a row never loses every
         token (a ``top_p`` below float32's smallest number would otherwise drop them all).
+        Top-k keeps exactly ``top_k`` tokens, ties at the k-th logit broken as ``torch.topk``
+        breaks them: bf16 logits tie often (a tiny bf16 model's ``top_k=2`` kept three tokens
+        when its 2nd and 3rd tied, and listed three alternatives).
         """
         p = self.params
         logits = _finite(logits / p.temperature)
         if 0 < p.top_k < logits.shape[-1]:
-            kth = torch.topk(logits, p.top_k).values[-1]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
+            kept = torch.topk(logits, p.top_k).indices
+            logits = torch.full_like(logits, float("-inf")).scatter(0, kept, logits[kept])
         if p.top_p < 1.0:
             sorted_logits, order = torch.sort(logits, descending=True)
             sorted_probs = sorted_logits.softmax(-1)

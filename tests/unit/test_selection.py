@@ -28,6 +28,15 @@ def test_unseeded_sampling_reports_the_seed_it_drew():
     assert TokenSelector(SamplingParams()).seed is None
 
 
+def test_top_k_keeps_exactly_k_tokens_when_the_kth_logit_ties():
+    """Logits tied at the k-th (as bf16 logits often are): top-k keeps k of them, not every tied one."""
+    logits = torch.tensor([3.0, 1.0, 1.0, 1.0, -2.0])
+    selector = TokenSelector(SamplingParams(do_sample=True, top_k=2, seed=0, logprobs=5))
+    chosen = {selector.choose(logits)[0] for _ in range(200)}
+    assert len(selector.top) == 2 and selector.top[0][0] == 0
+    assert chosen <= {0, selector.top[1][0]} and selector.top[1][0] in (1, 2, 3)
+
+
 def test_top_k_and_top_p_restrict_the_choices():
     logits = torch.tensor([4.0, 3.0, 2.0, 1.0, 0.0])
     top_k = TokenSelector(SamplingParams(do_sample=True, top_k=2, seed=0))
