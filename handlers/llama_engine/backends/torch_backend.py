@@ -469,85 +469,63 @@ class TorchSlotBackend(OnePassSlotBackend):
         Returns the decode rows' logits ``[rows, vocab]`` (None without rows) and each
         chunk's last logits. The tokens of every row and chunk go through the linear layers
         as one matrix; only attention is per part (:class:`_DecodeRows`, :class:`_Chunk`). A pass runs its
-        layers in one native call where it can (:meth:`_decode_natively`, :meth:`_pass_natively`).
+        layers in one native call where it can (:meth:`_pass_natively`).
         """
         lengths = [self._lengths[s] for s in slots]
-        if not chunks and 0 < len(slots) <= self._decode_layers_rows:
-            return self._decode_natively(slots, tokens, lengths), []
-        if chunks and self._runs_natively(len(slots) + sum(len(c.token_ids) for c in chunks)):
-            return self._pass_natively(slots, tokens, lengths, chunks)
-        ids, token_slots, token_positions = list(tokens), list(slots), list(lengths)
+        ids, token_slots, token_positions, spans = _lay_out(slots, tokens, lengths, chunks)
+        if self._runs_natively(len(ids), chunks):
+            logits = self._pass_natively(ids, token_slots, token_positions, spans, len(slots) + len(chunks))
+        else:
+            logits = self._forward(ids, token_slots, token_positions, *self._plan(slots, lengths, chunks, spans))
+        self._advance(slots, chunks)
+        return (logits[:len(slots)] if slots else None), list(logits[len(slots):])
+
+    def _plan(self, slots: List[int], lengths: List[int], chunks: Sequence[PrefillChunk], spans: List[tuple]):
+        """How the pass's parts attend in :meth:`_forward`: its ``parts``, ``sizes``, ``last`` and ``final``."""
         parts, sizes, last = [], [], list(range(len(slots)))
         if slots:
             parts.append(self._rows_attention(slots, lengths))
             sizes.append(len(slots))
-        for chunk in chunks:
-            n, end = len(chunk.token_ids), chunk.start + len(chunk.token_ids)
-            ids += chunk.token_ids
-            token_slots += [chunk.slot] * n
-            token_positions += range(chunk.start, end)
+        for chunk, (first, n, _, _) in zip(chunks, spans):
+            end = chunk.start + n
             positions = torch.arange(chunk.start, end, device=self.device).unsqueeze(0)
             parts.append(self._prompt_part(chunk, end, positions))
             sizes.append(n)
-            last.append(len(ids) - 1)
+            last.append(first + n - 1)
         final = None
         if chunks:  # the last layer runs only the rows with logits, each as a decode row of its slot
             final = self._rows_attention(slots + [c.slot for c in chunks],
                                          lengths + [c.start + len(c.token_ids) - 1 for c in chunks])
-        logits = self._forward(ids, token_slots, token_positions, parts, sizes, last, final)
+        return parts, sizes, last, final
+
+    def _advance(self, slots: List[int], chunks: Sequence[PrefillChunk]) -> None:
         for s in slots:
             self._lengths[s] += 1
         for chunk in chunks:
             self._lengths[chunk.slot] = chunk.start + len(chunk.token_ids)
-        decode = logits[:len(slots)] if slots else None
-        return decode, list(logits[len(slots):])
 
-    def _decode_natively(self, slots: List[int], tokens: Sequence[int], lengths: List[int]) -> torch.Tensor:
-        """A decode-only pass through :attr:`_decode_layers` (one native call for all the layers): the
-        logits of :meth:`_fused_forward` for the same rows, without its ~110 calls from Python."""
+    def _runs_natively(self, rows: int, chunks: Sequence[PrefillChunk]) -> bool:
+        """Whether a pass of ``rows`` tokens runs its layers in one native call: every product takes its rows
+        natively, and any prompt chunks attend through the native kernel."""
+        return (self._decode_layers is not None and 0 < rows <= self._decode_layers_rows
+                and (not chunks or self._prompt_kernels is not None))
+
+    def _pass_natively(self, ids: List[int], slots: List[int], positions: List[int], spans: List[tuple],
+                       rows: int) -> torch.Tensor:
+        """A pass through :attr:`_decode_layers` (one native call for all the layers; decode rows first, then
+        the chunks ``spans``): the logits of :meth:`_fused_forward` for its first ``rows`` rows (those with
+        logits), without its ~110 calls from Python, each of which found the caches the kernels had flushed
+        (a 256-token prefill of the bench model: ~10 ms of ~60 outside the kernels on an AMX Xeon, against
+        ~2 ms when the kernels do nothing)."""
         inner = self.model.model
-        positions = torch.tensor(lengths, dtype=torch.int64)
-        hidden = inner.embed_tokens(torch.tensor(tokens, dtype=torch.long))
-        delta = self._decode_layers(hidden, self.k_cache, self.v_cache, self._cos, self._signed_sin, positions,
-                                    torch.tensor(slots, dtype=torch.int64), positions + 1)
-        normed = self._kernels.add_rmsnorm(hidden, delta, inner.norm.weight, inner.norm.variance_epsilon)
-        logits = self.model.lm_head(normed).float()
-        for s in slots:
-            self._lengths[s] += 1
-        return logits
-
-    def _runs_natively(self, rows: int) -> bool:
-        """Whether a pass with prompt chunks runs its layers in one native call: where decode steps do, its
-        prompts attend through the native kernel, and every product takes its ``rows`` natively."""
-        return self._decode_layers is not None and self._prompt_kernels is not None and rows <= self._decode_layers_rows
-
-    def _pass_natively(self, slots: List[int], tokens: Sequence[int], lengths: List[int],
-                       chunks: Sequence[PrefillChunk]):
-        """A pass with prompt chunks through :attr:`_decode_layers` (decode rows first, then the chunks): the
-        logits of :meth:`_fused_forward`, without its ~110 calls from Python, each of which found the caches
-        the kernels had flushed (a 256-token prefill of the bench model: ~10 ms of ~60 outside the kernels on
-        an AMX Xeon, against ~2 ms when the kernels do nothing). Returns what :meth:`_step` does."""
-        inner = self.model.model
-        ids, token_slots, positions, spans = list(tokens), list(slots), list(lengths), []
-        for chunk in chunks:
-            spans.append((len(ids), len(chunk.token_ids), chunk.slot, chunk.start))
-            ids += chunk.token_ids
-            token_slots += [chunk.slot] * len(chunk.token_ids)
-            positions += range(chunk.start, chunk.start + len(chunk.token_ids))
         positions = torch.tensor(positions, dtype=torch.int64)
         hidden = inner.embed_tokens(torch.tensor(ids, dtype=torch.long))
         delta = self._decode_layers(hidden, self.k_cache, self.v_cache, self._cos, self._signed_sin, positions,
-                                    torch.tensor(token_slots, dtype=torch.int64), positions + 1, chunks=spans,
+                                    torch.tensor(slots, dtype=torch.int64), positions + 1, chunks=spans,
                                     tiles=self._prompt_tiles)
-        rows = len(slots) + len(chunks)
         normed = self._kernels.add_rmsnorm(hidden[:rows], delta[:rows], inner.norm.weight,
                                            inner.norm.variance_epsilon)
-        logits = self.model.lm_head(normed).float()
-        for s in slots:
-            self._lengths[s] += 1
-        for chunk in chunks:
-            self._lengths[chunk.slot] = chunk.start + len(chunk.token_ids)
-        return (logits[:len(slots)] if slots else None), list(logits[len(slots):])
+        return self.model.lm_head(normed).float()
 
     def _rows_attention(self, slots: List[int], lengths: List[int]):
         """How rows of one query each (row ``b`` at position ``lengths[b]`` of ``slots[b]``) attend: through
@@ -894,6 +872,19 @@ class _RowAttention:
         sdpa = torch.nn.functional.scaled_dot_product_attention
         return torch.cat([sdpa(q[b:b + 1], k_layer[slot:slot + 1, :, :span], v_layer[slot:slot + 1, :, :span],
                                enable_gqa=gqa) for b, (slot, span) in enumerate(self.rows)])
+
+
+def _lay_out(slots: List[int], tokens: Sequence[int], lengths: List[int], chunks: Sequence[PrefillChunk]):
+    """A pass's tokens in order, the decode rows' (one each of ``slots``, at ``lengths``) then each chunk's:
+    their ids, slots and positions, and each chunk's ``(first row, rows, slot, first position)``."""
+    ids, token_slots, positions, spans = list(tokens), list(slots), list(lengths), []
+    for chunk in chunks:
+        n = len(chunk.token_ids)
+        spans.append((len(ids), n, chunk.slot, chunk.start))
+        ids += chunk.token_ids
+        token_slots += [chunk.slot] * n
+        positions += range(chunk.start, chunk.start + n)
+    return ids, token_slots, positions, spans
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
