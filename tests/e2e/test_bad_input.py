@@ -249,8 +249,9 @@ def test_bad_bodies_leave_a_long_greedy_stream_and_the_worker_alone(served):
 
     # The first bad bodies arrive with the stream (micro-batching: its frontend batch and
     # micro-batch; continuous: its admission), the rest while it streams. The senders of the rest
-    # are started before and wait for its first line: starting ~25 threads after it, each start
-    # waiting for the GIL beside the stream's reader, once took longer than the whole stream.
+    # are started before and wait for its first line: started after it, ~25 thread starts, each
+    # waiting for the GIL beside the stream's reader, can outlast the stream on a loaded host (a
+    # fresh clone failed so once).
     first = BAD[:BATCH - 1]
     barrier = threading.Barrier(len(first) + 1)
     stream = Stream(served, greedy(long), barrier)
