@@ -619,7 +619,7 @@ def test_decode_steps_run_their_layers_in_one_native_call_with_the_python_loops_
     if measured:
         assert native._decode_layers is None  # such products are oneDNN's on this CPU (bf16 on AMX)
         return
-    assert native._decode_layers is not None
+    assert native._decode_layers is not None and native._logits_natively  # the final norm and LM head too
     products = native._step_products(native._fused)
     assert len({p.weight.untyped_storage().data_ptr() for p in products}) == 1  # gathered into one block
     python._decode_layers_rows = 0
@@ -658,7 +658,7 @@ def test_a_prompt_alone_runs_its_layers_in_one_native_call_with_the_python_loops
     backends = [TorchSlotBackend(load(tiny_model_dir, getattr(torch, dtype)), max_slots=6, max_length=320,
                                  owns_model=True, weight_dtype=weight_dtype, kv_cache_dtype=kv) for _ in range(2)]
     native, python = backends
-    assert native._decode_layers is not None and native._prompt_kernels is not None
+    assert native._decode_layers is not None and native._prompt_kernels is not None and native._logits_natively
     python._decode_layers_rows = 0
     native._decode_layers = counted = CountedCalls(native._decode_layers)
     tiles = []
@@ -680,6 +680,31 @@ def test_a_prompt_alone_runs_its_layers_in_one_native_call_with_the_python_loops
     assert torch.equal(logits[0], logits[1])
     assert torch.equal(native.k_cache, python.k_cache) and torch.equal(native.v_cache, python.v_cache)
     assert [native.slot_length(s) for s in range(6)] == [301, 300, 2, 90, 10, 5]
+
+
+@needs_native
+def test_an_lm_head_with_a_bias_runs_after_the_native_call_with_the_python_loops_numbers(tiny_model_dir):
+    """The native call ends with the logits only where the backend would run the LM head with the layers' own
+    kernels: a head with a bias runs from Python after it, and the logits stay the Python loop's."""
+    def with_biased_head():
+        model = load(tiny_model_dir, torch.float32)
+        head = torch.nn.Linear(model.lm_head.in_features, model.lm_head.out_features, bias=True)
+        with torch.no_grad():
+            head.weight.copy_(model.lm_head.weight)
+            head.bias.copy_(torch.linspace(-1, 1, head.out_features))
+        model.lm_head = head
+        return TorchSlotBackend(model, max_slots=2, max_length=64, owns_model=True, weight_dtype=torch.bfloat16)
+
+    native, python = with_biased_head(), with_biased_head()
+    assert native._decode_layers is not None and not native._logits_natively
+    python._decode_layers_rows = 0
+    ids = prompts(batch=1, length=20)[0][0].tolist()
+    logits = []
+    with torch.inference_mode():
+        for backend in (native, python):
+            first = backend.prefill_slot(0, ids)
+            logits.append(torch.cat([first[None], backend.decode_slots([0], [int(first.argmax())])]))
+    assert torch.equal(logits[0], logits[1])
 
 
 @needs_native

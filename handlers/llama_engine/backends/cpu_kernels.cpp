@@ -1972,7 +1972,7 @@ void rope_store(T *qkv, long ldq, long tokens, long H, long Hkv, long D, const T
 // `weights` holds 6 pointers per layer: input norm, q/k/v [(H + 2 Hkv) Dh, D], o [D, H Dh], post-
 // attention norm, gate/up [2 I, D], down [D, I]; `caches` 2 per layer: k, v [slots, Hkv, Lmax, Dh].
 // `hidden` [M, D] gets every layer's residual but the last's, which is left in `delta` [M, D] (the
-// final norm adds it). `scratch` holds M (D + (H + 2 Hkv) Dh + H Dh + 3 I) elements of T.
+// final norm adds it; with a Head, the call adds it, and its logits follow). `scratch` holds M (D + (H + 2 Hkv) Dh + H Dh + 3 I) elements of T.
 struct StepShape {
     long M, D, H, Hkv, Dh, I, Lmax, layers;
 };
@@ -2004,6 +2004,16 @@ struct PromptChunks {
     bool tiles;
 };
 
+// The model's head after the last layer, where the call runs it: the final norm's weight (T), the LM head's
+// weight [vocab, D] in the layers' layout, and where the rows with logits' logits go ([rows, vocab] of T).
+// Null `w`: the call stops at the last layer's residual.
+struct Head {
+    const void *norm;
+    const void *w;
+    long vocab;
+    void *logits;
+};
+
 template <class T, class TC>
 int chunk_attention(const PromptChunk &c, bool tiles, const T *qkv, long QKV, const TC *k, const TC *v,
                     const StepShape &s, float scale, T *attn, int threads) {
@@ -2027,7 +2037,7 @@ template <class T, class TW, class TC, bool PAIRS = false>
 int decode_layers(T *hidden, T *delta, T *scratch, const StepShape &s, const void *const *weights,
                   void *const *caches, const T *cos, const T *ssin, const int64_t *positions, const int64_t *slots,
                   const int64_t *lens, float eps, float scale, int threads, long one_row_prefetch,
-                  const PromptChunks &chunks) {
+                  const PromptChunks &chunks, const Head &head) {
     long M = s.M;
     const long D = s.D, QKV = (s.H + 2 * s.Hkv) * s.Dh, HD = s.H * s.Dh, I = s.I;
     T *normed = scratch, *qkv = normed + M * D, *attn = qkv + M * QKV, *gate_up = attn + M * HD,
@@ -2067,6 +2077,11 @@ int decode_layers(T *hidden, T *delta, T *scratch, const StepShape &s, const voi
         step_linear<T, TW, PAIRS>(normed, D, w[4], gate_up, 2 * I, M, D, 2 * I, threads, one_row_prefetch);
         silu_mul<T>(gate_up, act, M, I, threads);
         step_linear<T, TW, PAIRS>(act, I, w[5], delta, D, M, I, D, threads, one_row_prefetch);
+    }
+    if (head.w) {  // what the backend called next from Python, with the same kernels
+        add_rmsnorm<T>(hidden, delta, (const T *)head.norm, normed, M, D, eps, threads);
+        step_linear<T, TW, PAIRS>(normed, D, head.w, (T *)head.logits, head.vocab, M, D, head.vocab, threads,
+                                  one_row_prefetch);
     }
     return 0;
 }
@@ -2229,22 +2244,27 @@ LLK_API int llk_rope_store(void *qkv, long ldq, long tokens, long H, long Hkv, l
 // size: see decode_layers above. dims: M, D, H, Hkv, Dh, I, Lmax, layers.
 // `chunks` prompt chunks follow the decode rows, 4 numbers each in `chunk_info`: first row, rows, slot, first
 // position (PromptChunk; `tiles`: their attention on AMX's tiles, -3 where they do not run); 0: decode rows only.
+// `head_w` non-null: the final norm (`head_norm`) and the LM head (`head_w` [vocab, D], the layers' layout) run
+// too, over the rows with logits, into `logits` (Head).
 LLK_API int llk_decode_layers(void *hidden, void *delta, void *scratch, const long *dims, const void *const *weights,
                               void *const *caches, const void *cos, const void *ssin, const int64_t *positions,
                               const int64_t *slots, const int64_t *lens, float eps, float scale, int dtype,
                               int w_dtype, int kv_dtype, int threads, long one_row_prefetch, long chunks,
-                              const long *chunk_info, int tiles) {
+                              const long *chunk_info, int tiles, const void *head_norm, const void *head_w,
+                              long vocab, void *logits) {
     const StepShape s{dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], dims[6], dims[7]};
     if (s.Hkv < 1 || s.H % s.Hkv != 0 || s.H / s.Hkv > 64 || s.Dh % (2 * Vec::N) != 0 || s.Dh > 512) return -1;
     static_assert(sizeof(PromptChunk) == 4 * sizeof(long), "chunk_info's layout");
     const PromptChunks prompt{chunks, (const PromptChunk *)chunk_info, tiles != 0};
+    const Head head{head_norm, head_w, vocab, logits};
 #define LLK_LAYERS(T, TW, TC, ...)                                                                   \
     return decode_layers<T, TW, TC, ##__VA_ARGS__>((T *)hidden, (T *)delta, (T *)scratch, s, weights, caches, \
                                                    (const T *)cos, (const T *)ssin, positions, slots, lens, eps,  \
-                                                   scale, threads, one_row_prefetch, prompt)
+                                                   scale, threads, one_row_prefetch, prompt, head)
 #if defined(LLK_VEC512)
     const long qkv = (s.H + 2 * s.Hkv) * s.Dh;
-    if (w_dtype == PAIRS_CODE && (s.D % PANEL_COLS || qkv % PANEL_COLS || (2 * s.I) % PANEL_COLS || s.I % 2))
+    if (w_dtype == PAIRS_CODE && (s.D % PANEL_COLS || qkv % PANEL_COLS || (2 * s.I) % PANEL_COLS || s.I % 2 ||
+                                  (head_w && vocab % PANEL_COLS)))
         return -1;
     if (w_dtype == PAIRS_CODE && dtype == 0 && kv_dtype == 0) LLK_LAYERS(float, bf16, float, true);
     if (w_dtype == PAIRS_CODE && dtype == 0 && kv_dtype == 1) LLK_LAYERS(float, bf16, bf16, true);

@@ -343,6 +343,8 @@ class TorchSlotBackend(OnePassSlotBackend):
         #: Passes of up to ``_decode_layers_rows`` rows run their layers in one native call: decode-only ones,
         #: and those with prompt chunks where the prompts attend natively (:meth:`_runs_natively`).
         self._decode_layers, self._decode_layers_rows = self._native_decode_layers()
+        #: Whether that call ends with the logits (:meth:`_native_head`).
+        self._logits_natively = self._decode_layers is not None and self._decode_layers.head is not None
 
     def _allocate_cache(self) -> None:
         """Zeroed K/V for ``max_slots`` slots (zeros: masked-out positions must not hold NaN)."""
@@ -408,9 +410,21 @@ class TorchSlotBackend(OnePassSlotBackend):
                 or any(p.weight.dtype != dtypes[1] or p.pairs != products[0].pairs for p in products)
                 or any(t.dtype != self.dtype for layer in layers for t in (layer["input_norm"], layer["post_norm"]))):
             return None, 0
-        step = cpu_kernels.DecodeLayers(self._kernels, layers, self.n_heads, self.n_kv_heads, self.head_dim, eps.pop(),
-                                        pairs=products[0].pairs)
-        return step, min(p.max_rows for p in products)
+        rows, eps = min(p.max_rows for p in products), eps.pop()
+        step = cpu_kernels.DecodeLayers(self._kernels, layers, self.n_heads, self.n_kv_heads, self.head_dim, eps,
+                                        pairs=products[0].pairs, head=self._native_head(products[0], rows, eps))
+        return step, rows
+
+    def _native_head(self, product: NativeLinear, rows: int, eps: float):
+        """The final norm's and the LM head's weights, for :class:`.cpu_kernels.DecodeLayers` to end with the
+        logits, where the backend would run them with the kernels and the layout of the layers' ``product``
+        (else None: the backend runs them after the call)."""
+        norm, head = self.model.model.norm, self.model.lm_head
+        if (not isinstance(head, NativeLinear) or head.bias is not None or head.max_rows < rows
+                or head.weight.dtype != product.weight.dtype or head.pairs != product.pairs
+                or norm.variance_epsilon != eps or norm.weight.dtype != self.dtype):
+            return None
+        return norm.weight.detach(), head.weight
 
     def _fuse_projections(self, owns_model: bool) -> List[Optional[FusedLlamaProjections]]:
         """Each layer's q/k/v and gate/up as two products (None for a layer that cannot be fused)."""
@@ -520,10 +534,12 @@ class TorchSlotBackend(OnePassSlotBackend):
         inner = self.model.model
         positions = torch.tensor(positions, dtype=torch.int64)
         hidden = inner.embed_tokens(torch.tensor(ids, dtype=torch.long))
-        delta = self._decode_layers(hidden, self.k_cache, self.v_cache, self._cos, self._signed_sin, positions,
+        out = self._decode_layers(hidden, self.k_cache, self.v_cache, self._cos, self._signed_sin, positions,
                                     torch.tensor(slots, dtype=torch.int64), positions + 1, chunks=spans,
                                     tiles=self._prompt_tiles)
-        normed = self._kernels.add_rmsnorm(hidden[:rows], delta[:rows], inner.norm.weight,
+        if self._logits_natively:  # the call ended with the final norm and the LM head
+            return out.float()
+        normed = self._kernels.add_rmsnorm(hidden[:rows], out[:rows], inner.norm.weight,
                                            inner.norm.variance_epsilon)
         return self.model.lm_head(normed).float()
 
