@@ -1972,7 +1972,8 @@ void rope_store(T *qkv, long ldq, long tokens, long H, long Hkv, long D, const T
 // `weights` holds 6 pointers per layer: input norm, q/k/v [(H + 2 Hkv) Dh, D], o [D, H Dh], post-
 // attention norm, gate/up [2 I, D], down [D, I]; `caches` 2 per layer: k, v [slots, Hkv, Lmax, Dh].
 // `hidden` [M, D] gets every layer's residual but the last's, which is left in `delta` [M, D] (the
-// final norm adds it; with a Head, the call adds it, and its logits follow). `scratch` holds M (D + (H + 2 Hkv) Dh + H Dh + 3 I) elements of T.
+// final norm adds it; with a Head, the call adds it, and its logits follow). `scratch` holds
+// M (D + (H + 2 Hkv) Dh + H Dh + 3 I) elements of T.
 struct StepShape {
     long M, D, H, Hkv, Dh, I, Lmax, layers;
 };

@@ -420,9 +420,9 @@ class DecodeLayers:
     (:meth:`CpuKernels.pack_pairs`).
 
     ``head``: the final norm's weight and the LM head's ``[vocab, hidden]`` (in the layers' dtype and layout),
-    for the call to end with the logits, as the backend's next two calls did: each of those, the first Python
-    after ~230 MB of weights had streamed through the caches, took ~0.3 ms of an 8-row step (~21 ms) of the
-    bench model on an AMX Xeon, against ~0.13 ms for both on warm caches.
+    for the call to end with the logits, as the backend's next two calls did. Those were the first Python after
+    ~230 MB of weights had streamed through the caches: 0.64-0.68 ms from the call's return to the logits of an
+    8-row step (~21 ms) of the bench model on an AMX Xeon, against ~0.13 ms for both on warm caches.
     """
 
     def __init__(self, kernels: CpuKernels, layers: Sequence[Dict[str, torch.Tensor]], heads: int, kv_heads: int,
