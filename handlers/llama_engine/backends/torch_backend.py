@@ -492,6 +492,8 @@ class TorchSlotBackend(OnePassSlotBackend):
         else:
             logits = self._forward(ids, token_slots, token_positions, *self._plan(slots, lengths, chunks, spans))
         self._advance(slots, chunks)
+        if not chunks:  # a decode step: its logits as they are, no slice and no empty list from a tensor
+            return (logits if slots else None), []
         return (logits[:len(slots)] if slots else None), list(logits[len(slots):])
 
     def _plan(self, slots: List[int], lengths: List[int], chunks: Sequence[PrefillChunk], spans: List[tuple]):
