@@ -537,8 +537,8 @@ class TorchSlotBackend(OnePassSlotBackend):
         positions = torch.tensor(positions, dtype=torch.int64)
         hidden = inner.embed_tokens(torch.tensor(ids, dtype=torch.long))
         out = self._decode_layers(hidden, self.k_cache, self.v_cache, self._cos, self._signed_sin, positions,
-                                    torch.tensor(slots, dtype=torch.int64), positions + 1, chunks=spans,
-                                    tiles=self._prompt_tiles)
+                                  torch.tensor(slots, dtype=torch.int64), positions + 1, chunks=spans,
+                                  tiles=self._prompt_tiles)
         if self._logits_natively:  # the call ended with the final norm and the LM head
             return out.float()
         normed = self._kernels.add_rmsnorm(hidden[:rows], out[:rows], inner.norm.weight,
