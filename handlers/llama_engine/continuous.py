@@ -49,7 +49,7 @@ from .lifecycle import (
     load_tokenizer,
 )
 from .metrics import NULL_SINK, MetricsSink
-from .selection import select_tokens
+from .selection import select_token_lists, select_tokens
 from .streamer import TokenEvent
 
 logger = logging.getLogger(__name__)
@@ -239,7 +239,7 @@ class ContinuousScheduler:
             with self._lock:
                 for (handle, ids), logits in zip(chunks, out.prefills):
                     self._prefilled(handle, len(ids), logits)
-                self._decoded([h for h in running if h.status is RequestStatus.RUNNING], out.decode)
+                self._decoded([h for h in running if h.status is RequestStatus.RUNNING], out.decode, out.picks)
             self.metrics.steps(1, len(running) + len(chunks), time.perf_counter() - started)
             self.steps += 1
             return True
@@ -321,18 +321,18 @@ class ContinuousScheduler:
         size = remaining if not self.backend.incremental_prefill else min(remaining, budget)
         return size if limit is None else min(size, limit)
 
-    def _decoded(self, handles: List[RequestHandle], logits) -> None:
+    def _decoded(self, handles: List[RequestHandle], logits, picks) -> None:
         if not handles:
             return
         try:
             if isinstance(logits, BaseException):
                 raise logits
-            tokens, logprobs = select_tokens(logits, [h.selector for h in handles])
+            tokens, logprobs = select_token_lists(logits, [h.selector for h in handles], picks)
         except Exception as exc:  # noqa: BLE001 - the step is shared: every row in it fails, the others go on
             for handle in handles:
                 self._fail(handle, exc)
             return
-        for handle, token, logprob in zip(handles, tokens.tolist(), logprobs):
+        for handle, token, logprob in zip(handles, tokens, logprobs):
             self._deliver(handle, token, logprob)
 
     def _deliver(self, handle: RequestHandle, token: int, logprob: float) -> None:

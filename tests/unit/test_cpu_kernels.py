@@ -16,6 +16,7 @@
   runtime of their own.
 """
 import logging
+import math
 import os
 import re
 import shutil
@@ -27,6 +28,7 @@ import pytest
 import torch
 
 from llama_engine.backends import cpu_kernels
+from llama_engine.backends.base import take_greedy_picks
 from llama_engine.cpu import _loaded_libgomps, cpu_flags
 
 FLAGS = cpu_flags()
@@ -788,6 +790,50 @@ def test_decode_layers_in_one_call_compute_the_kernels_called_one_by_one_bit_for
     assert torch.equal(got, want) and torch.equal(hidden, want_hidden)
     assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
     assert not torch.equal(got_k, cache)  # the step wrote its keys
+
+
+@pytest.mark.parametrize("kernels", ISAS, indirect=True)
+@pytest.mark.parametrize("dtype, weight_dtype", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
+                                                 (torch.bfloat16, torch.bfloat16)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_decode_layers_with_a_head_end_with_float32_logits_and_each_rows_greedy_pick(kernels, dtype, weight_dtype,
+                                                                                   threads):
+    """With the final norm and the LM head: the logits of those two kernels called after the layers, widened to
+    float32, and each row's greedy pick (torch's first argmax and its log_softmax value) attached. A vocabulary
+    that is no multiple of the vector width; a head of zeros ties every token, and the first one is picked."""
+    gen = torch.Generator().manual_seed(5)
+    heads, kv_heads, dim, width, inner, max_length, vocab = 4, 2, 32, 64, 96, 16, 100
+    rand = lambda *shape, dt=dtype: (torch.randn(*shape, generator=gen) * 0.5).to(dt)  # noqa: E731
+    layers = [{"input_norm": 1 + rand(width) * 0.1, "qkv": rand((heads + 2 * kv_heads) * dim, width, dt=weight_dtype),
+               "o": rand(width, heads * dim, dt=weight_dtype), "post_norm": 1 + rand(width) * 0.1,
+               "gate_up": rand(2 * inner, width, dt=weight_dtype), "down": rand(width, inner, dt=weight_dtype)}
+              for _ in range(2)]
+    norm, lm_head = 1 + rand(width) * 0.1, rand(vocab, width, dt=weight_dtype) * 4
+    angles = torch.randn(max_length, dim // 2, generator=gen)
+    cos = torch.cat([angles.cos()] * 2, -1).to(dtype)
+    ssin = torch.cat([-angles.sin(), angles.sin()], -1).to(dtype)
+    cache = rand(2, 4, kv_heads, max_length, dim)
+    positions, slots, hidden = torch.tensor([5, 0, 11]), torch.tensor([2, 0, 3]), rand(3, width)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        want_hidden = hidden.clone()
+        delta = layer_by_layer(kernels, want_hidden, layers, cache.clone(), cache.clone(), cos, ssin, positions, slots,
+                               positions + 1, heads, kv_heads, 1e-5)
+        want = kernels.linear(kernels.add_rmsnorm(want_hidden, delta, norm, 1e-5), lm_head).float()
+        got = cpu_kernels.DecodeLayers(kernels, layers, heads, kv_heads, dim, 1e-5, head=(norm, lm_head))(
+            hidden.clone(), cache.clone(), cache.clone(), cos, ssin, positions, slots, positions + 1)
+        tied = cpu_kernels.DecodeLayers(kernels, layers, heads, kv_heads, dim, 1e-5,
+                                        head=(norm, torch.zeros_like(lm_head)))(
+            hidden.clone(), cache.clone(), cache.clone(), cos, ssin, positions, slots, positions + 1)
+    finally:
+        torch.set_num_threads(previous)
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    tokens, logprobs = take_greedy_picks(got)
+    assert tokens == want.argmax(-1).tolist() and len(set(tokens)) > 1
+    assert logprobs == pytest.approx(want.log_softmax(-1).gather(1, want.argmax(-1, keepdim=True)).squeeze(1).tolist(),
+                                     rel=1e-5, abs=1e-6)
+    assert take_greedy_picks(tied) == ([0, 0, 0], pytest.approx([-math.log(vocab)] * 3, rel=1e-6))
 
 
 @pytest.mark.parametrize("kernels", ISAS[:2], indirect=True)

@@ -3,7 +3,7 @@ import math
 import torch
 
 from llama_engine.params import SamplingParams
-from llama_engine.selection import TokenSelector, select_tokens
+from llama_engine.selection import TokenSelector, select_token_lists, select_tokens
 
 
 def test_greedy_rows_take_the_argmax_with_its_logprob_and_padding_rows_are_ignored():
@@ -63,3 +63,20 @@ def test_negative_logits_are_multiplied_by_the_penalty():
     selector = TokenSelector(SamplingParams(repetition_penalty=2.0), prompt_ids=[2])
     out = selector.penalise(torch.tensor([1.0, 1.0, -1.0]))
     assert out.tolist() == [1.0, 1.0, -2.0]
+
+
+def test_token_lists_take_the_backends_greedy_picks_only_where_every_row_is_plain_greedy():
+    """A backend's picks stand for the argmax and its logprob, so they are taken as they are (here they differ
+    from the logits' argmax, to tell them apart); a row that samples, penalises or lists its top tokens has its
+    choice computed from the logits, and so do picks of another row count."""
+    logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.0, 1.0]])
+    picks = ([2, 1], [-0.5, -0.25])
+    greedy = TokenSelector(SamplingParams())
+    assert select_token_lists(logits, [greedy, None], picks) == ([2, 1], [-0.5, -0.25])
+    want_tokens, want_logprobs = select_tokens(logits, [greedy, greedy])
+    assert select_token_lists(logits, [greedy, greedy]) == (want_tokens.tolist(), want_logprobs)
+    for other in (SamplingParams(do_sample=True, seed=1), SamplingParams(repetition_penalty=1.5),
+                  SamplingParams(logprobs=2)):
+        tokens, logprobs = select_token_lists(logits, [greedy, TokenSelector(other)], picks)
+        assert tokens[0] == want_tokens[0] == 1 and logprobs[0] == want_logprobs[0]
+    assert select_token_lists(logits, [greedy, greedy], ([2], [-0.5])) == (want_tokens.tolist(), want_logprobs)

@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from llama_engine import cpu as cpu_info
 from llama_engine.backends import cpu_kernels, fast_linear, torch_backend
-from llama_engine.backends.base import PrefillChunk
+from llama_engine.backends.base import PrefillChunk, take_greedy_picks
 from llama_engine.backends.fast_linear import NativeLinear, PackedLinear, pack_linears, packing_supported
 from llama_engine.backends.torch_backend import (
     TorchBackend,
@@ -680,6 +680,28 @@ def test_a_prompt_alone_runs_its_layers_in_one_native_call_with_the_python_loops
     assert torch.equal(logits[0], logits[1])
     assert torch.equal(native.k_cache, python.k_cache) and torch.equal(native.v_cache, python.v_cache)
     assert [native.slot_length(s) for s in range(6)] == [301, 300, 2, 90, 10, 5]
+
+
+@needs_native
+def test_a_native_decode_step_hands_its_greedy_picks_over_with_its_logits_and_only_there(tiny_model_dir):
+    """A decode step whose call ends with the logits gives each row's greedy pick in ``StepLogits.picks``: the
+    argmax of its logits and that token's log_softmax. Nothing else carries picks: not the logits it returns,
+    not ``decode_slots``' (whose caller may change them in place), not a pass with a prompt chunk."""
+    backend = TorchSlotBackend(load(tiny_model_dir, torch.float32), max_slots=4, max_length=64, owns_model=True,
+                               weight_dtype=torch.bfloat16)
+    assert backend._logits_natively
+    ids = prompts(batch=1, length=12)[0][0].tolist()
+    with torch.inference_mode():
+        firsts = [backend.prefill_slot(slot, ids[slot:]) for slot in range(3)]
+        step = backend.step_slots([2, 0], [int(firsts[2].argmax()), int(firsts[0].argmax())], [])
+        tokens, logprobs = step.picks
+        assert tokens == step.decode.argmax(-1).tolist()
+        want = step.decode.log_softmax(-1).gather(1, step.decode.argmax(-1, keepdim=True)).squeeze(1).tolist()
+        assert logprobs == pytest.approx(want, rel=1e-5, abs=1e-6)
+        assert take_greedy_picks(step.decode) is None
+        assert take_greedy_picks(backend.decode_slots([1], [int(firsts[1].argmax())])) is None
+        mixed = backend.step_slots([1], [3], [PrefillChunk(3, ids[:4], 0)])
+        assert mixed.picks is None and mixed.decode.shape[0] == 1
 
 
 @needs_native

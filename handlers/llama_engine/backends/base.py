@@ -23,6 +23,24 @@ class PromptTooLong(ValueError):
     """
 
 
+#: The attribute under which the torch backend's logits carry the greedy picks its native head made with them,
+#: from that head to :meth:`SlotBackend.step_slots`, which takes them off (:func:`take_greedy_picks`).
+GREEDY_PICKS = "greedy_picks"
+
+
+def with_greedy_picks(logits: torch.Tensor, tokens: List[int], logprobs: List[float]) -> torch.Tensor:
+    """``logits`` carrying each row's first argmax and its log-probability (log_softmax's there), as a backend
+    computed them beside the logits: the CPU kernels' head does, while the rows are still in the caches."""
+    setattr(logits, GREEDY_PICKS, (tokens, logprobs))
+    return logits
+
+
+def take_greedy_picks(logits) -> Optional[Tuple[List[int], List[float]]]:
+    """The ``(tokens, logprobs)`` attached to ``logits`` (:func:`with_greedy_picks`), or None; taken off them,
+    so that code handed these logits, which may change them in place, never finds picks they no longer match."""
+    return logits.__dict__.pop(GREEDY_PICKS, None) if isinstance(logits, torch.Tensor) else None
+
+
 class Backend(ABC):
     #: Batch sizes the backend can run; ``None`` means any size.
     batch_sizes: Optional[Tuple[int, ...]] = None
@@ -80,9 +98,12 @@ class StepLogits:
     ``decode``: the decode rows' logits ``[rows, vocab]`` (None when there were no rows);
     ``prefills``: one entry per chunk, in order, its last position's logits ``[vocab]``.
     Each entry is an exception instead where that part failed; the others still count.
+    ``picks``: each decode row's greedy token and its log-probability, where the backend computed them with
+    the logits (``(tokens, logprobs)``; else None): what greedy selection would take from ``decode``.
     """
     decode: Optional[Outcome] = None
     prefills: List[Outcome] = field(default_factory=list)
+    picks: Optional[Tuple[List[int], List[float]]] = None
 
 
 class SlotBackend(ABC):
@@ -199,7 +220,9 @@ class OnePassSlotBackend(SlotBackend):
     @torch.inference_mode()
     def decode_slots(self, slots: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
         self.check_decode(slots, tokens)
-        return self._step(list(slots), tokens, [])[0]
+        logits = self._step(list(slots), tokens, [])[0]
+        take_greedy_picks(logits)
+        return logits
 
     @torch.inference_mode()
     def step_slots(self, slots: Sequence[int], tokens: Sequence[int], prefills: Sequence[PrefillChunk]) -> StepLogits:
@@ -227,7 +250,7 @@ class OnePassSlotBackend(SlotBackend):
         except Exception as exc:  # noqa: BLE001 - the pass was shared: every part in it failed
             decode, chunk_logits = exc, [exc] * len(valid)
         if slots:
-            out.decode = decode
+            out.decode, out.picks = decode, take_greedy_picks(decode)
         for i, logits in zip(valid, chunk_logits):
             out.prefills[i] = logits
         return out

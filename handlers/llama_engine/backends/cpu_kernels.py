@@ -72,6 +72,7 @@ from typing import Callable, Dict, FrozenSet, Hashable, Optional, Sequence, Tupl
 import torch
 
 from ..cpu import cpu_flags
+from .base import with_greedy_picks
 
 logger = logging.getLogger(__name__)
 
@@ -208,7 +209,7 @@ _FUNCTIONS = {
     "_rope_store": ("llk_rope_store",
                     [_P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _I64, _I32, _I32, _I32], _I32),
     "_decode_layers": ("llk_decode_layers", [_P] * 11 + [_F32, _F32, _I32, _I32, _I32, _I32, _I64, _I64, _P, _I32,
-                                                      _P, _P, _I64, _P], _I32),
+                                                      _P, _P, _I64, _P, _P, _P, _P], _I32),
     "_pack_pairs": ("llk_pack_pairs", [_P, _P, _I64, _I64], _I32),
     "_amx_min_rows": ("llk_amx_min_rows", [_I64], _I64),
     "_amx_usable": ("llk_amx_usable", [], _I32),
@@ -459,7 +460,8 @@ class DecodeLayers:
                  tiles: bool = False) -> torch.Tensor:
         """Run every layer over ``hidden`` ``[rows, hidden]`` (the tokens' embeddings; updated in place with
         each layer's residual but the last's, which is returned for the final norm to add; with a ``head``,
-        the rows with logits' logits ``[rows with logits, vocab]`` in ``hidden``'s dtype). Row ``r``'s
+        the rows with logits' logits ``[rows with logits, vocab]``, computed in ``hidden``'s dtype and returned
+        in float32, each row's greedy pick attached (:func:`~llama_engine.backends.base.with_greedy_picks`)). Row ``r``'s
         token sits at ``positions[r]`` of slot ``slots[r]`` and attends to its first ``lengths[r]`` positions
         (int64 tensors).
 
@@ -476,11 +478,15 @@ class DecodeLayers:
         rows, width = hidden.shape
         qkv = (self.heads + 2 * self.kv_heads) * self.head_dim
         delta = torch.empty_like(hidden)
-        logits, head = None, (None, None, 0, None)
+        logits, head = None, (None, None, 0, None, None, None, None)
         if self.head is not None:
             norm, weight = self.head
-            logits = torch.empty(((chunks[0][0] if chunks else rows) + len(chunks), weight.shape[0]), dtype=hidden.dtype)
-            head = (norm.data_ptr(), weight.data_ptr(), weight.shape[0], logits.data_ptr())
+            shape = ((chunks[0][0] if chunks else rows) + len(chunks), weight.shape[0])
+            logits = torch.empty(shape, dtype=torch.float32)
+            staged = logits if hidden.dtype == torch.float32 else torch.empty(shape, dtype=hidden.dtype)
+            best, logprobs = (ctypes.c_int64 * shape[0])(), (ctypes.c_float * shape[0])()
+            head = (norm.data_ptr(), weight.data_ptr(), shape[1], staged.data_ptr(), logits.data_ptr(),
+                    ctypes.addressof(best), ctypes.addressof(logprobs))
         scratch = torch.empty(rows * (width + qkv + self.heads * self.head_dim + 3 * self.intermediate),
                               dtype=hidden.dtype)
         dims = (ctypes.c_long * 8)(rows, width, self.heads, self.kv_heads, self.head_dim, self.intermediate,
@@ -501,7 +507,7 @@ class DecodeLayers:
             layout = " or shapes for pair panels" if self.pairs else ""
             raise ValueError(f"native decode layers: unsupported head size {self.head_dim} or heads "
                              f"({self.heads} over {self.kv_heads}){layout}")
-        return delta if logits is None else logits
+        return delta if logits is None else with_greedy_picks(logits, list(best), list(logprobs))
 
 
 def leading_bytes(weights: Sequence[torch.Tensor], limit: int) -> tuple:

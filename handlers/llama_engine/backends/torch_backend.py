@@ -539,8 +539,8 @@ class TorchSlotBackend(OnePassSlotBackend):
         out = self._decode_layers(hidden, self.k_cache, self.v_cache, self._cos, self._signed_sin, positions,
                                   torch.tensor(slots, dtype=torch.int64), positions + 1, chunks=spans,
                                   tiles=self._prompt_tiles)
-        if self._logits_natively:  # the call ended with the final norm and the LM head
-            return out.float()
+        if self._logits_natively:  # the call ended with the final norm, the LM head and the greedy picks
+            return out
         normed = self._kernels.add_rmsnorm(hidden[:rows], out[:rows], inner.norm.weight,
                                            inner.norm.variance_epsilon)
         return self.model.lm_head(normed).float()
