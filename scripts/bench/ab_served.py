@@ -11,7 +11,12 @@ own code, exported with ``git archive``, so a code change is compared served), o
 ``llama-server`` (``llama-server:tN``: N threads for a batch of one token, ``-t``).
 Both stay up; each round sends the same wave of ``--streams`` requests to one, then the other,
 in alternating order, so the machine's drift between minutes falls on both alike. Prints each
-one's output tokens/s per round and the median. Needs ``make bench-models`` (and ``make
+one's output tokens/s per round and the median.
+
+It does all that twice: A's server started first, then B's first. On the AMX Xeon (2026-11-30) two
+servers of the same config read B/A 1.05 at 1 stream and 1.07 at 8, and the one started second ran
+its forward passes ~8% faster whichever it was (not the idle one's CPU: under 1%). The ratio over
+both orders (the geometric mean) cancels that; ``--one-order`` keeps the bias, in half the time. Needs ``make bench-models`` (and ``make
 bench-peers`` for llama-server). The bench's own paired rounds (``python -m scripts.bench``)
 compare fixed pairs; this compares any two.
 """
@@ -93,6 +98,8 @@ def main(argv=None) -> int:
                              "--dtype computes in; e.g. --dtype float32 --checkpoint bfloat16: a bf16 checkpoint on a "
                              "CPU without native bf16 (default: the --dtype one)")
     parser.add_argument("--threads", type=int, default=2, help="model threads of every variant (default 2)")
+    parser.add_argument("--one-order", action="store_true",
+                        help="start A then B only (half the time), not also B then A: the start order's bias stays in")
     args = parser.parse_args(argv)
 
     from transformers import AutoTokenizer
@@ -100,8 +107,6 @@ def main(argv=None) -> int:
     from llama_engine.cpu import auto_dtype
     from scripts.bench.model import model_dir
     from scripts.bench.prompts import PromptFactory
-    from scripts.bench.stats import summarize
-    from scripts.streaming_client import run_wave
 
     dtype = auto_dtype("cpu") if args.dtype == "auto" else args.dtype
     checkpoint = args.checkpoint or dtype
@@ -109,25 +114,49 @@ def main(argv=None) -> int:
     work = Path(tempfile.mkdtemp(prefix="ab-served-"))
     names = [f"A {args.a}", f"B {args.b}"]
     systems = [make_system(v, i, work, dtype, args.threads, checkpoint) for i, v in enumerate((args.a, args.b))]
-    try:
-        adapters = [system.start(600) for system in systems]
-        for adapter in adapters:  # warm both up alike
-            run_wave(adapter, [prompts.make(args.input) for _ in range(8)], 32, 600)
-        for streams in (int(s) for s in args.streams.split(",")):
-            rates = [[], []]
-            for round_ in range(args.rounds):
-                wave = [prompts.make(args.input) for _ in range(streams)]
-                for i in (0, 1) if round_ % 2 == 0 else (1, 0):
-                    rates[i].append(summarize(run_wave(adapters[i], wave, args.output, 600))["output_tokens_per_s"])
-            for name, rate in zip(names, rates):
-                print(f"{streams} stream(s), {name}: median {statistics.median(rate):.1f} output tok/s, "
+    streams = [int(s) for s in args.streams.split(",")]
+    orders = [(0, 1)] if args.one_order else [(0, 1), (1, 0)]
+    ratios = {n: [] for n in streams}
+    for order in orders:
+        print(f"== servers started {' then '.join(names[i][0] for i in order)}", flush=True)
+        rates = run_rounds(systems, order, streams, args, prompts)
+        for n in streams:
+            for name, rate in zip(names, rates[n]):
+                print(f"{n} stream(s), {name}: median {statistics.median(rate):.1f} output tok/s, "
                       f"rounds {[round(r, 1) for r in rate]}", flush=True)
-            ratio = statistics.median(b / a for a, b in zip(*rates))
-            print(f"{streams} stream(s): B/A median of the rounds' ratios {ratio:.3f}", flush=True)
+            ratios[n].append(statistics.median(b / a for a, b in zip(*rates[n])))
+            print(f"{n} stream(s): B/A median of the rounds' ratios {ratios[n][-1]:.3f}", flush=True)
+    if len(orders) == 2:
+        for n in streams:
+            (first, second) = ratios[n]
+            print(f"{n} stream(s): B/A over both start orders {(first * second) ** 0.5:.3f} (the server started "
+                  f"second ran {(first / second) ** 0.5:.3f}x as fast as the first)", flush=True)
+    return 0
+
+
+def run_rounds(systems, order, streams, args, prompts) -> dict:
+    """Start ``systems`` in ``order``, warm them up alike, run the alternated rounds at each stream count and stop
+    them; returns each count's ``[A's rates, B's rates]``."""
+    from scripts.bench.stats import summarize
+    from scripts.streaming_client import run_wave
+
+    adapters = [None, None]
+    try:
+        for i in order:
+            adapters[i] = systems[i].start(600)
+        for i in order:
+            run_wave(adapters[i], [prompts.make(args.input) for _ in range(8)], 32, 600)
+        rates = {}
+        for n in streams:
+            rates[n] = [[], []]
+            for round_ in range(args.rounds):
+                wave = [prompts.make(args.input) for _ in range(n)]
+                for i in (0, 1) if round_ % 2 == 0 else (1, 0):
+                    rates[n][i].append(summarize(run_wave(adapters[i], wave, args.output, 600))["output_tokens_per_s"])
+        return rates
     finally:
         for system in systems:
             system.stop()
-    return 0
 
 
 if __name__ == "__main__":

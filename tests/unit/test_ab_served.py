@@ -13,3 +13,40 @@ def test_llama_server_reads_the_checkpoints_gguf_and_the_emulated_class_build(tm
     monkeypatch.delenv(CLASS_ENV)
     peer = ab_served.make_system("llama-server", 0, tmp_path, "float32", 2, "float32")
     assert peer.gguf == systems.PEERS / "bench-model-fp32.gguf" and peer.cpu_class is None
+
+
+class _FakeServer:
+    """A served variant whose speed is ``rate``, and 1.1x that when it was started after the other one."""
+
+    started = []
+
+    def __init__(self, rate: float):
+        self.rate = rate
+
+    def start(self, timeout):
+        _FakeServer.started.append(self)
+        return self
+
+    def stop(self):
+        if self in _FakeServer.started:
+            _FakeServer.started.remove(self)
+
+    def speed(self) -> float:
+        return self.rate * (1.1 if _FakeServer.started.index(self) == 1 else 1.0)
+
+
+def test_both_start_orders_cancel_the_bias_of_the_server_started_second(tiny_model_dir, monkeypatch, capsys):
+    servers = [_FakeServer(100.0), _FakeServer(120.0)]
+    monkeypatch.setattr(ab_served, "make_system", lambda variant, index, *args: servers[index])
+    monkeypatch.setattr("scripts.bench.model.model_dir", lambda checkpoint: tiny_model_dir)
+    monkeypatch.setattr("scripts.streaming_client.run_wave", lambda server, prompts, tokens, timeout: server.speed())
+    monkeypatch.setattr("scripts.bench.stats.summarize", lambda speed: {"output_tokens_per_s": speed})
+    assert ab_served.main(["a.yaml", "b.yaml", "--streams", "1", "--rounds", "2", "--dtype", "bfloat16"]) == 0
+    out = capsys.readouterr().out
+    assert "B/A median of the rounds' ratios 1.320" in out and "B/A median of the rounds' ratios 1.091" in out
+    assert "B/A over both start orders 1.200 (the server started second ran 1.100x as fast as the first)" in out
+    assert not _FakeServer.started  # both stopped after each order
+    assert ab_served.main(["a.yaml", "b.yaml", "--streams", "1", "--rounds", "2", "--dtype", "bfloat16",
+                           "--one-order"]) == 0
+    out = capsys.readouterr().out
+    assert "1.320" in out and "both start orders" not in out
