@@ -756,6 +756,18 @@ def layer_by_layer(kernels, hidden, layers, k_cache, v_cache, cos, ssin, positio
     return delta
 
 
+def random_layers(rand, gen, weight_dtype, n_layers, heads, kv_heads, dim, width, inner, max_length):
+    """``n_layers`` layers of random weights for :class:`cpu_kernels.DecodeLayers` (``rand(*shape, dt=...)``: norms
+    in the activations' dtype, products in ``weight_dtype``), and the rotary tables in the activations' dtype."""
+    layers = [{"input_norm": 1 + rand(width) * 0.1, "qkv": rand((heads + 2 * kv_heads) * dim, width, dt=weight_dtype),
+               "o": rand(width, heads * dim, dt=weight_dtype), "post_norm": 1 + rand(width) * 0.1,
+               "gate_up": rand(2 * inner, width, dt=weight_dtype), "down": rand(width, inner, dt=weight_dtype)}
+              for _ in range(n_layers)]
+    dtype = layers[0]["input_norm"].dtype
+    angles = torch.randn(max_length, dim // 2, generator=gen)
+    return layers, torch.cat([angles.cos()] * 2, -1).to(dtype), torch.cat([-angles.sin(), angles.sin()], -1).to(dtype)
+
+
 @pytest.mark.parametrize("kernels", ISAS, indirect=True)
 @pytest.mark.parametrize("dtype, weight_dtype, kv_dtype", sorted(cpu_kernels.DECODE_LAYERS_DTYPES, key=str))
 @pytest.mark.parametrize("threads", [1, 2])
@@ -766,13 +778,7 @@ def test_decode_layers_in_one_call_compute_the_kernels_called_one_by_one_bit_for
     gen = torch.Generator().manual_seed(7)
     heads, kv_heads, dim, width, inner, n_layers, max_length = 4, 2, 32, 64, 96, 3, 16
     rand = lambda *shape, dt=dtype: (torch.randn(*shape, generator=gen) * 0.5).to(dt)  # noqa: E731
-    layers = [{"input_norm": 1 + rand(width) * 0.1, "qkv": rand((heads + 2 * kv_heads) * dim, width, dt=weight_dtype),
-               "o": rand(width, heads * dim, dt=weight_dtype), "post_norm": 1 + rand(width) * 0.1,
-               "gate_up": rand(2 * inner, width, dt=weight_dtype), "down": rand(width, inner, dt=weight_dtype)}
-              for _ in range(n_layers)]
-    angles = torch.randn(max_length, dim // 2, generator=gen)
-    cos = torch.cat([angles.cos()] * 2, -1).to(dtype)
-    ssin = torch.cat([-angles.sin(), angles.sin()], -1).to(dtype)
+    layers, cos, ssin = random_layers(rand, gen, weight_dtype, n_layers, heads, kv_heads, dim, width, inner, max_length)
     cache = rand(n_layers, 4, kv_heads, max_length, dim, dt=kv_dtype)
     positions, slots = torch.tensor([5, 0, 11]), torch.tensor([2, 0, 3])
     hidden = rand(3, width)
@@ -804,14 +810,8 @@ def test_decode_layers_with_a_head_end_with_float32_logits_and_each_rows_greedy_
     gen = torch.Generator().manual_seed(5)
     heads, kv_heads, dim, width, inner, max_length, vocab = 4, 2, 32, 64, 96, 16, 100
     rand = lambda *shape, dt=dtype: (torch.randn(*shape, generator=gen) * 0.5).to(dt)  # noqa: E731
-    layers = [{"input_norm": 1 + rand(width) * 0.1, "qkv": rand((heads + 2 * kv_heads) * dim, width, dt=weight_dtype),
-               "o": rand(width, heads * dim, dt=weight_dtype), "post_norm": 1 + rand(width) * 0.1,
-               "gate_up": rand(2 * inner, width, dt=weight_dtype), "down": rand(width, inner, dt=weight_dtype)}
-              for _ in range(2)]
+    layers, cos, ssin = random_layers(rand, gen, weight_dtype, 2, heads, kv_heads, dim, width, inner, max_length)
     norm, lm_head = 1 + rand(width) * 0.1, rand(vocab, width, dt=weight_dtype) * 4
-    angles = torch.randn(max_length, dim // 2, generator=gen)
-    cos = torch.cat([angles.cos()] * 2, -1).to(dtype)
-    ssin = torch.cat([-angles.sin(), angles.sin()], -1).to(dtype)
     cache = rand(2, 4, kv_heads, max_length, dim)
     positions, slots, hidden = torch.tensor([5, 0, 11]), torch.tensor([2, 0, 3]), rand(3, width)
     previous = torch.get_num_threads()
