@@ -16,9 +16,9 @@ one's output tokens/s per round and the median.
 It does all that twice: A's server started first, then B's first. On the AMX Xeon (2026-11-30) two
 servers of the same config read B/A 1.05 at 1 stream and 1.07 at 8, and the one started second ran
 its forward passes ~8% faster whichever it was (not the idle one's CPU: under 1%). The ratio over
-both orders (the geometric mean) cancels that; ``--one-order`` keeps the bias, in half the time. Needs ``make bench-models`` (and ``make
-bench-peers`` for llama-server). The bench's own paired rounds (``python -m scripts.bench``)
-compare fixed pairs; this compares any two.
+both orders (the geometric mean) cancels that; ``--one-order`` keeps the bias, in half the time.
+Needs ``make bench-models`` (and ``make bench-peers`` for llama-server). The bench's own paired
+rounds (``python -m scripts.bench``) compare fixed pairs; this compares any two.
 """
 from __future__ import annotations
 

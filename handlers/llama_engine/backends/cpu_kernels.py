@@ -461,9 +461,9 @@ class DecodeLayers:
         """Run every layer over ``hidden`` ``[rows, hidden]`` (the tokens' embeddings; updated in place with
         each layer's residual but the last's, which is returned for the final norm to add; with a ``head``,
         the rows with logits' logits ``[rows with logits, vocab]``, computed in ``hidden``'s dtype and returned
-        in float32, each row's greedy pick attached (:func:`~llama_engine.backends.base.with_greedy_picks`)). Row ``r``'s
-        token sits at ``positions[r]`` of slot ``slots[r]`` and attends to its first ``lengths[r]`` positions
-        (int64 tensors).
+        in float32, each row's greedy pick attached: :func:`~llama_engine.backends.base.with_greedy_picks`).
+        Row ``r``'s token sits at ``positions[r]`` of slot ``slots[r]`` and attends to its first ``lengths[r]``
+        positions (int64 tensors).
 
         ``chunks``: prompt chunks after the decode rows, each ``(first row, rows, slot, first position)``,
         attending as :meth:`CpuKernels.prompt_attention` (``tiles`` as there) would, in each layer but the
