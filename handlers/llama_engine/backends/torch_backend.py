@@ -353,8 +353,9 @@ class TorchSlotBackend(OnePassSlotBackend):
         self.k_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         self._lengths: List[int] = [0] * self.max_slots
-        logger.info("torch slot backend: %d slots x %d positions, %.1f MiB of KV cache in %s", self.max_slots,
-                    self.max_length, 2 * self.k_cache.numel() * self.k_cache.element_size() / 2**20, self.kv_dtype)
+        logger.info("torch slot backend: %d slots x %d positions, %.1f MiB of KV cache in %s on %s", self.max_slots,
+                    self.max_length, 2 * self.k_cache.numel() * self.k_cache.element_size() / 2**20, self.kv_dtype,
+                    self.device)
 
     def reserve_slots(self, count: int) -> None:
         """Make room for ``count`` slots, growing the cache if it has fewer; only while every slot is free."""
