@@ -43,7 +43,7 @@ def _random_products(shapes: list, rows: int, torch_dtype):
 
 
 @contextlib.contextmanager
-def _torch_threads(threads: int):
+def torch_threads(threads: int):
     """Run the block on ``threads`` torch threads, then restore the caller's count."""
     import torch
 
@@ -163,7 +163,7 @@ def prefill_bound(model: Path, dtype: str = "float32", threads: int = 2, tokens:
     torch_dtype = getattr(torch, dtype)
     shapes = layer_shapes(config)
     weights, inputs = _random_products(shapes, tokens, torch_dtype)
-    with _torch_threads(threads):
+    with torch_threads(threads):
         kernels = _kernels(weights, torch_dtype, native=True, prompt=True)
         best = {name: [float("inf")] * len(shapes) for name in kernels}
         with torch.inference_mode():
@@ -216,7 +216,7 @@ def decode_products(model: Path, dtype: str = "float32", threads: int = 2, repea
     weights, inputs = _random_products(shapes, 1, torch_dtype)
     if weight_dtype and weight_dtype != dtype:
         weights = [w.to(getattr(torch, weight_dtype)) for w in weights]
-    with _torch_threads(threads):
+    with torch_threads(threads):
         kernels = _kernels(weights, torch_dtype, native=True)
         best = dict.fromkeys(kernels, float("inf"))
         with torch.inference_mode():

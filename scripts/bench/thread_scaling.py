@@ -19,6 +19,7 @@ from typing import Callable, List, Optional
 
 from llama_engine.cpu_limits import usable_cpus
 
+from .gemm import torch_threads
 from .membw import read_bandwidth
 from .model import describe, ensure_bench_models, served_weight_dtype
 
@@ -46,13 +47,9 @@ def median_ms(call: Callable[[], object], repeats: int) -> float:
 
 def measure(checkpoint: Path, dtype: str, threads: int, prompt: List[int], repeats: int) -> dict:
     """One row of the table: ``checkpoint`` in ``dtype`` on ``threads`` threads (restored after)."""
-    import torch
-
     from llama_engine.backends.torch_backend import TorchSlotBackend
 
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         backend = TorchSlotBackend.from_pretrained(str(checkpoint), max_slots=8, max_length=len(prompt) + 64,
                                                    dtype=dtype, device="cpu")
         row = {"dtype": dtype, "threads": threads, "native_layers": backend._decode_layers is not None}
@@ -74,8 +71,6 @@ def measure(checkpoint: Path, dtype: str, threads: int, prompt: List[int], repea
             for slot in slots:
                 backend.free_slot(slot)
         return row
-    finally:
-        torch.set_num_threads(before)
 
 
 def scaling(checkpoints: dict, threads: List[int], prompt_tokens: int = 256, repeats: int = 5,
