@@ -108,7 +108,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--dtypes", default="bfloat16,float32", help="comma list of dtypes")
     p.add_argument("--model", default="bench",
                    help="bench: the benchmark's 116M model (built here if missing), or a checkpoint's directory")
-    p.add_argument("--prompt-tokens", type=int, default=256)
+    p.add_argument("--prompt-tokens", type=int, default=256, help="the prefill's prompt length (default 256)")
     p.add_argument("--repeats", type=int, default=5, help="prefills timed per row (decode steps: 5x as many)")
     p.add_argument("--json", type=Path, help="also write the rows here")
     args = p.parse_args(argv)
