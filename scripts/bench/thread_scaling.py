@@ -78,12 +78,12 @@ def scaling(checkpoints: dict, threads: List[int], prompt_tokens: int = 256, rep
     """The table's rows for each ``dtype -> checkpoint`` at each thread count."""
     import torch
 
+    from llama_engine.config import HandlerConfig
+
     bandwidth = read_bandwidth(bandwidth_gb, threads, repeats=3)
     prompt = torch.randint(3, 1000, (prompt_tokens,), generator=torch.Generator().manual_seed(0)).tolist()
     rows = []
     for dtype, checkpoint in checkpoints.items():
-        from llama_engine.config import HandlerConfig
-
         weights = served_weight_dtype(HandlerConfig(model_path=".", dtype=dtype), checkpoint)
         step_bytes = describe(checkpoint, dtype, weights)["weight_bytes_per_token"]
         for t in threads:
