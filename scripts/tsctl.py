@@ -253,6 +253,7 @@ class TorchServe:
                 raise RuntimeError(f"torchserve exited with {self.process.returncode}\n{self.log_tail()}")
             failure = self.load_failure()
             if failure:
+                failure = settled(self.load_failure, failure)
                 raise RuntimeError(f"the model failed to load (TorchServe would retry it until startupTimeout):\n{failure}")
             try:
                 headers = self.auth_headers()
@@ -284,6 +285,19 @@ class TorchServe:
             return
         stop_group(self.process.pid, timeout, reap=self.process.poll)
         self.process.wait(timeout=5)
+
+
+def settled(read: Callable[[], str], text: str, interval: float = 0.3, limit: float = 5.0) -> str:
+    """``read()`` again until two reads ``interval`` s apart agree, for at most ``limit`` s: the worker's
+    multi-line error reaches the log a line at a time, and its first line is seen before the rest."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        time.sleep(interval)
+        again = read()
+        if again == text:
+            break
+        text = again
+    return text
 
 
 @contextlib.contextmanager

@@ -1,9 +1,11 @@
 """scripts/tsctl.py: which archive each model name is served from, and what start refuses."""
 from __future__ import annotations
 
+import time
+
 import pytest
 
-from scripts.tsctl import ROOT, TorchServe, load_models_value, main
+from scripts.tsctl import ROOT, TorchServe, load_models_value, main, settled
 
 
 def test_each_name_is_served_from_its_directory_or_archive(tmp_path):
@@ -118,3 +120,13 @@ def test_stopping_a_group_this_process_started_reaps_its_leader(tmp_path):
     with pytest.raises(ProcessLookupError):
         os.killpg(leader.pid, 0)
     leader.returncode = -15  # reaped above; Popen must not wait for it again
+
+
+def test_a_load_failure_is_read_again_until_its_lines_stop_arriving():
+    """The worker's error reaches the log a line at a time: its first line must not end the message."""
+    log = iter(["Failed to load model\nreason:", "Failed to load model\nreason:\nthe compiler changed",
+                "Failed to load model\nreason:\nthe compiler changed"])
+    assert settled(lambda: next(log), "Failed to load model", interval=0.01) == (
+        "Failed to load model\nreason:\nthe compiler changed")
+    assert settled(lambda: "still growing" + str(time.monotonic()), "x", interval=0.01, limit=0.1).startswith(
+        "still growing")
