@@ -115,7 +115,9 @@ TORCH_KEYS = frozenset({"dtype", "device", "compile", "kv_cache_dtype", "weight_
 #: ``handler.weight_dtype``: the linear layers' weights; another dtype than the arithmetic's only as
 #: bfloat16 weights under float32 arithmetic (the native CPU kernels widen them as they stream them).
 WEIGHT_DTYPES = ("auto", "float32", "bfloat16")
-LLAMACPP_KEYS = frozenset({"gguf", "gguf_type", "decode_threads"})
+LLAMACPP_KEYS = frozenset({"gguf", "gguf_type", "decode_threads", "flash_attn"})
+#: ``handler.flash_attn`` (llamacpp): llama.cpp's flash attention on, off, or timed both ways at load.
+FLASH_ATTN = ("auto", "on", "off")
 #: GGUF tensor types the build converts to (llama.cpp's ``convert_hf_to_gguf.py --outtype``);
 #: ``auto``: what ``dtype: auto`` picks on the build machine (bf16 with native bf16, else f32).
 GGUF_TYPES = ("auto", "f32", "bf16", "f16", "q8_0")
@@ -155,6 +157,9 @@ class HandlerConfig:
     #: every CPU and one thread's step is at most 3 ms slower than theirs (timed at load), so
     #: TorchServe's frontend keeps a core; else ``torch_threads``.
     decode_threads: Any = "auto"
+    #: llama.cpp's flash attention (``flash_attn_type``). ``auto``: whichever of on and off serves a
+    #: request of 256 prompt tokens and 128 new ones faster, timed at load; ``on`` or ``off`` sets it.
+    flash_attn: str = "auto"
     # neuron backend (transformers-neuronx); the compiled batch size is micro_batch_size
     tp_degree: Optional[int] = None
     amp: str = "bf16"
@@ -178,6 +183,7 @@ class HandlerConfig:
         "gqa": (str, False), "visible_cores": (str, True), "compilation_worker_count": (int, True),
         "gguf": (str, False), "gguf_type": (str, False), "kv_cache_dtype": (str, False),
         "weight_dtype": (str, False), "decode_threads": ((int, str), False),
+        "flash_attn": ((str, bool), False),
     }
 
     def __post_init__(self):
@@ -186,6 +192,9 @@ class HandlerConfig:
         _check_choice("handler.dtype", self.dtype, DTYPES)
         _check_choice("handler.device", self.device, DEVICES)
         _check_choice("handler.gguf_type", self.gguf_type, GGUF_TYPES)
+        if isinstance(self.flash_attn, bool):  # YAML 1.1 reads a bare on / off as a boolean
+            self.flash_attn = "on" if self.flash_attn else "off"
+        _check_choice("handler.flash_attn", self.flash_attn, FLASH_ATTN)
         _check_choice("handler.kv_cache_dtype", self.kv_cache_dtype, DTYPES)
         _check_choice("handler.weight_dtype", self.weight_dtype, WEIGHT_DTYPES)
         if self.weight_dtype == "bfloat16" and self.dtype == "float16":

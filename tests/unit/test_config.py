@@ -119,6 +119,34 @@ def test_decode_threads_defaults_to_auto():
     assert load_model_config(data).handler.decode_threads == 1
 
 
+@pytest.mark.parametrize("value,expected", [("auto", "auto"), ("on", "on"), ("off", "off"), (True, "on"), (False, "off")])
+def test_flash_attn_takes_llama_cpps_settings_and_yamls_bare_on_and_off(value, expected):
+    data = base()
+    data["handler"] = {k: v for k, v in data["handler"].items() if k not in TORCH_KEYS} | {"backend": "llamacpp"}
+    assert load_model_config(data).handler.flash_attn == "auto"
+    data["handler"]["flash_attn"] = value
+    assert load_model_config(data).handler.flash_attn == expected
+
+
+def test_flash_attn_from_a_yaml_file_with_bare_off(tmp_path):
+    data = base()
+    data["handler"] = {k: v for k, v in data["handler"].items() if k not in TORCH_KEYS} | {"backend": "llamacpp"}
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(data).replace("handler:\n", "handler:\n  flash_attn: off\n", 1))
+    assert load_model_config_file(str(path)).handler.flash_attn == "off"
+
+
+@pytest.mark.parametrize("handler,expected", [
+    ({"backend": "llamacpp", "flash_attn": "fast"}, r"handler\.flash_attn: must be one of auto, on, off, got 'fast'"),
+    ({"flash_attn": "off"}, r"handler\.flash_attn: applies only to backend llamacpp"),
+])
+def test_bad_flash_attn_names_the_key(handler, expected):
+    data = base()
+    data["handler"] = {k: v for k, v in data["handler"].items() if k not in TORCH_KEYS} | handler
+    with pytest.raises(ConfigError, match=expected):
+        load_model_config(data)
+
+
 def test_continuous_mode_rejects_compile():
     data = continuous_base()
     data["handler"]["compile"] = True

@@ -224,6 +224,76 @@ def test_decode_threads_set_is_kept_and_capped_at_the_threads(tiny_gguf):
         capped.close()
 
 
+@pytest.mark.parametrize("flash_attn", ["on", "off"])
+def test_flash_attention_either_way_matches_torch_and_reaches_every_context(tiny_gguf, reference, monkeypatch,
+                                                                             flash_attn):
+    made = LlamaCppSlotBackend(str(tiny_gguf), 2, MAX_LENGTH, threads=1, flash_attn=flash_attn)
+    created = []
+    new_context = made.lib.llama_init_from_model
+    monkeypatch.setattr(made.lib, "llama_init_from_model",
+                        lambda model, params: created.append(params.flash_attn_type) or new_context(model, params))
+    try:
+        for slot in range(2):
+            reference.free_slot(slot)
+        assert close(made.prefill_slot(0, PROMPT), reference.prefill_slot(0, PROMPT))
+        assert close(made.decode_slots([0], [5]), reference.decode_slots([0], [5]))
+        made.free_slot(0)
+        made.reserve_slots(3)  # a new context keeps the setting
+        assert created == [{"on": 1, "off": 0}[flash_attn]]
+        assert close(made.prefill_slot(2, PROMPT[:9]), reference.prefill_slot(1, PROMPT[:9]))
+    finally:
+        made.close()
+
+
+@pytest.mark.parametrize("costs,expected", [({"on": 2.0, "off": 1.0}, "off"), ({"on": 1.0, "off": 2.0}, "on")])
+def test_flash_attn_auto_takes_the_setting_whose_request_took_less(tiny_gguf, monkeypatch, caplog, costs, expected):
+    import logging
+
+    from llama_engine.backends import llamacpp_backend
+
+    timed = []
+
+    def time_request(self, ctx, tokens):
+        setting = {1: "on", 0: "off"}[made_with[ctx]]
+        timed.append((setting, tokens))
+        return costs[setting]
+
+    made_with = {}
+    new_context = llamacpp_backend.LlamaCppSlotBackend._new_context
+
+    def remember(self, slots, positions, flash_attn):
+        ctx = new_context(self, slots, positions, flash_attn)
+        made_with[ctx] = {"on": 1, "off": 0, "auto": -1}[flash_attn]
+        return ctx
+
+    monkeypatch.setattr(llamacpp_backend.LlamaCppSlotBackend, "_new_context", remember)
+    monkeypatch.setattr(llamacpp_backend.LlamaCppSlotBackend, "_time_request", time_request)
+    with caplog.at_level(logging.INFO, logger=llamacpp_backend.logger.name):
+        made = LlamaCppSlotBackend(str(tiny_gguf), 2, MAX_LENGTH, threads=1)
+    try:
+        assert made.flash_attn == expected
+        assert made_with[made.ctx] == {"on": 1, "off": 0}[expected]
+        # both settings, alternated twice, on a prompt of half of max_length (under 256 tokens)
+        assert timed == [("on", MAX_LENGTH // 2), ("off", MAX_LENGTH // 2)] * 2
+        assert f"flash attention on, {1e3 * costs['off']:.0f} ms off; {expected}" in caplog.text
+    finally:
+        made.close()
+
+
+def test_flash_attn_auto_times_a_real_request_and_leaves_llama_cpps_choice_under_64_positions(tiny_gguf):
+    timed = LlamaCppSlotBackend(str(tiny_gguf), 2, MAX_LENGTH, threads=1)
+    short = LlamaCppSlotBackend(str(tiny_gguf), 2, 48, threads=1)
+    try:
+        assert timed.flash_attn in ("on", "off") and short.flash_attn == "auto"
+        assert [timed.slot_length(s) for s in range(2)] == [0, 0]
+        assert timed.prefill_slot(0, PROMPT).shape[-1] == timed.n_vocab
+    finally:
+        timed.close()
+        short.close()
+    with pytest.raises(ValueError, match="flash_attn must be one of auto, off, on, got 'yes'"):
+        LlamaCppSlotBackend(str(tiny_gguf), 2, MAX_LENGTH, threads=1, flash_attn="yes")
+
+
 def test_missing_pieces_say_what_to_run(tiny_gguf, tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError, match="make build"):
         LlamaCppSlotBackend(str(tmp_path / "absent.gguf"), 1, MAX_LENGTH)

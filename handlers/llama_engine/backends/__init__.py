@@ -71,7 +71,7 @@ def _load(cfg, model_dir: str, batch_size: int, session: Optional[compile_cache.
         from .llamacpp_backend import LlamaCppBackend
 
         return LlamaCppBackend(os.path.join(model_path, cfg.gguf), cfg.max_length, batch_size,
-                               decode_threads=cfg.decode_threads)
+                               decode_threads=cfg.decode_threads, flash_attn=cfg.flash_attn)
     if cfg.compile:
         from .torch_backend import CompiledTorchBackend
 
@@ -98,7 +98,7 @@ def create_slot_backend(cfg, model_dir: str, max_slots: int, build_cache_dir: Op
         from .llamacpp_backend import LlamaCppSlotBackend
 
         backend = LlamaCppSlotBackend(os.path.join(model_path, cfg.gguf), max_slots, cfg.max_length,
-                                      decode_threads=cfg.decode_threads)
+                                      decode_threads=cfg.decode_threads, flash_attn=cfg.flash_attn)
     else:
         from .torch_backend import TorchSlotBackend
 

@@ -38,6 +38,12 @@ logger = logging.getLogger(__name__)
 #: a large model, whose step takes far longer than the frontend's share, keeps every thread.
 ONE_THREAD_ALLOWANCE_S = 0.003
 
+#: ``flash_attn`` as llama.cpp's ``flash_attn_type`` (llama.h); ``auto`` is llama.cpp's own choice.
+FLASH_ATTN_TYPES = {"auto": -1, "off": 0, "on": 1}
+#: ``flash_attn: auto`` times both settings on a request of this many prompt tokens (at most half of
+#: ``max_length``) and half as many new ones: the bench's 256 in / 128 out.
+FLASH_ATTN_PROMPT = 256
+
 #: What ``llama_decode``'s return codes mean (llama.h).
 DECODE_ERRORS = {
     1: "no room in the KV cache for the batch",
@@ -62,9 +68,12 @@ class LlamaCppSlotBackend(OnePassSlotBackend):
     """``max_slots`` llama.cpp sequences over one model, for continuous batching (and static batches)."""
 
     def __init__(self, gguf_path: str, max_slots: int, max_length: int, threads: Optional[int] = None,
-                 max_batch_tokens: Optional[int] = None, decode_threads: Union[int, str, None] = None):
+                 max_batch_tokens: Optional[int] = None, decode_threads: Union[int, str, None] = None,
+                 flash_attn: str = "auto"):
         if max_slots < 1:
             raise ValueError(f"max_slots must be >= 1, got {max_slots}")
+        if flash_attn not in FLASH_ATTN_TYPES:
+            raise ValueError(f"flash_attn must be one of {', '.join(FLASH_ATTN_TYPES)}, got {flash_attn!r}")
         if not os.path.isfile(gguf_path):
             raise FileNotFoundError(f"no GGUF at {gguf_path}: the build step writes it for backend llamacpp "
                                     "(make build MODEL=...)")
@@ -84,12 +93,17 @@ class LlamaCppSlotBackend(OnePassSlotBackend):
             raise ValueError(f"handler.max_length ({max_length}) exceeds the model's trained context ({trained}); "
                              "lower handler.max_length")
         self.ctx = self.batch = None
+        #: ``on``, ``off``, or ``auto`` (llama.cpp's choice) where a prompt too short to time leaves it
+        self.flash_attn = flash_attn
+        self.batch = self.lib.llama_batch_init(self.max_batch_tokens, 0, 1)
+        if flash_attn == "auto":
+            self.flash_attn = self._pick_flash_attn()
         self._open_context(max_slots)
         if decode_threads == "auto":
             self.decode_threads = self._pick_decode_threads()
-        logger.info("llama.cpp backend: %s, %d slots x %d positions, %d threads (%d for one token) (%s)",
-                    os.path.basename(gguf_path), max_slots, max_length, self.threads, self.decode_threads,
-                    self.lib.llama_print_system_info().decode().strip())
+        logger.info("llama.cpp backend: %s, %d slots x %d positions, %d threads (%d for one token), flash "
+                    "attention %s (%s)", os.path.basename(gguf_path), max_slots, max_length, self.threads,
+                    self.decode_threads, self.flash_attn, self.lib.llama_print_system_info().decode().strip())
 
     def _load_model(self, gguf_path: str):
         params = self.lib.llama_model_default_params()
@@ -109,23 +123,69 @@ class LlamaCppSlotBackend(OnePassSlotBackend):
         self.max_slots = slots
         self.max_batch_tokens = max(self.max_batch_tokens, slots)
         self.batch = self.lib.llama_batch_init(self.max_batch_tokens, 0, 1)
-        self.ctx = self._new_context()
+        self.ctx = self._new_context(self.max_slots, self.max_length, self.flash_attn)
         self.memory = self.lib.llama_get_memory(self.ctx)
         self._lengths: List[int] = [0] * slots
 
-    def _new_context(self):
+    def _new_context(self, slots: int, positions: int, flash_attn: str):
         params = self.lib.llama_context_default_params()
-        params.n_ctx = self.max_length * self.max_slots
-        params.n_seq_max = self.max_slots
+        params.n_ctx = positions * slots
+        params.n_seq_max = slots
         params.kv_unified = False
         params.n_batch = self.max_batch_tokens
         params.n_ubatch = min(512, self.max_batch_tokens)
         params.n_threads, params.n_threads_batch = self.decode_threads, self.threads
+        params.flash_attn_type = FLASH_ATTN_TYPES[flash_attn]
         params.no_perf = True
         ctx = self.lib.llama_init_from_model(self.model, params)
         if not ctx:
-            raise RuntimeError(f"llama.cpp could not create a context of {self.max_slots} x {self.max_length} positions")
+            raise RuntimeError(f"llama.cpp could not create a context of {slots} x {positions} positions")
         return ctx
+
+    def _pick_flash_attn(self) -> str:
+        """``flash_attn: auto``: whichever of on and off serves a request faster here, timed at load.
+
+        On CPU, llama.cpp's flash attention (its default) prefilled the bench model's 768-token
+        prompts ~10% faster, but its one-token steps grew with the context three times as fast:
+        20.4 against 16.3 ms at 256 positions and 27 against 18 at 768 (AMX Xeon, bf16 GGUF, 2
+        threads). So both settings run a request of :data:`FLASH_ATTN_PROMPT` prompt tokens (at most
+        half of ``max_length``) in a small context of their own, alternated twice; the cost compared
+        is its prefill plus half as many steps as it has tokens, at their median. A ``max_length``
+        under 64 leaves llama.cpp's own choice.
+        """
+        tokens = min(FLASH_ATTN_PROMPT, self.max_length // 2)
+        if tokens < 32:
+            return "auto"
+        costs = {setting: [] for setting in ("on", "off")}
+        contexts = {setting: self._new_context(1, tokens + 16, setting) for setting in costs}
+        try:
+            for _ in range(2):
+                for setting, ctx in contexts.items():
+                    costs[setting].append(self._time_request(ctx, tokens))
+        finally:
+            for ctx in contexts.values():
+                self.lib.llama_free(ctx)
+        median = {setting: statistics.median(times) for setting, times in costs.items()}
+        choice = min(median, key=median.get)
+        logger.info("flash_attn auto: a request of %d prompt tokens and %d new ones took %.0f ms with flash "
+                    "attention on, %.0f ms off; %s", tokens, tokens // 2, 1e3 * median["on"], 1e3 * median["off"],
+                    choice)
+        return choice
+
+    def _time_request(self, ctx, tokens: int) -> float:
+        """Seconds for a prefill of ``tokens`` tokens plus ``tokens // 2`` one-token steps (their median)."""
+        entries = [(1 + i % (self.n_vocab - 1), i, 0, i == tokens - 1) for i in range(tokens)]
+        started = time.perf_counter()
+        for i in range(0, tokens, self.max_batch_tokens):
+            self._decode(entries[i:i + self.max_batch_tokens], ctx)
+        prefill = time.perf_counter() - started
+        steps = []
+        for i in range(6):
+            started = time.perf_counter()
+            self._decode([(1, tokens + i, 0, True)], ctx)
+            steps.append(time.perf_counter() - started)
+        self.lib.llama_memory_seq_rm(self.lib.llama_get_memory(ctx), 0, -1, -1)
+        return prefill + tokens // 2 * statistics.median(steps)
 
     def _pick_decode_threads(self) -> int:
         """``decode_threads: auto``: 1 where that frees a core at a small cost, else ``threads``.
@@ -226,8 +286,10 @@ class LlamaCppSlotBackend(OnePassSlotBackend):
         decode = logits[:len(slots)] if slots else None
         return decode, list(logits[len(slots):])
 
-    def _decode(self, entries) -> torch.Tensor:
-        """One ``llama_decode`` call; the logits of the entries that asked for them, ``[n, vocab]`` float32."""
+    def _decode(self, entries, ctx=None) -> torch.Tensor:
+        """One ``llama_decode`` call (on ``ctx``, default the backend's); the logits of the entries that
+        asked for them, ``[n, vocab]`` float32."""
+        ctx = ctx or self.ctx
         batch = self.batch
         batch.n_tokens = len(entries)
         for i, (token, pos, seq, wants_logits) in enumerate(entries):
@@ -236,13 +298,13 @@ class LlamaCppSlotBackend(OnePassSlotBackend):
             batch.n_seq_id[i] = 1
             batch.seq_id[i][0] = seq
             batch.logits[i] = wants_logits
-        rc = self.lib.llama_decode(self.ctx, batch)
+        rc = self.lib.llama_decode(ctx, batch)
         if rc != 0:
             raise RuntimeError(f"llama_decode failed ({rc}: {DECODE_ERRORS.get(rc, 'fatal error')})")
         n_out = sum(1 for entry in entries if entry[3])
         if n_out == 0:
             return torch.empty((0, self.n_vocab))
-        floats = ctypes.cast(self.lib.llama_get_logits(self.ctx), ctypes.POINTER(ctypes.c_float * (n_out * self.n_vocab)))
+        floats = ctypes.cast(self.lib.llama_get_logits(ctx), ctypes.POINTER(ctypes.c_float * (n_out * self.n_vocab)))
         return torch.frombuffer(floats.contents, dtype=torch.float32).view(n_out, self.n_vocab).clone()
 
 
@@ -250,7 +312,7 @@ class LlamaCppBackend(SlotBatchBackend):
     """Static batches (micro-batching) over :class:`LlamaCppSlotBackend`: row ``i`` is sequence ``i``."""
 
     def __init__(self, gguf_path: str, max_length: int, batch_size: int = 1, threads: Optional[int] = None,
-                 decode_threads: Union[int, str, None] = None):
+                 decode_threads: Union[int, str, None] = None, flash_attn: str = "auto"):
         super().__init__(LlamaCppSlotBackend(gguf_path, max(1, batch_size), max_length, threads=threads,
-                                             decode_threads=decode_threads))
+                                             decode_threads=decode_threads, flash_attn=flash_attn))
         self.max_length = max_length
