@@ -8,7 +8,8 @@
 A variant is a model-config (built from the bench model into its own TorchServe, as the bench
 serves it), the same at a git revision (``CONFIG@REV``: the archive is built by that revision's
 own code, exported with ``git archive``, so a code change is compared served), or
-``llama-server`` (``llama-server:tN``: N threads for a batch of one token, ``-t``).
+``llama-server`` (``llama-server:tN``: N threads for a batch of one token, ``-t``; ``:fa-off``, ``:fa-on``:
+its ``-fa``, whose default is ``auto``; both as in ``llama-server:t1:fa-off``).
 Both stay up; each round sends the same wave of ``--streams`` requests to one, then the other,
 in alternating order, so the machine's drift between minutes falls on both alike. Prints each
 one's output tokens/s per round and the median.
@@ -47,11 +48,11 @@ def make_system(variant: str, index: int, work: Path, dtype: str, threads: int, 
     from scripts.bench.systems import LlamaCppSystem, TorchServeSystem
 
     if variant.startswith("llama-server"):
-        _, _, decode = variant.partition(":t")
+        decode, flash_attn = llama_server_options(variant)
         # under an emulated CPU class (llama_engine.cpu.emulation_env), the llama-server built for it
         system = LlamaCppSystem(work / f"peer{index}", checkpoint, threads, parallel=8, max_length=1024,
-                                decode_threads=int(decode) if decode else None,
-                                cpu_class=os.environ.get(CLASS_ENV) or None)
+                                decode_threads=decode, cpu_class=os.environ.get(CLASS_ENV) or None,
+                                flash_attn=flash_attn)
         ok, detail = system.detect()
         if not ok:
             raise SystemExit(f"llama-server: {detail}")
@@ -70,6 +71,19 @@ def make_system(variant: str, index: int, work: Path, dtype: str, threads: int, 
     return system
 
 
+def llama_server_options(variant: str):
+    """``llama-server[:tN][:fa-SETTING]`` as (``-t``, or None for the bench's threads; ``-fa``)."""
+    decode, flash_attn = None, "auto"
+    for option in variant.split(":")[1:]:
+        if option[:1] == "t" and option[1:].isdigit():
+            decode = int(option[1:])
+        elif option in ("fa-auto", "fa-on", "fa-off"):
+            flash_attn = option[3:]
+        else:
+            raise SystemExit(f"{variant}: unknown llama-server option {option!r} (tN, fa-auto, fa-on or fa-off)")
+    return decode, flash_attn
+
+
 def build_at_revision(system, revision: str, tree: Path) -> None:
     """Build ``system``'s archive with the project's code at ``revision`` (its handler, engine and
     build script), exported into ``tree``."""
@@ -85,7 +99,8 @@ def build_at_revision(system, revision: str, tree: Path) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("a", help="a model-config path (CONFIG@REV: built by a git revision's code), or llama-server[:tN]")
+    parser.add_argument("a", help="a model-config path (CONFIG@REV: built by a git revision's code), or "
+                        "llama-server[:tN][:fa-on|fa-off]")
     parser.add_argument("b", help="the other variant, the same way")
     parser.add_argument("--streams", default="1,8", help="comma list of concurrent streams per wave (default 1,8)")
     parser.add_argument("--rounds", type=int, default=4, help="alternated rounds per stream count (default 4)")

@@ -13,7 +13,7 @@ from typing import List
 
 #: The start of each decision line of ``llama_engine``'s loggers.
 DECISIONS = ("bf16 prompt products,", "bf16 weights in pair panels,", "float32 linears,", "prompt attention,",
-             "native linear, one row", "bf16 linears on AMX tiles,")
+             "native linear, one row", "bf16 linears on AMX tiles,", "flash_attn auto:", "decode_threads auto:")
 #: What TorchServe puts before each line a worker logs.
 WORKER_PREFIX = "MODEL_LOG - "
 

@@ -951,7 +951,11 @@ ahead of micro-batching on the Poisson load at all: `.venv/bin/python -m scripts
    the checkpoint served itself). llama-server's GGUF is in the linears' dtype as served (bf16 for the bf16
    checkpoint, computed in float32 or not). They run with the same batch and thread budget:
    `llama-server -np 8 -t 2 -c 8192`, vLLM `--max-num-seqs 8 --max-model-len 1024` (vLLM's CPU defaults
-   reserve one of the two cores for its scheduler). Prompts go to peers as token ids. What each process (the
+   reserve one of the two cores for its scheduler). llama-server's flash attention (`-fa`) is timed both
+   ways before its rows, its default `auto` against `off`, the two servers up at once and the paired waves
+   alternated between them (2 rounds at 1 and 8 streams), and it runs with the faster (`scripts/bench/peer_flags.py`;
+   the systems table says which and by how much): on the AMX Xeon its default served 1 / 8 streams 0.85 / 0.89x
+   as fast as `-fa off`. Prompts go to peers as token ids. What each process (the
    bench's own, each served worker) chose at load, where the backend times its kernels against each other, is
    kept in `extra.load_choices` (`scripts/bench/choices.py`) and listed below the results: each process decides
    for itself, and one that took the slower side moves its ratios.

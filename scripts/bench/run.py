@@ -651,6 +651,8 @@ class BenchRun:
             if not budget.ok(peer.name, 120):
                 status.update(status="skipped", detail="out of the time budget")
                 continue
+            if isinstance(peer, LlamaCppSystem):
+                self._peer_flash_attn(peer, status)
             try:
                 adapter = peer.start(timeout=min(900, budget.left()))
                 log(f"{peer.name} ready in {peer.timings['start_to_ready_s']} s (pid {peer.pid})")
@@ -667,6 +669,25 @@ class BenchRun:
                 peer.stop()
                 status["timings"] = peer.timings
             self.phases[f"{peer.name}_s"] = time.perf_counter() - t
+
+    def _peer_flash_attn(self, peer, status: dict) -> None:
+        """llama-server's ``-fa`` for this run, the faster here (:mod:`scripts.bench.peer_flags`)."""
+        from scripts.bench.peer_flags import choose_flash_attn
+
+        if "paired" in self.plan["scenarios"] and self.plan["paired_rounds"] and self.budget.ok(f"{peer.name} -fa", 180):
+            t = time.perf_counter()
+            try:
+                status["flash_attn"] = choose_flash_attn(peer, self.prompts, self.plan, self.monitor,
+                                                         lambda a, ps, n: run_wave(a, ps, n, self.timeout), log)
+            except Exception as exc:  # noqa: BLE001 - the peer still runs, with its default
+                traceback.print_exc()
+                status["flash_attn"] = {"choice": peer.flash_attn, "error": f"{type(exc).__name__}: {exc}"[:500]}
+            self.phases[f"{peer.name}_flash_attn_s"] = time.perf_counter() - t
+        chosen = status.get("flash_attn", {})
+        status["detail"] += f", -fa {peer.flash_attn}" + (
+            f" (timed against -fa auto here: off / auto {chosen['off_over_auto']:.2f}, at "
+            + ", ".join(f"{c} streams {m:.2f}" for c, m in chosen["medians"].items()) + ")"
+            if "off_over_auto" in chosen else "")
 
     def _paired_with_peer(self, name: str, adapter) -> None:
         """The peer against each served variant still up, in back-to-back A/B waves (``paired-peer/<variant>``

@@ -13,6 +13,7 @@ then SIGKILL). Peers are never installed or built here; they are detected:
 """
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 import subprocess
@@ -169,10 +170,12 @@ class LlamaCppSystem(PeerSystem):
 
     def __init__(self, work: Path, dtype: str, threads: int, parallel: int, max_length: int,
                  gguf: Optional[Path] = None, quant: Optional[str] = None, decode_threads: Optional[int] = None,
-                 cpu_class: Optional[str] = None):
+                 cpu_class: Optional[str] = None, flash_attn: str = "auto"):
         self.name = "llama.cpp" if quant is None else f"llama.cpp-{quant}"
         super().__init__(work)
         self.dtype, self.threads, self.parallel, self.max_length = dtype, threads, parallel, max_length
+        #: ``-fa``: llama-server's flash attention, ``auto`` (its default), ``on`` or ``off``
+        self.flash_attn = flash_attn
         #: ``-t``: threads for a batch of one token (one stream decoding); ``-tb`` is ``threads``.
         self.decode_threads = decode_threads or threads
         suffix = quant or {"bfloat16": "bf16", "float32": "fp32"}.get(dtype, dtype)
@@ -202,7 +205,15 @@ class LlamaCppSystem(PeerSystem):
     def command(self):
         return [self.binary, "-m", str(self.gguf), "--host", "127.0.0.1", "--port", str(self.port),
                 "-c", str(self.max_length * self.parallel), "-np", str(self.parallel),
-                "-t", str(self.decode_threads), "-tb", str(self.threads), "-b", str(self.max_length)]
+                "-t", str(self.decode_threads), "-tb", str(self.threads), "-b", str(self.max_length),
+                "-fa", self.flash_attn]
+
+    def with_flash_attn(self, flash_attn: str, work: Path) -> "LlamaCppSystem":
+        """The same server with another ``-fa``, working in ``work`` (found by :meth:`detect` again)."""
+        twin = copy.copy(self)
+        twin.work, twin.flash_attn = Path(work), flash_attn
+        twin.process, twin.port, twin.timings = None, None, {}
+        return twin
 
     def adapter(self):
         return LlamaServerAdapter(self.base_url)
