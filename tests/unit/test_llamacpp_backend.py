@@ -251,30 +251,28 @@ def test_flash_attn_auto_takes_the_setting_whose_request_took_less(tiny_gguf, mo
 
     from llama_engine.backends import llamacpp_backend
 
-    timed = []
-
-    def time_request(self, ctx, tokens):
-        setting = {1: "on", 0: "off"}[made_with[ctx]]
-        timed.append((setting, tokens))
-        return costs[setting]
-
-    made_with = {}
+    made_with, timed = {}, []
     new_context = llamacpp_backend.LlamaCppSlotBackend._new_context
 
     def remember(self, slots, positions, flash_attn):
         ctx = new_context(self, slots, positions, flash_attn)
-        made_with[ctx] = {"on": 1, "off": 0, "auto": -1}[flash_attn]
+        made_with[ctx] = (flash_attn, slots, positions)
         return ctx
 
+    def request_costs(self, contexts, tokens):
+        timed.append(({name: made_with[ctx] for name, ctx in contexts.items()}, tokens))
+        return costs
+
     monkeypatch.setattr(llamacpp_backend.LlamaCppSlotBackend, "_new_context", remember)
-    monkeypatch.setattr(llamacpp_backend.LlamaCppSlotBackend, "_time_request", time_request)
+    monkeypatch.setattr(llamacpp_backend.LlamaCppSlotBackend, "_request_costs", request_costs)
     with caplog.at_level(logging.INFO, logger=llamacpp_backend.logger.name):
         made = LlamaCppSlotBackend(str(tiny_gguf), 2, MAX_LENGTH, threads=1)
     try:
         assert made.flash_attn == expected
-        assert made_with[made.ctx] == {"on": 1, "off": 0}[expected]
-        # both settings, alternated twice, on a prompt of half of max_length (under 256 tokens)
-        assert timed == [("on", MAX_LENGTH // 2), ("off", MAX_LENGTH // 2)] * 2
+        assert made_with[made.ctx] == (expected, 2, MAX_LENGTH)
+        # one small context per setting, on a prompt of half of max_length (under 256 tokens)
+        tokens = MAX_LENGTH // 2
+        assert timed == [({"on": ("on", 1, tokens + 16), "off": ("off", 1, tokens + 16)}, tokens)]
         assert f"flash attention on, {1e3 * costs['off']:.0f} ms off; {expected}" in caplog.text
     finally:
         made.close()

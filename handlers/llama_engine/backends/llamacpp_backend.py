@@ -95,8 +95,8 @@ class LlamaCppSlotBackend(OnePassSlotBackend):
         self.ctx = self.batch = None
         #: ``on``, ``off``, or ``auto`` (llama.cpp's choice) where a prompt too short to time leaves it
         self.flash_attn = flash_attn
-        self.batch = self.lib.llama_batch_init(self.max_batch_tokens, 0, 1)
         if flash_attn == "auto":
+            self.batch = self.lib.llama_batch_init(self.max_batch_tokens, 0, 1)  # the probe's; replaced below
             self.flash_attn = self._pick_flash_attn()
         self._open_context(max_slots)
         if decode_threads == "auto":
@@ -148,44 +148,42 @@ class LlamaCppSlotBackend(OnePassSlotBackend):
         On CPU, llama.cpp's flash attention (its default) prefilled the bench model's 768-token
         prompts ~10% faster, but its one-token steps grew with the context three times as fast:
         20.4 against 16.3 ms at 256 positions and 27 against 18 at 768 (AMX Xeon, bf16 GGUF, 2
-        threads). So both settings run a request of :data:`FLASH_ATTN_PROMPT` prompt tokens (at most
-        half of ``max_length``) in a small context of their own, alternated twice; the cost compared
-        is its prefill plus half as many steps as it has tokens, at their median. A ``max_length``
-        under 64 leaves llama.cpp's own choice.
+        threads). So each setting gets a small context of its own, prefills :data:`FLASH_ATTN_PROMPT`
+        prompt tokens there (at most half of ``max_length``) and takes one-token steps alternated with
+        the other's; the cost compared is the prefill plus half as many steps as the prompt has tokens,
+        at their median. A ``max_length`` under 64 leaves llama.cpp's own choice.
         """
         tokens = min(FLASH_ATTN_PROMPT, self.max_length // 2)
         if tokens < 32:
             return "auto"
-        costs = {setting: [] for setting in ("on", "off")}
-        contexts = {setting: self._new_context(1, tokens + 16, setting) for setting in costs}
+        contexts = {setting: self._new_context(1, tokens + 16, setting) for setting in ("on", "off")}
         try:
-            for _ in range(2):
-                for setting, ctx in contexts.items():
-                    costs[setting].append(self._time_request(ctx, tokens))
+            costs = self._request_costs(contexts, tokens)
         finally:
             for ctx in contexts.values():
                 self.lib.llama_free(ctx)
-        median = {setting: statistics.median(times) for setting, times in costs.items()}
-        choice = min(median, key=median.get)
+        choice = min(costs, key=costs.get)
         logger.info("flash_attn auto: a request of %d prompt tokens and %d new ones took %.0f ms with flash "
-                    "attention on, %.0f ms off; %s", tokens, tokens // 2, 1e3 * median["on"], 1e3 * median["off"],
+                    "attention on, %.0f ms off; %s", tokens, tokens // 2, 1e3 * costs["on"], 1e3 * costs["off"],
                     choice)
         return choice
 
-    def _time_request(self, ctx, tokens: int) -> float:
-        """Seconds for a prefill of ``tokens`` tokens plus ``tokens // 2`` one-token steps (their median)."""
-        entries = [(1 + i % (self.n_vocab - 1), i, 0, i == tokens - 1) for i in range(tokens)]
-        started = time.perf_counter()
-        for i in range(0, tokens, self.max_batch_tokens):
-            self._decode(entries[i:i + self.max_batch_tokens], ctx)
-        prefill = time.perf_counter() - started
-        steps = []
-        for i in range(6):
+    def _request_costs(self, contexts: dict, tokens: int) -> dict:
+        """Seconds, in each of ``contexts``, for a prefill of ``tokens`` tokens plus ``tokens // 2``
+        one-token steps at the median of six (the steps alternated between the contexts)."""
+        prompt = [(1 + i % (self.n_vocab - 1), i, 0, i == tokens - 1) for i in range(tokens)]
+        prefill, steps = {}, {name: [] for name in contexts}
+        for name, ctx in contexts.items():
             started = time.perf_counter()
-            self._decode([(1, tokens + i, 0, True)], ctx)
-            steps.append(time.perf_counter() - started)
-        self.lib.llama_memory_seq_rm(self.lib.llama_get_memory(ctx), 0, -1, -1)
-        return prefill + tokens // 2 * statistics.median(steps)
+            for i in range(0, tokens, self.max_batch_tokens):
+                self._decode(prompt[i:i + self.max_batch_tokens], ctx)
+            prefill[name] = time.perf_counter() - started
+        for i in range(6):
+            for name, ctx in contexts.items():
+                started = time.perf_counter()
+                self._decode([(1, tokens + i, 0, True)], ctx)
+                steps[name].append(time.perf_counter() - started)
+        return {name: prefill[name] + tokens // 2 * statistics.median(steps[name]) for name in contexts}
 
     def _pick_decode_threads(self) -> int:
         """``decode_threads: auto``: 1 where that frees a core at a small cost, else ``threads``.
