@@ -48,7 +48,7 @@ def choose_flash_attn(peer, prompts, plan: dict, monitor, run_wave: Callable, lo
 
 def decide(peer, rows: List[dict], log: Callable[[str], None]) -> dict:
     """The choice from :func:`paired`'s rows (one per setting and stream count), set on ``peer``."""
-    medians = {str(r["concurrency"]): r[f"{RATIO}_median"] for r in rows
+    medians = {str(r["concurrency"]): round(r[f"{RATIO}_median"], 4) for r in rows
                if r["system"] == SETTINGS[1] and r.get(f"{RATIO}_median")}
     if not medians:
         raise RuntimeError(f"{peer.name}: no wave completed on both -fa settings")
