@@ -209,7 +209,8 @@ class LlamaCppSystem(PeerSystem):
                 "-fa", self.flash_attn]
 
     def with_flash_attn(self, flash_attn: str, work: Path) -> "LlamaCppSystem":
-        """The same server with another ``-fa``, working in ``work`` (found by :meth:`detect` again)."""
+        """The same server (the binary and GGUF :meth:`detect` found for this one) with another ``-fa``,
+        working in ``work``: its own process, port and timings."""
         twin = copy.copy(self)
         twin.work, twin.flash_attn = Path(work), flash_attn
         twin.process, twin.port, twin.timings = None, None, {}
