@@ -114,12 +114,30 @@ def set_torch_threads(config) -> int:
     """``handler.torch_threads``, at most the CPUs this worker may use (:func:`model_threads`)."""
     threads = model_threads(config.handler.torch_threads)
     torch.set_num_threads(threads)
-    if threads > 1 and os.environ.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE":
-        logger.warning("OMP_WAIT_POLICY is not PASSIVE: %d OpenMP threads will spin between torch ops and take "
-                       "the CPU TorchServe's frontend needs (decode many times slower on small machines); start "
-                       "torchserve with OMP_WAIT_POLICY=PASSIVE in its environment, or set handler.torch_threads: 1",
-                       threads)
+    warning = openmp_wait_warning(threads, os.environ)
+    if warning:
+        logger.warning(warning)
     return threads
+
+
+def openmp_wait_warning(threads: int, env) -> Optional[str]:
+    """What is wrong with libgomp's waits for ``threads`` model threads under ``env``, or None.
+
+    Both variables matter (``make serve`` sets both, ``scripts/tsctl.py`` says why): without PASSIVE the
+    threads spin for ms between torch ops and take the cores the frontend needs; with PASSIVE alone they
+    sleep at every barrier, and llama.cpp has hundreds a step (the llamacpp backend's one-token step on
+    the bench model took 30.4 against 17.0 ms on an AMX Xeon, 2 threads)."""
+    if threads <= 1:
+        return None
+    fix = ("start torchserve with OMP_WAIT_POLICY=PASSIVE and GOMP_SPINCOUNT=20000 in its environment (as make "
+           "serve does), or set handler.torch_threads: 1")
+    if env.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE":
+        return (f"OMP_WAIT_POLICY is not PASSIVE: {threads} OpenMP threads will spin between torch ops and take "
+                f"the CPU TorchServe's frontend needs (decode many times slower on small machines); {fix}")
+    if not env.get("GOMP_SPINCOUNT"):
+        return (f"OMP_WAIT_POLICY is PASSIVE without GOMP_SPINCOUNT: {threads} OpenMP threads will sleep at "
+                f"every barrier inside a step (llama.cpp's steps ~1.8x slower); {fix}")
+    return None
 
 
 def use_assigned_gpu(config, gpu_id) -> Optional[int]:

@@ -126,3 +126,21 @@ def test_the_handler_under_taskset_computes_with_the_one_cpu_it_is_given():
 def test_a_mountinfo_this_parser_does_not_know_is_no_limit_not_a_failed_load(tmp_path):
     root = fake_root(tmp_path, "garbage - \n31 23 0:28 / /sys/fs/cgroup/cpu rw - cgroup\n", "4:cpu:/x\n", {})
     assert cgroup_cpu_quota(root) is None
+
+
+@pytest.mark.parametrize("threads, env, says", [
+    (2, {}, "OMP_WAIT_POLICY is not PASSIVE"),
+    (2, {"OMP_WAIT_POLICY": "active", "GOMP_SPINCOUNT": "20000"}, "OMP_WAIT_POLICY is not PASSIVE"),
+    (2, {"OMP_WAIT_POLICY": "PASSIVE"}, "PASSIVE without GOMP_SPINCOUNT"),
+    (2, {"OMP_WAIT_POLICY": "passive", "GOMP_SPINCOUNT": ""}, "PASSIVE without GOMP_SPINCOUNT"),
+    (2, {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "20000"}, None),
+    (1, {}, None),  # one thread has no team to wait for
+])
+def test_the_handler_names_both_openmp_waits_that_serving_needs(threads, env, says):
+    import llama_handler
+
+    warning = llama_handler.openmp_wait_warning(threads, env)
+    if says is None:
+        assert warning is None
+    else:
+        assert says in warning and "OMP_WAIT_POLICY=PASSIVE and GOMP_SPINCOUNT=20000" in warning
