@@ -175,8 +175,7 @@ class LlamaCppSlotBackend(OnePassSlotBackend):
         prefill, steps = {}, {name: [] for name in contexts}
         for name, ctx in contexts.items():
             started = time.perf_counter()
-            for i in range(0, tokens, self.max_batch_tokens):
-                self._decode(prompt[i:i + self.max_batch_tokens], ctx)
+            self._decode_in_calls(prompt, ctx)
             prefill[name] = time.perf_counter() - started
         for i in range(6):
             for name, ctx in contexts.items():
@@ -271,8 +270,7 @@ class LlamaCppSlotBackend(OnePassSlotBackend):
             entries += [(int(token), chunk.start + i, chunk.slot, i == last) for i, token in enumerate(chunk.token_ids)]
         before = {slot: self._lengths[slot] for _, _, slot, _ in entries}
         try:
-            logits = torch.cat([self._decode(entries[i:i + self.max_batch_tokens])
-                                for i in range(0, len(entries), self.max_batch_tokens)])
+            logits = self._decode_in_calls(entries)
         except Exception:
             for slot, length in before.items():
                 self.lib.llama_memory_seq_rm(self.memory, slot, length, -1)
@@ -283,6 +281,12 @@ class LlamaCppSlotBackend(OnePassSlotBackend):
             self._lengths[chunk.slot] = chunk.start + len(chunk.token_ids)
         decode = logits[:len(slots)] if slots else None
         return decode, list(logits[len(slots):])
+
+    def _decode_in_calls(self, entries, ctx=None) -> torch.Tensor:
+        """``entries`` over as many ``llama_decode`` calls of ``max_batch_tokens`` as they need, in order;
+        the logits of those that asked for them."""
+        return torch.cat([self._decode(entries[i:i + self.max_batch_tokens], ctx)
+                          for i in range(0, len(entries), self.max_batch_tokens)])
 
     def _decode(self, entries, ctx=None) -> torch.Tensor:
         """One ``llama_decode`` call (on ``ctx``, default the backend's); the logits of the entries that
