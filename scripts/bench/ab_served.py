@@ -58,11 +58,11 @@ def make_system(variant: str, index: int, work: Path, dtype: str, threads: int, 
             raise SystemExit(f"llama-server: {detail}")
         return system
     variant, _, revision = variant.partition("@")
-    # a llamacpp config's GGUF as a user's build makes it (gguf_type auto: the checkpoint's bf16, say), not
-    # the arithmetic's type that the bench's derived configs set for the torch variants
-    llamacpp = yaml.safe_load(Path(variant).read_text())["handler"].get("backend") == "llamacpp"
-    config = derived_config(Path(variant).resolve(), work / f"variant{index}.yaml", "auto" if llamacpp else dtype,
-                            threads, {})
+    # a llamacpp config's GGUF as a user's build makes it (its own gguf_type: auto, the checkpoint's bf16, say, or
+    # q8_0), not the arithmetic's type that the bench's derived configs set for the torch variants
+    handler = yaml.safe_load(Path(variant).read_text())["handler"]
+    own_gguf = {"gguf_type": handler.get("gguf_type", "auto")} if handler.get("backend") == "llamacpp" else {}
+    config = derived_config(Path(variant).resolve(), work / f"variant{index}.yaml", dtype, threads, own_gguf)
     system = TorchServeSystem(work / f"variant{index}", config, model_dir(checkpoint), model_name=f"variant{index}")
     if revision:
         build_at_revision(system, revision, work / f"tree{index}")

@@ -15,6 +15,23 @@ def test_llama_server_reads_the_checkpoints_gguf_and_the_emulated_class_build(tm
     assert peer.gguf == systems.PEERS / "bench-model-fp32.gguf" and peer.cpu_class is None
 
 
+def test_a_llamacpp_variant_is_served_on_the_gguf_type_its_config_names(tmp_path, monkeypatch):
+    import yaml
+
+    monkeypatch.setattr(systems.TorchServeSystem, "build", lambda self: None)
+    base = yaml.safe_load((ab_served.ROOT / "model-config" / "bench-llama-llamacpp.yaml").read_text())
+    for own, want in (("q8_0", "q8_0"), (None, "auto")):
+        if own:
+            base["handler"]["gguf_type"] = own
+        else:
+            base["handler"].pop("gguf_type")
+        variant = tmp_path / f"lc-{own}.yaml"
+        variant.write_text(yaml.safe_dump(base))
+        ab_served.make_system(str(variant), 0, tmp_path, "float32", 2, "bfloat16")
+        served = yaml.safe_load((tmp_path / "variant0.yaml").read_text())["handler"]
+        assert served["gguf_type"] == want and "dtype" not in served
+
+
 class _FakeServer:
     """A served variant whose speed is ``rate``, and 1.1x that when it was started after the other one."""
 
