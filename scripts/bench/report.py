@@ -150,6 +150,32 @@ def decode_floor_ratios(runs, results: dict) -> dict:
     return out
 
 
+def llamacpp_engine_ratios(runs, results: dict) -> dict:
+    """Where the llamacpp backend served one stream: llama-server's own batch-1 efficiency on the same
+    bf16 GGUF, and the backend's speed over llama-server's in back-to-back pairs. Together they say
+    whether a shortfall of ``batch1_decode_efficiency_llamacpp`` is ggml's kernels or the serving."""
+    if not _batch1_run(runs, LLAMACPP):
+        return {}
+    out = {}
+    peer = _batch1_run(runs, "llama.cpp")
+    rate = peer and peer.get("decode_tokens_per_s_per_stream")
+    if rate:
+        bound = results["decode_bound"]
+        out["batch1_decode_efficiency_llama.cpp"] = _ratio(
+            rate * bound["weight_bytes_per_token"] / (bound["bandwidth_gb_per_s"] * 1e9), "report", None,
+            "llama.cpp batch-1 decode tok/s (its sweep) x weight bytes per token / the best memory bandwidth of the "
+            "run: the engine the llamacpp backend runs, on the same GGUF, with no TorchServe in front",
+            decode_tokens_per_s=rate)
+    pair = find(runs, LLAMACPP, f"paired-peer/{VARIANT_LABELS[LLAMACPP]}", concurrency=1)
+    if pair and pair.get("served_over_peer_median"):
+        out["llamacpp_vs_llama.cpp_1_stream"] = _ratio(
+            pair["served_over_peer_median"], "report", None,
+            f"{LLAMACPP} output tok/s / llama.cpp's at 1 stream, the same GGUF: median of "
+            f"{len(pair['served_over_peer'])} back-to-back A/B pairs of the same wave (what the engine and "
+            "TorchServe keep of llama.cpp's own speed)", pairs=pair["served_over_peer"])
+    return out
+
+
 def _bracketed_or_best(key: str, bracketed: Optional[dict], against_best: dict) -> dict:
     """``key`` held to the bandwidth read around its measurement, with the run's best beside it as
     ``<key>_vs_best_bandwidth``; against the best alone where there is no bracketed figure."""
@@ -243,6 +269,7 @@ def ratios(results: dict) -> dict:
             rounds=pair["decode_efficiency_rounds"], bandwidth_gb_per_s_samples=pair["bandwidth_gb_per_s_rounds"],
             weight_bytes_per_token=nbytes) if pair and pair.get("decode_efficiency_median") else None
         out.update(_bracketed_or_best(key, bracketed, against_best))
+    out.update(llamacpp_engine_ratios(runs, results))
     out.update(decode_floor_ratios(runs, results))
     fp32 = results.get("extra", {}).get("fp32_batch1")
     if fp32 and fp32.get("ok"):
@@ -1018,7 +1045,10 @@ ahead of micro-batching on the Poisson load at all: `.venv/bin/python -m scripts
   through every layer's products and the LM head, each with its own weights so that they stream from
   memory, on the faster kernel; `batch1_decode_efficiency_at_products_bound` is the efficiency of a
   step that did only that, `batch1_decode_vs_products` the in-process decode against it (the rest of a
-  step: norms, attention, rotary, sampling). Peer ratio: served / peer output tok/s at 8 streams.
+  step: norms, attention, rotary, sampling). `batch1_decode_efficiency_llama.cpp` is llama-server's own
+  1-stream sweep held to the same bound, beside the llamacpp backend's (the engine it runs), and
+  `llamacpp_vs_llama.cpp_1_stream` the backend's speed over llama-server's in the 1-stream pairs.
+  Peer ratio: served / peer output tok/s at 8 streams.
 * Continuous batching against the schedule's ideal: `scripts.bench.continuous_bound` replays the
   scheduler's policy on the same arrivals with no scheduling, streaming or serving cost. Its step
   costs are the served worker's own forward passes in each round (the `llama_forward_*` metrics:

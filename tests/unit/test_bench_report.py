@@ -67,6 +67,19 @@ def test_the_llamacpp_backend_counts_as_a_served_variant_against_llama_server():
     assert rs["peer_ratio_llama.cpp_sweeps"]["value"] == round(95 / 90, 4)
 
 
+def test_the_llamacpp_backends_batch1_is_reported_beside_its_engines_own():
+    runs = [_run("llama.cpp", "concurrency", 50.0, concurrency=1)]
+    rs = report.ratios(_results(runs))
+    assert "batch1_decode_efficiency_llama.cpp" not in rs  # the backend did not run: nothing to explain
+    runs += [_run("torchserve-llamacpp", "concurrency", 40.0, concurrency=1),
+             _run("torchserve-llamacpp", "paired-peer/llamacpp", 1.0, concurrency=1, served_over_peer=[0.9, 0.96, 0.93],
+                  served_over_peer_median=0.93)]
+    rs = report.ratios(_results(runs))
+    engine, kept = rs["batch1_decode_efficiency_llama.cpp"], rs["llamacpp_vs_llama.cpp_1_stream"]
+    assert engine["value"] == round(50 * 4e8 / 10e9, 4) and engine["met"] is None  # reported, not a goal
+    assert kept["value"] == 0.93 and kept["met"] is None and kept["inputs"]["pairs"] == [0.9, 0.96, 0.93]
+
+
 def test_derived_configs_set_the_gguf_type_for_llamacpp_and_the_dtype_otherwise(tmp_path):
     import yaml
 
