@@ -54,9 +54,10 @@ def server_processes(launcher_pid: int) -> Dict[str, int]:
 
 
 def default_logging_config(work: Path) -> Path:
-    """config.properties without its ``vmargs`` (TorchServe's own log4j2.xml), beside a copy of metrics.yaml."""
+    """config.properties without the log4j2.xml of its ``vmargs`` (TorchServe's own logging), its other
+    JVM arguments kept, beside a copy of metrics.yaml."""
     work.mkdir(parents=True, exist_ok=True)
-    text = re.sub(r"(?m)^vmargs=.*\n?", "", (ROOT / "config.properties").read_text())
+    text = re.sub(r"-Dlog4j\.configurationFile=\S+ ?", "", (ROOT / "config.properties").read_text())
     shutil.copyfile(ROOT / "metrics.yaml", work / "metrics.yaml")
     path = work / "config.properties"
     path.write_text(text)
