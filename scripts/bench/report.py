@@ -152,7 +152,7 @@ def decode_floor_ratios(runs, results: dict) -> dict:
 
 def llamacpp_engine_ratios(runs, results: dict) -> dict:
     """Where the llamacpp backend served one stream: llama-server's own batch-1 efficiency on the same
-    bf16 GGUF, and the backend's speed over llama-server's in back-to-back pairs. Together they say
+    GGUF, and the backend's speed over llama-server's in back-to-back pairs. Together they say
     whether a shortfall of ``batch1_decode_efficiency_llamacpp`` is ggml's kernels or the serving."""
     if not _batch1_run(runs, LLAMACPP):
         return {}
