@@ -157,8 +157,9 @@ class HandlerConfig:
     #: every CPU and one thread's step is at most 3 ms slower than theirs (timed at load), so
     #: TorchServe's frontend keeps a core; else ``torch_threads``.
     decode_threads: Any = "auto"
-    #: llama.cpp's flash attention (``flash_attn_type``). ``auto``: whichever of on and off serves a
-    #: request of 256 prompt tokens and 128 new ones faster, timed at load; ``on`` or ``off`` sets it.
+    #: llama.cpp's flash attention (``flash_attn_type``). ``auto``: whichever of on and off serves
+    #: requests of 256 prompt tokens and 128 new ones faster, alone and in every slot at once, timed at
+    #: load; ``on`` or ``off`` sets it.
     flash_attn: str = "auto"
     # neuron backend (transformers-neuronx); the compiled batch size is micro_batch_size
     tp_degree: Optional[int] = None

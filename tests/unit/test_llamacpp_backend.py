@@ -270,10 +270,55 @@ def test_flash_attn_auto_takes_the_setting_whose_request_took_less(tiny_gguf, mo
     try:
         assert made.flash_attn == expected
         assert made_with[made.ctx] == (expected, 2, MAX_LENGTH)
-        # one small context per setting, on a prompt of half of max_length (under 256 tokens)
+        # one small context of every slot per setting (256 positions each, llama.cpp's least), on a
+        # prompt of half of max_length (under 256 tokens)
         tokens = MAX_LENGTH // 2
-        assert timed == [({"on": ("on", 1, tokens + 16), "off": ("off", 1, tokens + 16)}, tokens)]
+        assert timed == [({"on": ("on", 2, 256), "off": ("off", 2, 256)}, tokens)]
         assert f"flash attention on, {1e3 * costs['off']:.0f} ms off; {expected}" in caplog.text
+    finally:
+        made.close()
+
+
+STEP_ALONE, STEP_TOGETHER = {"on": 0.001, "off": 0.002}, {"on": 0.02, "off": 0.005}
+
+
+@pytest.mark.parametrize("slots,expected", [(1, "on"), (3, "off")])
+def test_flash_attn_auto_weighs_a_step_of_every_slot_beside_a_request_alone(tiny_gguf, monkeypatch, slots, expected):
+    """On a clock that each real ``llama_decode`` advances by a set cost: flash attention's steps are
+    cheaper alone and dearer with every slot busy, so it wins only where one slot is all there is."""
+    from llama_engine.backends import llamacpp_backend
+
+    clock, setting_of, calls = [0.0], {}, []
+    new_context, decode = LlamaCppSlotBackend._new_context, LlamaCppSlotBackend._decode
+
+    def remember(self, slots_, positions, flash_attn):
+        ctx = new_context(self, slots_, positions, flash_attn)
+        setting_of[ctx] = flash_attn
+        return ctx
+
+    def costed(self, entries, ctx=None):
+        out = decode(self, entries, ctx)  # the real call: llama.cpp checks each sequence's positions
+        setting = setting_of.get(ctx)
+        if setting is not None:
+            calls.append((setting, [(pos, seq) for _, pos, seq, _ in entries]))
+            rows = len(entries)
+            clock[0] += 0.05 if rows > slots else (STEP_ALONE if rows == 1 else STEP_TOGETHER)[setting]
+        return out
+
+    monkeypatch.setattr(LlamaCppSlotBackend, "_new_context", remember)
+    monkeypatch.setattr(LlamaCppSlotBackend, "_decode", costed)
+    monkeypatch.setattr(llamacpp_backend, "time", type("Clock", (), {"perf_counter": staticmethod(lambda: clock[0])}))
+    made = LlamaCppSlotBackend(str(tiny_gguf), slots, MAX_LENGTH, threads=1)
+    try:
+        assert made.flash_attn == expected
+        tokens = MAX_LENGTH // 2
+        steps = [entries for setting, entries in calls if setting == "on"][1:]
+        assert len(steps) == (12 if slots > 1 else 6)
+        # every sequence of the wave steps on from the prompt copied into it, one position at a time
+        # (sequence 0 also takes the steps alone, one before each of these)
+        together = [entries for entries in steps if len(entries) > 1]
+        assert together == [[(tokens + 2 * i + 1, 0)] + [(tokens + i, seq) for seq in range(1, slots)]
+                            for i in range(6 if slots > 1 else 0)]
     finally:
         made.close()
 

@@ -143,46 +143,63 @@ class LlamaCppSlotBackend(OnePassSlotBackend):
         return ctx
 
     def _pick_flash_attn(self) -> str:
-        """``flash_attn: auto``: whichever of on and off serves a request faster here, timed at load.
+        """``flash_attn: auto``: whichever of on and off serves requests faster here, timed at load.
 
-        On CPU, llama.cpp's flash attention (its default) prefilled the bench model's 768-token
-        prompts ~10% faster, but its one-token steps grew with the context three times as fast:
-        20.4 against 16.3 ms at 256 positions and 27 against 18 at 768 (AMX Xeon, bf16 GGUF, 2
-        threads). So each setting gets a small context of its own, prefills :data:`FLASH_ATTN_PROMPT`
-        prompt tokens there (at most half of ``max_length``) and takes one-token steps alternated with
-        the other's; the cost compared is the prefill plus half as many steps as the prompt has tokens,
-        at their median. A ``max_length`` under 64 leaves llama.cpp's own choice.
+        Which wins depends on the CPU's build and on how many sequences a step carries. On the AMX
+        Xeon (bf16 GGUF, 2 threads) flash attention prefilled 768-token prompts ~10% faster, but
+        its one-token steps grew with the context three times as fast (20.4 against 16.3 ms at 256
+        positions, 27 against 18 at 768). On a Zen 5 EPYC a request alone barely told them apart
+        (1-3%, and noise made the served worker pick off), while served, off ran 0.95x on at one
+        stream and 0.88x at 8. So each setting gets a small context of ``max_slots`` sequences and
+        times the bench's two waves there (:meth:`_request_costs`): one request alone, and one in
+        every sequence at once. A ``max_length`` under 64 leaves llama.cpp's own choice.
         """
         tokens = min(FLASH_ATTN_PROMPT, self.max_length // 2)
         if tokens < 32:
             return "auto"
-        contexts = {setting: self._new_context(1, tokens + 16, setting) for setting in ("on", "off")}
+        positions = -(-(tokens + 16) // 256) * 256  # llama.cpp pads a sequence's cells to 256, and warns otherwise
+        contexts = {setting: self._new_context(self.max_slots, positions, setting) for setting in ("on", "off")}
         try:
             costs = self._request_costs(contexts, tokens)
         finally:
             for ctx in contexts.values():
                 self.lib.llama_free(ctx)
         choice = min(costs, key=costs.get)
-        logger.info("flash_attn auto: a request of %d prompt tokens and %d new ones took %.0f ms with flash "
-                    "attention on, %.0f ms off; %s", tokens, tokens // 2, 1e3 * costs["on"], 1e3 * costs["off"],
-                    choice)
+        together = f" and {self.max_slots} at once" if self.max_slots > 1 else ""
+        logger.info("flash_attn auto: a request of %d prompt tokens and %d new ones alone%s took %.0f ms with "
+                    "flash attention on, %.0f ms off; %s", tokens, tokens // 2, together, 1e3 * costs["on"],
+                    1e3 * costs["off"], choice)
         return choice
 
     def _request_costs(self, contexts: dict, tokens: int) -> dict:
-        """Seconds, in each of ``contexts``, for a prefill of ``tokens`` tokens plus ``tokens // 2``
-        one-token steps at the median of six (the steps alternated between the contexts)."""
+        """Seconds, in each of ``contexts`` (``max_slots`` sequences each), for requests of ``tokens``
+        prompt tokens and ``tokens // 2`` new ones: one alone, plus (with more than one slot) one in
+        every sequence at once. Each context prefills sequence 0 once and copies it to the others;
+        a wave costs a prefill per request plus its steps (of one row, of every row) at the median
+        of six, alternated with the other context's."""
         prompt = [(1 + i % (self.n_vocab - 1), i, 0, i == tokens - 1) for i in range(tokens)]
-        prefill, steps = {}, {name: [] for name in contexts}
+        waves = [[0]] + ([list(range(self.max_slots))] if self.max_slots > 1 else [])
+        prefill, lengths = {}, {}
+        steps = {(name, len(wave)): [] for name in contexts for wave in waves}
         for name, ctx in contexts.items():
             started = time.perf_counter()
             self._decode_in_calls(prompt, ctx)
             prefill[name] = time.perf_counter() - started
-        for i in range(6):
-            for name, ctx in contexts.items():
-                started = time.perf_counter()
-                self._decode([(1, tokens + i, 0, True)], ctx)
-                steps[name].append(time.perf_counter() - started)
-        return {name: prefill[name] + tokens // 2 * statistics.median(steps[name]) for name in contexts}
+            memory = self.lib.llama_get_memory(ctx)
+            for seq in range(1, self.max_slots):
+                self.lib.llama_memory_seq_cp(memory, 0, seq, -1, -1)
+            lengths[name] = [tokens] * self.max_slots
+        for _ in range(6):
+            for wave in waves:
+                for name, ctx in contexts.items():
+                    started = time.perf_counter()
+                    self._decode([(1, lengths[name][seq], seq, True) for seq in wave], ctx)
+                    steps[name, len(wave)].append(time.perf_counter() - started)
+                    for seq in wave:
+                        lengths[name][seq] += 1
+        return {name: sum(len(wave) * prefill[name] + tokens // 2 * statistics.median(steps[name, len(wave)])
+                          for wave in waves)
+                for name in contexts}
 
     def _pick_decode_threads(self) -> int:
         """``decode_threads: auto``: 1 where that frees a core at a small cost, else ``threads``.
