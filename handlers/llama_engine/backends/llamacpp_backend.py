@@ -148,8 +148,8 @@ class LlamaCppSlotBackend(OnePassSlotBackend):
         Which wins depends on the CPU's build and on how many sequences a step carries. On the AMX
         Xeon (bf16 GGUF, 2 threads) flash attention prefilled 768-token prompts ~10% faster, but
         its one-token steps grew with the context three times as fast (20.4 against 16.3 ms at 256
-        positions, 27 against 18 at 768). On a Zen 5 EPYC a request alone barely told them apart
-        (1-3%, and noise made the served worker pick off), while served, off ran 0.95x on at one
+        positions, 27 against 18 at 768). On a Zen 5 EPYC a request alone told them apart by a few
+        percent (and noise made the served worker pick off), while served, off ran 0.95x on at one
         stream and 0.88x at 8. So each setting gets a small context of ``max_slots`` sequences and
         times the bench's two waves there (:meth:`_request_costs`): one request alone, and one in
         every sequence at once. A ``max_length`` under 64 leaves llama.cpp's own choice.
