@@ -13,12 +13,17 @@ from conftest import CONTINUOUS, burst_statuses, serve_variant
 MODEL = CONTINUOUS
 SLOTS = 2
 QUEUE = 2
+#: Tokens of a stream that another request must overtake: the tiny model's 400 took 0.15-0.2 s on a
+#: Zen 5 EPYC beside a second one, and the overtaking request 0.02-0.03 s. The server takes the model's
+#: 1024 positions so that the margin is wider on a loaded host.
+LONG = 1000
 
 
 def small(data):
     data.update(batchSize=SLOTS, jobQueueSize=QUEUE)
     data["handler"]["torch_threads"] = 1
     data["continuous_batching"]["max_prefill_tokens_per_step"] = 16
+    data["handler"]["max_length"] = 1024
 
 
 @pytest.fixture(scope="module")
@@ -93,27 +98,27 @@ def test_a_streamed_token_leaves_no_frontend_log_line(server):
 
 
 def test_a_short_request_finishes_before_a_long_one_that_started_earlier(server):
-    long = Stream(server, PROMPTS[0], 300).start()
+    long = Stream(server, PROMPTS[0], LONG).start()
     assert long.first_line.wait(60)
     short = Stream(server, PROMPTS[1], 4).start().join()
     assert len(short.ids) == 4
     assert long.ended is None, "the short answer waited for the long one"
     long.join()
-    assert len(long.ids) == 300 and short.ended < long.ended
+    assert len(long.ids) == LONG and short.ended < long.ended
 
 
 def test_a_disconnect_frees_its_slot(server):
-    gone = Stream(server, PROMPTS[0], 400).start()
-    busy = Stream(server, PROMPTS[1], 400).start()
+    gone = Stream(server, PROMPTS[0], LONG).start()
+    busy = Stream(server, PROMPTS[1], LONG).start()
     assert gone.first_line.wait(60) and busy.first_line.wait(60)
     gone.disconnect()
     # Both slots were taken; the next request can only run before `busy` ends if the
-    # departed request's slot was freed (it would otherwise generate its 400 tokens first).
+    # departed request's slot was freed (it would otherwise generate its LONG tokens first).
     newcomer = Stream(server, PROMPTS[2], 4).start().join()
     assert newcomer.status == 200 and len(newcomer.ids) == 4
     assert busy.ended is None, "the newcomer waited for a slot the departed client still held"
     busy.join()
-    assert len(busy.ids) == 400
+    assert len(busy.ids) == LONG
     assert "left (client gone); freeing its slot" in server.model_log()
 
 

@@ -27,13 +27,16 @@ from scripts.tsctl import running
 from conftest import CONTINUOUS, MODEL as MICRO, ROOT
 
 MAX_INPUT_BYTES = 2048
+#: New tokens of the request whose client leaves: continuous batching must see it go before they are
+#: done, and the tiny model streamed 400 in 0.16-0.19 s on a Zen 5 EPYC. The servers take its 1024 positions.
+LEAVER = 1000
 CAPACITY = {MICRO: 2, CONTINUOUS: 2}
 PROMPTS = ["The function returns", "If the object is", "A list of", "The default value is",
            "When the file", "This module provides"]
 
 
 def test_config(model: str, data: dict) -> dict:
-    data["handler"].update(torch_threads=1, max_input_bytes=MAX_INPUT_BYTES)
+    data["handler"].update(torch_threads=1, max_input_bytes=MAX_INPUT_BYTES, max_length=1024)
     if model == MICRO:
         data.update(batchSize=4, maxBatchDelay=100)
         data["micro_batching"]["micro_batch_size"] = CAPACITY[MICRO]
@@ -232,7 +235,7 @@ def test_a_client_that_leaves(server, model):
     """
     before = scrape(server.url("metrics"))
     headers = {"Authorization": f"Bearer {server.key}"}
-    r = requests.post(f"{server.url()}/predictions/{model}", json=generation(PROMPTS[3], 400), headers=headers,
+    r = requests.post(f"{server.url()}/predictions/{model}", json=generation(PROMPTS[3], LEAVER), headers=headers,
                       stream=True, timeout=300)
     lines = r.iter_lines()
     assert json.loads(next(line for line in lines if line))["token"]
@@ -243,12 +246,12 @@ def test_a_client_that_leaves(server, model):
     assert got["running"] == 0 and got["waiting"] == 0
     if model == CONTINUOUS:
         assert got["cancelled"] == 1 and got["success_by_finish_reason"] == {"length": 1}
-        assert 1 + 20 <= got["generation_tokens"] < 400 + 20
+        assert 1 + 20 <= got["generation_tokens"] < LEAVER + 20
         assert got["e2e_request_latency"]["count"] == 1 and got["time_to_first_token"]["count"] == 2
         assert value(delta_of(server, before), "llama_slots_in_use", model) == 0
     else:
         assert got["cancelled"] == 0 and got["success_by_finish_reason"] == {"length": 2}
-        assert got["generation_tokens"] == 400 + 20
+        assert got["generation_tokens"] == LEAVER + 20
 
 
 def test_warm_up_is_not_counted_and_the_metrics_api_needs_no_key(server):
