@@ -212,6 +212,11 @@ def test_linear_over_pair_panels_is_the_float64_product(kernels, x_dtype, rows, 
 AMX_FLAGS = frozenset({"amx_tile", "amx_bf16"})
 AMX_TILES = pytest.mark.skipif(not AMX_FLAGS | cpu_kernels.ISA_NEEDS["avx512bf16"] <= FLAGS,
                                reason="this CPU has no AMX tiles")
+#: bf16 products (``tiles=True``): AMX's tiles where the CPU has them, else AVX512_BF16's dot products.
+BF16_PRODUCTS = pytest.mark.skipif(not cpu_kernels.ISA_NEEDS["avx512bf16"] <= FLAGS,
+                                   reason="this CPU does not run the avx512bf16 build")
+#: ``dot_products``: the dot products even on an AMX CPU (elsewhere they are what ``tiles`` runs anyway).
+ON_DOT_PRODUCTS = pytest.mark.parametrize("dot_products", [False, True], ids=["tiles-where-amx", "dot-products"])
 
 
 @pytest.fixture
@@ -464,23 +469,25 @@ def assert_tile_attention(got, q, k, v) -> None:
     assert_attention(got, want, torch.bfloat16, bound=2 ** -9 * v.float().abs().max().item() + 2e-5)
 
 
-@AMX_TILES
+@BF16_PRODUCTS
+@ON_DOT_PRODUCTS
 @pytest.mark.parametrize("kernels", ["avx512bf16"], indirect=True)
 @pytest.mark.parametrize("tokens, heads, kv_heads, dim", [(1, 2, 2, 32), (15, 4, 2, 32), (47, 12, 12, 64),
                                                           (49, 6, 3, 64), (100, 8, 2, 128), (257, 12, 12, 64),
                                                           (130, 2, 2, 256), (33, 2, 1, 96)])
-def test_prompt_attention_on_amx_tiles_is_causal_softmax_attention(kernels, tokens, heads, kv_heads, dim):
-    """bf16 queries, keys and values on the tiles: query tails (not multiples of the 16-row tiles or the
-    48-query work items), position tails (not multiples of the 16-position panels or the 32-position steps),
-    GQA groups, head sizes 32 to 256, strided rows, one and two threads. The weights are rounded to bf16, so
-    the result differs from the float32 kernel's."""
+def test_prompt_attention_in_bf16_products_is_causal_softmax_attention(kernels, tokens, heads, kv_heads, dim,
+                                                                       dot_products):
+    """bf16 queries, keys and values in bf16 products (AMX's tiles, or AVX512_BF16's dot products): query tails
+    (not multiples of the 16-row tiles or the 48-query work items), position tails (not multiples of the
+    16-position panels or the 32-position steps), GQA groups, head sizes 32 to 256, strided rows, one and two
+    threads. The weights are rounded to bf16, so the result differs from the float32 kernel's."""
     q, k, v = (t.to(torch.bfloat16) for t in fused_qkv(tokens, heads, kv_heads, dim, seed=tokens * dim + heads))
     assert kernels.supports_tile_attention(torch.bfloat16, torch.bfloat16, dim)
     threads = torch.get_num_threads()
     try:
         for count, keys in ((1, k), (2, k), (2, k.contiguous())):
             torch.set_num_threads(count)
-            got = kernels.prompt_attention(q, keys, v, dim ** -0.5, tiles=True)
+            got = kernels.prompt_attention(q, keys, v, dim ** -0.5, tiles=True, dot_products=dot_products)
             assert got.shape == (tokens, heads, dim)
             assert_tile_attention(got, q, k, v)
     finally:
@@ -490,43 +497,46 @@ def test_prompt_attention_on_amx_tiles_is_causal_softmax_attention(kernels, toke
         assert not torch.equal(got, kernels.prompt_attention(q, k, v, dim ** -0.5))
 
 
-@AMX_TILES
+@BF16_PRODUCTS
+@ON_DOT_PRODUCTS
 @pytest.mark.parametrize("kernels", ["avx512bf16"], indirect=True)
 @pytest.mark.parametrize("start, tokens, heads, kv_heads, dim", [(200, 100, 8, 2, 64), (1, 1, 2, 2, 32),
                                                                  (7, 50, 12, 12, 64), (300, 3, 4, 1, 128)])
-def test_prompt_attention_on_amx_tiles_of_a_later_chunk_reads_the_cache(kernels, start, tokens, heads, kv_heads,
-                                                                         dim):
-    """A later chunk over its slot of a bf16 cache ``[slots, kv_heads, max_length, head_dim]`` on the tiles."""
+def test_prompt_attention_in_bf16_products_of_a_later_chunk_reads_the_cache(kernels, start, tokens, heads, kv_heads,
+                                                                             dim, dot_products):
+    """A later chunk over its slot of a bf16 cache ``[slots, kv_heads, max_length, head_dim]`` in bf16 products."""
     gen = torch.Generator().manual_seed(start + tokens + dim)
     end = start + tokens
     k_layer, v_layer = (torch.randn(3, kv_heads, 400, dim, generator=gen).to(torch.bfloat16) for _ in range(2))
     q = torch.randn(tokens, heads + 2 * kv_heads, dim, generator=gen)[:, :heads].to(torch.bfloat16)
     k, v = (c[1].transpose(0, 1)[:end] for c in (k_layer, v_layer))
-    got = kernels.prompt_attention(q, k, v, dim ** -0.5, start, tiles=True)
+    got = kernels.prompt_attention(q, k, v, dim ** -0.5, start, tiles=True, dot_products=dot_products)
     assert got.shape == (tokens, heads, dim)
     assert_tile_attention(got, q, k, v)
 
 
-@AMX_TILES
+@BF16_PRODUCTS
+@ON_DOT_PRODUCTS
 @pytest.mark.parametrize("kernels", ["avx512bf16"], indirect=True)
-def test_prompt_attention_on_amx_tiles_is_stable_for_large_scores(kernels):
+def test_prompt_attention_in_bf16_products_is_stable_for_large_scores(kernels, dot_products):
     q, k, v = (t.to(torch.bfloat16) for t in fused_qkv(60, 2, 2, 32, seed=3, spread=30.0))  # scores in thousands
-    got = kernels.prompt_attention(q, k, v, 32 ** -0.5, tiles=True)
+    got = kernels.prompt_attention(q, k, v, 32 ** -0.5, tiles=True, dot_products=dot_products)
     assert torch.isfinite(got).all()
     assert_tile_attention(got, q, k, v)
 
 
 @pytest.mark.parametrize("kernels", ISAS, indirect=True)
-def test_prompt_attention_on_amx_tiles_is_refused_where_they_do_not_run(kernels):
-    """Tiles need an AMX CPU, the avx512bf16 build, bf16 q, k and v and a head size that is a multiple of 32;
-    elsewhere the call raises, naming what it needs, and does not fall back silently."""
+def test_prompt_attention_in_bf16_products_is_refused_where_they_do_not_run(kernels):
+    """bf16 products need the avx512bf16 build (an AMX CPU's tiles, or AVX512_BF16's dot products), bf16 q, k
+    and v and a head size that is a multiple of 32; elsewhere the call raises, naming what it needs, and does
+    not fall back silently."""
     q, k, v = (t.to(torch.bfloat16) for t in fused_qkv(8, 4, 2, 64, seed=1))
-    tiles_here = kernels.isa == "avx512bf16" and AMX_FLAGS <= FLAGS
+    tiles_here = kernels.isa == "avx512bf16"
     assert kernels.supports_tile_attention(torch.bfloat16, torch.bfloat16, 64) == tiles_here
     q48, k48, v48 = (t.to(torch.bfloat16) for t in fused_qkv(8, 4, 2, 48, seed=1))
     for args in [(q48, k48, v48), (q.float(), k.float(), v.float())] + ([] if tiles_here else [(q, k, v)]):
         assert not kernels.supports_tile_attention(args[0].dtype, args[1].dtype, args[0].shape[-1])
-        with pytest.raises(ValueError, match="on AMX's tiles: needs an AMX CPU and the avx512bf16 build \\(here: "
+        with pytest.raises(ValueError, match="in bf16 products: needs the avx512bf16 build \\(here: "
                                              f"{kernels.isa}\\), bfloat16 q, k and v, a head_dim that is a "
                                              "multiple of 32"):
             kernels.prompt_attention(*args, 0.125, tiles=True)

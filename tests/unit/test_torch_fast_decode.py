@@ -38,8 +38,10 @@ NATIVE = cpu_kernels.load()
 needs_native = pytest.mark.skipif(NATIVE is None, reason="the native CPU kernels do not run on this CPU")
 PAIRED = pytest.mark.skipif(NATIVE is None or NATIVE.isa not in cpu_kernels.PAIRS_ISAS,
                             reason="the native kernels' AVX-512 builds lay weights out in pair panels")
-needs_amx_tiles = pytest.mark.skipif(NATIVE is None or not NATIVE.supports_tile_attention(torch.bfloat16, torch.bfloat16, 64),
-                                     reason="this CPU has no AMX tiles")
+needs_amx_tiles = pytest.mark.skipif(NATIVE is None or not NATIVE.amx, reason="this CPU has no AMX tiles")
+#: bf16 prompt products on AVX512_BF16's dot products: the avx512bf16 build on a CPU without AMX.
+needs_dot_products = pytest.mark.skipif(NATIVE is None or NATIVE.isa != "avx512bf16" or NATIVE.amx,
+                                        reason="the avx512bf16 build on a CPU without AMX")
 #: The backend with the native kernels and with torch's own (``LLAMA_CPU_KERNELS=0``).
 KERNELS = [pytest.param("native", marks=needs_native), "torch"]
 
@@ -964,6 +966,7 @@ def test_bf16_prompt_chunks_attend_through_the_native_prompt_kernel_where_torch_
     the build has no tiles, and the tiles where it has (the next test)."""
     monkeypatch.setenv(cpu_kernels.ENV, isa)
     monkeypatch.setattr(torch_backend, "native_prompt_pays", lambda *args, **kwargs: True)  # whatever this CPU measures
+    monkeypatch.setattr(torch_backend, "bf16_products_pay", lambda *args, **kwargs: False)  # the float32 products
     backend = TorchSlotBackend.from_pretrained(str(bf16_checkpoint), 2, 320, "bfloat16", "cpu")
     assert backend.dtype == backend.kv_dtype == torch.bfloat16
     if cpu_info.is_amx(cpu_info.cpu_flags()):
@@ -1026,6 +1029,49 @@ def test_bf16_prompt_chunks_attend_on_amx_tiles_where_the_cpu_has_them(bf16_chec
         assert_close(got, want)
 
 
+@needs_dot_products
+def test_bf16_prompt_chunks_attend_in_dot_products_where_they_measure_faster_without_amx(bf16_checkpoint,
+                                                                                       monkeypatch):
+    """bf16 arithmetic over a bf16 cache on an AVX512_BF16 CPU without AMX, where the dot products measure
+    faster than the float32 products: a whole prompt, a first chunk and a later one attend in bf16 products
+    (``tiles=True``) once a layer but the last, and the logits stay within bf16 rounding of torch's way here,
+    the bf16 blocks."""
+    monkeypatch.setattr(torch_backend, "native_prompt_pays", lambda *args, **kwargs: True)
+    monkeypatch.setattr(torch_backend, "bf16_products_pay", lambda *args, **kwargs: True)
+    backend = TorchSlotBackend.from_pretrained(str(bf16_checkpoint), 2, 320, "bfloat16", "cpu")
+    assert backend._prompt_tiles and backend._prompt_by_blocks
+    kernels = backend._prompt_kernels
+    assert kernels is not None and kernels.isa == "avx512bf16"
+    dots, blocks = native_and_torch_prompts(backend, kernels, monkeypatch, tiles=True)
+    for got, want in zip(dots, blocks):
+        assert_close(got, want)
+
+
+@needs_dot_products
+def test_bf16_dot_products_are_timed_against_the_float32_products_once_per_shape(bf16_checkpoint, monkeypatch,
+                                                                                caplog):
+    """:func:`bf16_products_pay` times the native prompt kernel's two kinds of products once per process and
+    shape (logging both); the bf16 ones must win by :data:`BF16_PRODUCTS_MARGIN`, and where they do not, the
+    backend keeps the float32 ones."""
+    monkeypatch.setattr(torch_backend, "_BF16_PRODUCTS_DECISIONS", {})
+    calls = []
+    real = NATIVE.prompt_attention
+    monkeypatch.setattr(NATIVE, "prompt_attention",
+                        lambda *args, **kwargs: calls.append(kwargs.get("tiles", False)) or real(*args, **kwargs))
+    with caplog.at_level(logging.INFO, logger=torch_backend.__name__):
+        decision = torch_backend.bf16_products_pay(NATIVE, 4, 2, 64)
+        assert torch_backend.bf16_products_pay(NATIVE, 4, 2, 64) is decision
+    assert sorted(calls) == [False] * 5 + [True] * 5  # a warm-up round and 4 timed ones each, then the cached decision
+    assert re.search(r"prompt attention, bf16 over a bf16 cache, 512 tokens, \d+ threads: float32 products [\d.]+ ms, "
+                     r"AVX512_BF16 dot products [\d.]+ ms \(best\) -> (bf16|float32)", caplog.text)
+    passes = {"float32": [1.0, 1.0], "bf16": [0.95, 0.95]}  # 5% faster: within the margin
+    assert cpu_kernels.choose_fastest(passes, "float32", torch_backend.BF16_PRODUCTS_MARGIN) == "float32"
+    monkeypatch.setattr(torch_backend, "bf16_products_pay", lambda *args, **kwargs: False)
+    monkeypatch.setattr(torch_backend, "native_prompt_pays", lambda *args, **kwargs: True)
+    backend = TorchSlotBackend.from_pretrained(str(bf16_checkpoint), 1, 64, "bfloat16", "cpu")
+    assert not backend._prompt_tiles and backend._prompt_kernels is not None
+
+
 @needs_native
 def test_prompts_attend_natively_only_where_the_kernel_measures_as_fast_once_per_shape(tiny_model_dir, monkeypatch,
                                                                                      caplog):
@@ -1065,7 +1111,7 @@ def test_prompt_attention_on_amx_tiles_is_timed_against_sdpa(monkeypatch, caplog
         torch_backend.native_prompt_pays(kernels, torch.bfloat16, torch.bfloat16, 4, 2, 64, tiles=True)
     assert calls == [True] * 5 and sdpa == [True] * 5
     assert re.search(r"prompt attention, torch.bfloat16 over a torch.bfloat16 cache, 512 tokens, \d+ threads: native "
-                     r"on AMX tiles [\d.]+ ms, torch SDPA [\d.]+ ms \(best\) -> (native|torch)", caplog.text)
+                     r"in bf16 products [\d.]+ ms, torch SDPA [\d.]+ ms \(best\) -> (native|torch)", caplog.text)
     calls.clear(), sdpa.clear()
     torch_backend.native_prompt_pays(kernels, torch.bfloat16, torch.bfloat16, 4, 2, 64, tiles=False)
     assert calls == [False] * 5 and not sdpa  # its own decision, against the blocks

@@ -20,9 +20,10 @@ software prefetch ahead of it:
   and those before them in the cache, both products in float32 on the prompt GEMM's tile (faster
   than SDPA's causal flash kernel, 1.4-1.9x on a Zen 3 EPYC, and than a later chunk's torch
   products; on a Zen 4 EPYC as fast as bf16 products by blocks in a whole prefill, and without
-  their bf16 rounding of the scores); on an AMX CPU, bf16 queries over bf16 keys and values on the
-  tiles instead (``tiles=True``: the softmax's weights rounded to bf16 as SDPA's kernel rounds them,
-  1.3-1.5x its speed a layer);
+  their bf16 rounding of the scores); on the ``avx512bf16`` build, bf16 queries over bf16 keys and
+  values in bf16 products instead (``tiles=True``: the softmax's weights rounded to bf16 as SDPA's
+  kernel rounds them): on AMX's tiles, 1.3-1.5x SDPA's speed a layer, and on a CPU without AMX with
+  AVX512_BF16's dot products, 1.8x the float32 products' on a Zen 5 EPYC;
 
 and the small ops of a step fused, rounding as the torch ops they replace: ``add_rmsnorm``,
 ``silu_mul`` and ``rope_store`` (the rotary embedding and the cache write).
@@ -298,16 +299,17 @@ class CpuKernels:
         return out
 
     def prompt_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                         start: int = 0, tiles: bool = False) -> torch.Tensor:
+                         start: int = 0, tiles: bool = False, dot_products: bool = False) -> torch.Tensor:
         """A prompt chunk's causal attention: queries ``q`` ``[tokens, heads, head_dim]``, float32 or bfloat16
         (each token's heads side by side, rows may be strided), at positions ``start .. start + tokens - 1``,
         each over the keys and values at or before its own. ``k`` and ``v``: ``[start + tokens,
         kv_heads, head_dim]`` of one dtype, float32 or bfloat16, ``head_dim`` contiguous (a first
         chunk's own rows of the fused q/k/v product, or a slot of the cache viewed as
         ``k_layer[slot].transpose(0, 1)``). The arithmetic is float32 whatever the dtypes; with ``tiles``
-        (only where :meth:`supports_tile_attention`), both products run on AMX's tiles and the softmax's
-        weights are rounded to bf16 between them, as SDPA's bf16 flash kernel rounds them. Returns
-        ``[tokens, heads, head_dim]`` in ``q``'s dtype. Only where :meth:`supports_prompt_attention`."""
+        (only where :meth:`supports_tile_attention`), both products are bf16 products with float32 sums, on
+        AMX's tiles where the CPU has them, else (or with ``dot_products``) with AVX512_BF16's dot products,
+        and the softmax's weights are rounded to bf16 between them, as SDPA's bf16 flash kernel rounds them.
+        Returns ``[tokens, heads, head_dim]`` in ``q``'s dtype. Only where :meth:`supports_prompt_attention`."""
         tokens, heads, dim = q.shape
         if q.dtype not in DTYPE_CODES or q.stride(2) != 1 or q.stride(1) != dim:
             raise ValueError(f"native prompt attention: q must be float32 or bfloat16 [tokens, heads, {dim}] with "
@@ -322,10 +324,10 @@ class CpuKernels:
         strides = (ctypes.c_long * 4)(k.stride(0), k.stride(1), v.stride(0), v.stride(1))
         code = self._prompt_attention(q.data_ptr(), q.stride(0), DTYPE_CODES[q.dtype], k.data_ptr(), v.data_ptr(),
                                       DTYPE_CODES[k.dtype], strides, tokens, start, heads, k.shape[1], dim, scale,
-                                      out.data_ptr(), torch.get_num_threads(), int(tiles))
+                                      out.data_ptr(), torch.get_num_threads(), (2 if dot_products else 1) * tiles)
         if code == -3:
-            raise ValueError(f"native prompt attention on AMX's tiles: needs an AMX CPU and the avx512bf16 build "
-                             f"(here: {self.isa}), bfloat16 q, k and v, a head_dim that is a multiple of 32 (got "
+            raise ValueError(f"native prompt attention in bf16 products: needs the avx512bf16 build (here: "
+                             f"{self.isa}), bfloat16 q, k and v, a head_dim that is a multiple of 32 (got "
                              f"{q.dtype} over {k.dtype}, head_dim {dim})")
         if code:
             raise ValueError(f"native prompt attention: unsupported on {self.isa} ({heads} heads over "
@@ -388,10 +390,16 @@ class CpuKernels:
                 and heads % kv_heads == 0)
 
     def supports_tile_attention(self, dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int) -> bool:
-        """Whether :meth:`prompt_attention` runs on AMX's tiles (``tiles=True``) here: an AMX CPU, bfloat16
-        queries, keys and values, a head size that is a multiple of 32 (one tile row of a query)."""
+        """Whether :meth:`prompt_attention` runs in bf16 products (``tiles=True``) here: the ``avx512bf16`` build
+        (on AMX's tiles where the CPU has them, else AVX512_BF16's dot products), bfloat16 queries, keys and
+        values, a head size that is a multiple of 32 (one tile row of a query)."""
         return (dtype == kv_dtype == torch.bfloat16 and head_dim % 32 == 0 and head_dim > 0
-                and self._amx_usable() == 1)
+                and self.isa == "avx512bf16")
+
+    @property
+    def amx(self) -> bool:
+        """Whether this build and CPU run AMX's tiles."""
+        return self._amx_usable() == 1
 
     def supports_attention(self, q_dtype: torch.dtype, kv_dtype: torch.dtype, heads: int, kv_heads: int,
                            head_dim: int) -> bool:
@@ -501,7 +509,7 @@ class DecodeLayers:
             len(chunks), (ctypes.c_long * (4 * len(chunks) or 1))(*[n for chunk in chunks for n in chunk]),
             int(tiles), *head)
         if code == -3:
-            raise ValueError("native decode layers: a prompt's attention on AMX's tiles does not run here (see "
+            raise ValueError("native decode layers: a prompt's attention in bf16 products does not run here (see "
                              "CpuKernels.supports_tile_attention)")
         if code:
             layout = " or shapes for pair panels" if self.pairs else ""

@@ -152,7 +152,8 @@ def native_prompt_pays(kernels, dtype: torch.dtype, kv: torch.dtype, heads: int,
                        rounds: int = 4, tiles: bool = False) -> bool:
     """Whether the native prompt kernel (:class:`_NativePrompt`) attends a prompt at least as fast as torch's
     way here (:class:`_PromptAttention`: bf16 blocks, float32 blocks over a bf16 cache; with ``tiles``, the
-    kernel on AMX's tiles against SDPA's causal bf16 flash kernel, which an AMX CPU takes otherwise), measured
+    kernel in bf16 products against SDPA's causal bf16 flash kernel where an AMX CPU takes it, else against
+    the bf16 blocks), measured
     once per process and shape on one layer's attention of :data:`PROMPT_SAMPLE_TOKENS` random tokens, the
     two taking turns; each side scores the sum of its two fastest runs. A tie goes to the kernel, whose
     float32 scores (and weights, off the tiles) are the more exact.
@@ -163,19 +164,59 @@ def native_prompt_pays(kernels, dtype: torch.dtype, kv: torch.dtype, heads: int,
     key = (dtype, kv, heads, kv_heads, head_dim, tiles, torch.get_num_threads())
     if key in _PROMPT_DECISIONS:
         return _PROMPT_DECISIONS[key]
-    gen = torch.Generator().manual_seed(0)
+    q, k, v = _prompt_sample(dtype, heads, kv_heads, head_dim)
     tokens, scale = PROMPT_SAMPLE_TOKENS, head_dim ** -0.5
-    q = torch.randn(tokens, heads, head_dim, generator=gen).to(dtype)
-    k, v = (torch.randn(tokens, kv_heads, head_dim, generator=gen).to(dtype) for _ in range(2))
-    torch_way = _Chunk(_CausalPrompt(0, tokens)) if tiles else _PromptAttention(0, 0, dtype)
+    sdpa = tiles and not prompts_attend_by_blocks(dtype, kv, torch.device("cpu"))
+    torch_way = _Chunk(_CausalPrompt(0, tokens)) if sdpa else _PromptAttention(0, 0, dtype)
     cache = [t.transpose(0, 1).unsqueeze(0) for t in (k, v)]  # one slot [1, kv_heads, tokens, head_dim]
     passes = cpu_kernels.alternate_passes({"native": lambda: kernels.prompt_attention(q, k, v, scale, tiles=tiles),
                                            "torch": lambda: torch_way(q, k, v, *cache, heads != kv_heads)}, rounds)
     decision = _PROMPT_DECISIONS[key] = cpu_kernels.choose_fastest(passes, "native", margin=0.0) == "native"
     logger.info("prompt attention, %s over a %s cache, %d tokens, %d threads: native%s %.2f ms, torch%s %.2f ms "
-                "(best) -> %s", dtype, kv, tokens, key[-1], " on AMX tiles" if tiles else "",
-                1e3 * min(passes["native"]), " SDPA" if tiles else "", 1e3 * min(passes["torch"]),
+                "(best) -> %s", dtype, kv, tokens, key[-1], " in bf16 products" if tiles else "",
+                1e3 * min(passes["native"]), " SDPA" if sdpa else "", 1e3 * min(passes["torch"]),
                 "native" if decision else "torch")
+    return decision
+
+
+def _prompt_sample(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int):
+    """q, k and v of :data:`PROMPT_SAMPLE_TOKENS` random tokens, the same in every process."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(PROMPT_SAMPLE_TOKENS, heads, head_dim, generator=gen).to(dtype)
+    k, v = (torch.randn(PROMPT_SAMPLE_TOKENS, kv_heads, head_dim, generator=gen).to(dtype) for _ in range(2))
+    return q, k, v
+
+
+#: :func:`bf16_products_pay` decisions of this process, by (heads, kv heads, head_dim, threads).
+_BF16_PRODUCTS_DECISIONS: Dict[tuple, bool] = {}
+#: How much faster AVX512_BF16's dot products must attend a prompt than the float32 products to be taken: their
+#: softmax weights are rounded to bf16.
+BF16_PRODUCTS_MARGIN = 0.1
+
+
+def bf16_products_pay(kernels, heads: int, kv_heads: int, head_dim: int, rounds: int = 4) -> bool:
+    """On a CPU with AVX512_BF16 and no AMX, whether the native prompt kernel's bf16 dot products
+    (``tiles=True``) attend a bf16 prompt over a bf16 cache :data:`BF16_PRODUCTS_MARGIN` faster than its
+    float32 products, measured once per process and shape on one layer's attention of
+    :data:`PROMPT_SAMPLE_TOKENS` random tokens, the two taking turns (:func:`~.cpu_kernels.choose_fastest`).
+
+    A dot product instruction does twice a float32 multiply-add's work; where a CPU issues it half as often
+    (some AVX-512 Xeons) the two tie, and the float32 products, which keep the weights unrounded, stay. On
+    a Zen 5 EPYC (2 threads, the bench model's layer): 0.21 against 0.39 ms at 256 tokens, 1.37 against 2.41
+    at 768."""
+    key = (heads, kv_heads, head_dim, torch.get_num_threads())
+    if key in _BF16_PRODUCTS_DECISIONS:
+        return _BF16_PRODUCTS_DECISIONS[key]
+    q, k, v = _prompt_sample(torch.bfloat16, heads, kv_heads, head_dim)
+    scale = head_dim ** -0.5
+    passes = cpu_kernels.alternate_passes({"float32": lambda: kernels.prompt_attention(q, k, v, scale),
+                                           "bf16": lambda: kernels.prompt_attention(q, k, v, scale, tiles=True)},
+                                          rounds)
+    decision = _BF16_PRODUCTS_DECISIONS[key] = cpu_kernels.choose_fastest(
+        passes, "float32", margin=BF16_PRODUCTS_MARGIN) == "bf16"
+    logger.info("prompt attention, bf16 over a bf16 cache, %d tokens, %d threads: float32 products %.2f ms, "
+                "AVX512_BF16 dot products %.2f ms (best) -> %s", PROMPT_SAMPLE_TOKENS, key[-1],
+                1e3 * min(passes["float32"]), 1e3 * min(passes["bf16"]), "bf16" if decision else "float32")
     return decision
 
 
@@ -328,9 +369,11 @@ class TorchSlotBackend(OnePassSlotBackend):
         self._fused_ops = self._kernels is not None and self._fuses_small_ops()
         #: Prompt chunks attend by :class:`_PromptAttention` (see :func:`prompts_attend_by_blocks`).
         self._prompt_by_blocks = prompts_attend_by_blocks(self.dtype, self.kv_dtype, self.device)
-        #: bf16 prompt attention over a bf16 cache runs on AMX's tiles where the CPU has them (else SDPA's).
-        self._prompt_tiles = kernels is not None and kernels.supports_tile_attention(self.dtype, self.kv_dtype,
-                                                                                     self.head_dim)
+        #: bf16 prompt attention over a bf16 cache runs in bf16 products: on AMX's tiles where the CPU has them,
+        #: else on AVX512_BF16's dot products where they measure faster than float32's (:func:`bf16_products_pay`).
+        self._prompt_tiles = kernels is not None and kernels.supports_tile_attention(
+            self.dtype, self.kv_dtype, self.head_dim) and (
+            kernels.amx or bf16_products_pay(kernels, self.n_heads, self.n_kv_heads, self.head_dim))
         #: Prompt chunks attend through these kernels (:class:`_NativePrompt`), where they run them and measure
         #: as fast as torch's way (:func:`native_prompt_pays`): float32 arithmetic, bf16 where the blocks
         #: would run, and bf16 on AMX's tiles.
