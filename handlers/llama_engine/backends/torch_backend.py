@@ -153,9 +153,9 @@ def native_prompt_pays(kernels, dtype: torch.dtype, kv: torch.dtype, heads: int,
     """Whether the native prompt kernel (:class:`_NativePrompt`) attends a prompt at least as fast as torch's
     way here (:class:`_PromptAttention`: bf16 blocks, float32 blocks over a bf16 cache; with ``tiles``, the
     kernel in bf16 products against SDPA's causal bf16 flash kernel where an AMX CPU takes it, else against
-    the bf16 blocks), measured
-    once per process and shape on one layer's attention of :data:`PROMPT_SAMPLE_TOKENS` random tokens, the
-    two taking turns; each side scores the sum of its two fastest runs. A tie goes to the kernel, whose
+    the bf16 blocks), measured once per process and shape on one layer's attention of
+    :data:`PROMPT_SAMPLE_TOKENS` random tokens, the two taking turns; each side scores the sum of its two
+    fastest runs. A tie goes to the kernel, whose
     float32 scores (and weights, off the tiles) are the more exact.
 
     The kernel's tile is AVX2's on every build: measured 1.7x faster than SDPA on a Zen 3 EPYC, as fast
@@ -376,7 +376,7 @@ class TorchSlotBackend(OnePassSlotBackend):
             kernels.amx or bf16_products_pay(kernels, self.n_heads, self.n_kv_heads, self.head_dim))
         #: Prompt chunks attend through these kernels (:class:`_NativePrompt`), where they run them and measure
         #: as fast as torch's way (:func:`native_prompt_pays`): float32 arithmetic, bf16 where the blocks
-        #: would run, and bf16 on AMX's tiles.
+        #: would run, and bf16 in bf16 products.
         self._prompt_kernels = kernels if (
             kernels is not None and (self.dtype == torch.float32 or self._prompt_by_blocks or self._prompt_tiles)
             and kernels.supports_prompt_attention(self.dtype, self.kv_dtype, self.n_heads, self.n_kv_heads,
