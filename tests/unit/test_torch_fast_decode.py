@@ -1013,37 +1013,21 @@ def native_and_torch_prompts(backend, kernels, monkeypatch, tiles: bool):
     return native, torch_way
 
 
-@needs_amx_tiles
-def test_bf16_prompt_chunks_attend_on_amx_tiles_where_the_cpu_has_them(bf16_checkpoint, monkeypatch):
-    """bf16 arithmetic over a bf16 cache on an AMX CPU: a whole prompt, a first chunk and a later one attend on
-    the tiles (``tiles=True``) once a layer but the last, and the logits stay within bf16 rounding of SDPA's
-    bf16 flash kernel, the way taken otherwise."""
+@pytest.mark.skipif(NATIVE is None or NATIVE.isa != "avx512bf16", reason="this CPU does not run the avx512bf16 build")
+def test_bf16_prompt_chunks_attend_in_bf16_products_where_the_cpu_runs_them(bf16_checkpoint, monkeypatch):
+    """bf16 arithmetic over a bf16 cache on the avx512bf16 build: a whole prompt, a first chunk and a later one
+    attend in bf16 products (``tiles=True``: AMX's tiles, or without AMX AVX512_BF16's dot products where they
+    measure faster than the float32 products) once a layer but the last, and the logits stay within bf16
+    rounding of torch's way there: SDPA's bf16 flash kernel on an AMX CPU, else the bf16 blocks."""
     monkeypatch.setenv(cpu_kernels.ENV, "avx512bf16")
     monkeypatch.setattr(torch_backend, "native_prompt_pays", lambda *args, **kwargs: kwargs["tiles"])
-    backend = TorchSlotBackend.from_pretrained(str(bf16_checkpoint), 2, 320, "bfloat16", "cpu")
-    assert backend._prompt_tiles and not backend._prompt_by_blocks
-    kernels = backend._prompt_kernels
-    assert kernels is not None and kernels.isa == "avx512bf16"
-    tiles, sdpa = native_and_torch_prompts(backend, kernels, monkeypatch, tiles=True)
-    for got, want in zip(tiles, sdpa):
-        assert_close(got, want)
-
-
-@needs_dot_products
-def test_bf16_prompt_chunks_attend_in_dot_products_where_they_measure_faster_without_amx(bf16_checkpoint,
-                                                                                       monkeypatch):
-    """bf16 arithmetic over a bf16 cache on an AVX512_BF16 CPU without AMX, where the dot products measure
-    faster than the float32 products: a whole prompt, a first chunk and a later one attend in bf16 products
-    (``tiles=True``) once a layer but the last, and the logits stay within bf16 rounding of torch's way here,
-    the bf16 blocks."""
-    monkeypatch.setattr(torch_backend, "native_prompt_pays", lambda *args, **kwargs: True)
     monkeypatch.setattr(torch_backend, "bf16_products_pay", lambda *args, **kwargs: True)
     backend = TorchSlotBackend.from_pretrained(str(bf16_checkpoint), 2, 320, "bfloat16", "cpu")
-    assert backend._prompt_tiles and backend._prompt_by_blocks
+    assert backend._prompt_tiles and backend._prompt_by_blocks == (not NATIVE.amx)
     kernels = backend._prompt_kernels
     assert kernels is not None and kernels.isa == "avx512bf16"
-    dots, blocks = native_and_torch_prompts(backend, kernels, monkeypatch, tiles=True)
-    for got, want in zip(dots, blocks):
+    products, torch_way = native_and_torch_prompts(backend, kernels, monkeypatch, tiles=True)
+    for got, want in zip(products, torch_way):
         assert_close(got, want)
 
 
