@@ -526,7 +526,7 @@ def test_prompt_attention_in_bf16_products_is_stable_for_large_scores(kernels, d
 
 
 @pytest.mark.parametrize("kernels", ISAS, indirect=True)
-def test_prompt_attention_in_bf16_products_is_refused_where_they_do_not_run(kernels):
+def test_prompt_attention_in_bf16_products_is_refused_where_they_do_not_run(kernels, monkeypatch):
     """bf16 products need the avx512bf16 build (an AMX CPU's tiles, or AVX512_BF16's dot products), bf16 q, k
     and v and a head size that is a multiple of 32; elsewhere the call raises, naming what it needs, and does
     not fall back silently."""
@@ -540,6 +540,8 @@ def test_prompt_attention_in_bf16_products_is_refused_where_they_do_not_run(kern
                                              f"{kernels.isa}\\), bfloat16 q, k and v, a head_dim that is a "
                                              "multiple of 32"):
             kernels.prompt_attention(*args, 0.125, tiles=True)
+    monkeypatch.setattr(kernels, "_bf16_prompt_products", lambda: 0)  # an avx512bf16 build without AMX's intrinsics
+    assert not kernels.supports_tile_attention(torch.bfloat16, torch.bfloat16, 64)
 
 
 def test_the_library_name_follows_the_source_and_the_flags(tmp_path, monkeypatch):

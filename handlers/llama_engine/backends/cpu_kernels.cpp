@@ -2217,6 +2217,16 @@ LLK_API long llk_amx_min_rows(long set) {
 #endif
 }
 
+// 1 where this build runs bf16 prompt attention in bf16 products (prompt_attention's `tiles`), else 0: the
+// avx512bf16 build from a compiler that has AMX's intrinsics (the dot products share that code).
+LLK_API int llk_bf16_prompt_products(void) {
+#if defined(LLK_AMX)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 // 1 where this build and CPU run AMX's tiles, else 0.
 LLK_API int llk_amx_usable(void) {
 #if defined(LLK_AMX)

@@ -214,6 +214,7 @@ _FUNCTIONS = {
     "_pack_pairs": ("llk_pack_pairs", [_P, _P, _I64, _I64], _I32),
     "_amx_min_rows": ("llk_amx_min_rows", [_I64], _I64),
     "_amx_usable": ("llk_amx_usable", [], _I32),
+    "_bf16_prompt_products": ("llk_bf16_prompt_products", [], _I32),
     "_pool_check": ("llk_pool_check", [_I64, _I64, _I32], _I64),
     "_isa": ("llk_isa", [], ctypes.c_char_p),
 }
@@ -391,10 +392,11 @@ class CpuKernels:
 
     def supports_tile_attention(self, dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int) -> bool:
         """Whether :meth:`prompt_attention` runs in bf16 products (``tiles=True``) here: the ``avx512bf16`` build
-        (on AMX's tiles where the CPU has them, else AVX512_BF16's dot products), bfloat16 queries, keys and
-        values, a head size that is a multiple of 32 (one tile row of a query)."""
+        from a compiler with AMX's intrinsics (on AMX's tiles where the CPU has them, else AVX512_BF16's dot
+        products), bfloat16 queries, keys and values, a head size that is a multiple of 32 (one tile row of a
+        query)."""
         return (dtype == kv_dtype == torch.bfloat16 and head_dim % 32 == 0 and head_dim > 0
-                and self.isa == "avx512bf16")
+                and self._bf16_prompt_products() == 1)
 
     @property
     def amx(self) -> bool:
