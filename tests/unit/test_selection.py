@@ -37,6 +37,19 @@ def test_top_k_keeps_exactly_k_tokens_when_the_kth_logit_ties():
     assert chosen <= {0, selector.top[1][0]} and selector.top[1][0] in (1, 2, 3)
 
 
+def test_tied_top_tokens_are_listed_and_cut_as_argmax_breaks_ties():
+    """Listed alternatives of equal log-probability come lowest id first, the greedy pick among them first, and
+    a tie at the cut keeps the lowest ids (``torch.topk`` orders and picks tied values in no set way)."""
+    logits = torch.tensor([0.0, 2.0, -1.0, 2.0, 2.0, 1.0, 2.0])
+    for k, want in ((7, [1, 3, 4, 6, 5, 0, 2]), (3, [1, 3, 4]), (5, [1, 3, 4, 6, 5]), (1, [1])):
+        selector = TokenSelector(SamplingParams(logprobs=k))
+        token, _ = selector.choose(logits)
+        assert token == 1 and [i for i, _ in selector.top] == want
+        assert all(a[1] >= b[1] for a, b in zip(selector.top, selector.top[1:]))
+    tokens, _ = select_tokens(logits.unsqueeze(0), [TokenSelector(SamplingParams(logprobs=2))])
+    assert tokens.tolist() == [1]
+
+
 def test_top_k_and_top_p_restrict_the_choices():
     logits = torch.tensor([4.0, 3.0, 2.0, 1.0, 0.0])
     top_k = TokenSelector(SamplingParams(do_sample=True, top_k=2, seed=0))
