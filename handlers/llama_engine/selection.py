@@ -105,10 +105,11 @@ class TokenSelector:
         if not k:
             return
         values, ids = torch.topk(logprobs, min(k, logprobs.shape[-1]))
+        values = values.tolist()
         cut = values[-1]
-        above = [(i, v) for i, v in zip(ids.tolist(), values.tolist()) if v > cut]
+        above = [(i, v) for i, v in zip(ids.tolist(), values) if v > cut]
         tied = (logprobs == cut).nonzero().flatten()[:len(values) - len(above)].tolist()
-        top = sorted(above + [(i, float(cut)) for i in tied], key=lambda pair: (-pair[1], pair[0]))
+        top = sorted(above + [(i, cut) for i in tied], key=lambda pair: (-pair[1], pair[0]))
         self.top = [(i, v) for i, v in top if math.isfinite(v)]
 
     def observe(self, token: int) -> None:
