@@ -927,8 +927,11 @@ def test_float32_prompt_chunks_attend_through_the_native_prompt_kernel_and_keep_
                                                                                        kv_cache_dtype, isa):
     """A whole prompt, a first chunk and a later one (over the cache) go through ``prompt_attention``, once a
     layer but the last (where only the row with logits attends, as a decode row), on every build; the
-    logits are the plain model's (a float32 cache) or within the bf16 cache's rounding."""
+    logits are the plain model's (a float32 cache) or within the bf16 cache's rounding. The layers run from
+    Python: on an AVX2-only CPU the one native call for all layers takes a prompt's rows too, and attends
+    inside it."""
     monkeypatch.setenv(cpu_kernels.ENV, isa)
+    monkeypatch.setenv(torch_backend.DECODE_LAYERS_ENV, "0")
     monkeypatch.setattr(torch_backend, "native_prompt_pays", lambda *args, **kwargs: True)  # whatever this CPU measures
     backend = TorchSlotBackend.from_pretrained(str(tiny_model_dir), 2, 320, "float32", "cpu",
                                                kv_cache_dtype=kv_cache_dtype)
@@ -1259,6 +1262,7 @@ def test_an_unsure_prompt_products_measurement_times_more_rounds(monkeypatch):
 
 
 @needs_native
+@BF16
 def test_a_bf16_models_prompt_rows_in_float32_round_once_to_bf16(tiny_model_dir, monkeypatch):
     """With the float32 choice a prompt's products (more rows than the native kernel keeps) are the float32
     product of the bf16 inputs and weights, rounded to bf16 once; a decode step's rows stay native."""
