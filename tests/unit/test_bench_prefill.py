@@ -231,3 +231,31 @@ def test_the_bench_serves_the_checkpoint_asked_for_and_counts_its_weights_as_ser
     assert described["weight_dtype"] == run.weight_dtype == ("bfloat16" if kept else "float32")
     widened = bench_model.describe(paths["float32"], "float32")["weight_bytes_per_token"]
     assert described["weight_bytes_per_token"] == (widened // 2 if kept else widened)
+
+
+def test_prefill_stall_burst_reports_each_budget_with_every_request_generating(tiny_model_dir, capsys, monkeypatch):
+    import torch
+
+    from scripts.bench import measure_prefill_stall as stall
+
+    runs = []
+    measure = stall.measure_burst
+
+    def counting(scheduler, prompt_ids, burst, new_tokens, budget):
+        result = measure(scheduler, prompt_ids, burst, new_tokens, budget)
+        runs.append((budget, scheduler.steps))
+        return result
+
+    monkeypatch.setattr(stall, "measure_burst", counting)
+    threads = torch.get_num_threads()
+    assert stall.main(["--model", str(tiny_model_dir), "--threads", "1", "--burst", "3", "--prompt-tokens", "12",
+                       "--new-tokens", "4", "--budgets", "12", "36", "--rounds", "2"]) == 0
+    torch.set_num_threads(threads)
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
+    assert [row[0] for row in rows] == ["12", "36"]
+    assert all(float(row[1]) > 0 and row[3] == "ms" and float(row[4]) >= float(row[2]) for row in rows)
+    # warm-up, then the budgets alternated: 12 36, 36 12
+    assert [budget for budget, _ in runs] == [12, 12, 36, 36, 12]
+    # a budget of the burst's whole 36 prompt tokens prefills it in one step; 12 takes a step per prompt
+    steps = [after - before for (_, before), (_, after) in zip(runs, runs[1:])]
+    assert steps == [3 + 3, 1 + 3, 1 + 3, 3 + 3]
