@@ -118,7 +118,8 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(args.threads)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    length = max(args.prompt_tokens + max(args.new_tokens, 400) + 1, 16 + 400)
+    # a burst's prompts and their new tokens; else the 16 + 400 running streams and the prompt's first token
+    length = args.prompt_tokens + args.new_tokens if args.burst else max(args.prompt_tokens + 1, 16 + 400)
     slots = max(args.running + 1, args.burst)
     backend = TorchSlotBackend.from_pretrained(str(args.model), slots, max_length=length, dtype=args.dtype)
     scheduler = ContinuousScheduler(backend, tokenizer, max_queue=slots)

@@ -248,9 +248,11 @@ def test_prefill_stall_burst_reports_each_budget_with_every_request_generating(t
 
     monkeypatch.setattr(stall, "measure_burst", counting)
     threads = torch.get_num_threads()
-    assert stall.main(["--model", str(tiny_model_dir), "--threads", "1", "--burst", "3", "--prompt-tokens", "12",
-                       "--new-tokens", "4", "--budgets", "12", "36", "--rounds", "2"]) == 0
-    torch.set_num_threads(threads)
+    try:
+        assert stall.main(["--model", str(tiny_model_dir), "--threads", "1", "--burst", "3", "--prompt-tokens", "12",
+                           "--new-tokens", "4", "--budgets", "12", "36", "--rounds", "2"]) == 0
+    finally:
+        torch.set_num_threads(threads)
     rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
     assert [row[0] for row in rows] == ["12", "36"]
     assert all(float(row[1]) > 0 and row[3] == "ms" and float(row[4]) >= float(row[2]) for row in rows)
