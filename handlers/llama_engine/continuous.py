@@ -9,7 +9,9 @@ longest one ends. Here a :class:`ContinuousScheduler` owns the slots of a
 2. plans the prefill: continues prompts already admitted, then admits waiting requests
    into free slots, all within ``max_prefill_tokens_per_step`` prompt tokens. A longer
    prompt is prefilled in chunks over several steps (chunked prefill), so it cannot stall
-   the streams already running;
+   the streams already running. With no stream running there is none to stall: the step
+   may then prefill one budget per slot, so a burst arriving at an idle server is prefilled
+   in one pass, as micro-batching would;
 3. runs those chunks and one decode token for every request that was running when the
    step began, in one backend call (one forward pass on the torch backend); a request
    whose prompt is now complete gets its first token.
@@ -230,7 +232,7 @@ class ContinuousScheduler:
                 started = time.perf_counter()
                 running = sorted((h for h in self._active.values() if h.status is RequestStatus.RUNNING),
                                  key=lambda h: h.slot)
-                chunks = self._plan_prefill()
+                chunks = self._plan_prefill(self._step_budget(bool(running)))
             forward_started = time.perf_counter()
             out = self.backend.step_slots([h.slot for h in running], [h.next_token for h in running],
                                           [PrefillChunk(h.slot, ids, h.prefilled) for h, ids in chunks])
@@ -255,12 +257,16 @@ class ContinuousScheduler:
                 handle.cancel()
                 self._ended(handle)
 
-    def _plan_prefill(self) -> List[tuple]:
-        """Spend the step's prompt-token budget: first on prompts under way, then on new admissions.
+    def _step_budget(self, streams_running: bool) -> int:
+        """The step's prompt tokens: the per-step budget, or one per slot when no stream would wait."""
+        return self.max_prefill_tokens_per_step * (1 if streams_running else self.max_slots)
+
+    def _plan_prefill(self, budget: int) -> List[tuple]:
+        """Spend ``budget`` prompt tokens: first on prompts under way, then on new admissions.
 
         Returns ``(handle, chunk token ids)`` pairs, admitting waiting requests into free slots.
         """
-        budget, chunks = self.max_prefill_tokens_per_step, []
+        chunks = []
         candidates = self._prefill_candidates()
         while budget > 0:
             handle = next(candidates, None)

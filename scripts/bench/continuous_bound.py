@@ -147,7 +147,7 @@ def simulate(schedule, slots: int, step_ms: dict, prefill_tps: float, chunk: int
     """An ideal continuous batcher serving ``schedule`` as it arrives: the schedule's ideal.
 
     The scheduler's policy (admit in arrival order into a free slot, prefill at most ``chunk``
-    prompt tokens per step in admission order, each chunk in the same pass as one decode token
+    prompt tokens per step in admission order, ``chunk`` per slot while no stream decodes, each chunk in the same pass as one decode token
     for every slot whose prompt is done, a request's first token when its prompt completes) at
     the measured step costs (:func:`replay`'s), with no scheduling, serving or client cost at all. Unlike
     :func:`replay`, it pays for what the schedule imposes: steps with fewer rows while requests
@@ -167,7 +167,7 @@ def simulate(schedule, slots: int, step_ms: dict, prefill_tps: float, chunk: int
             t = pending[i][0]
             continue
         decoding = [r for r in active if r["prompt"] == 0]
-        budget, prefilled, completing = chunk, 0, []
+        budget, prefilled, completing = chunk * (1 if decoding else slots), 0, []
         for r in active:
             if r["prompt"] and budget:
                 take = min(r["prompt"], budget)

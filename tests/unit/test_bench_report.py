@@ -371,11 +371,17 @@ def test_the_schedules_ideal_pays_for_arrivals_and_the_drain():
     fast, slow = simulate(together, 8, steps, 1000.0, 256, 0.0), simulate(apart, 8, steps, 1000.0, 256, 0.0)
     assert fast["sim_tokens"] == slow["sim_tokens"] == 400
     assert slow["ideal_tps"] < fast["ideal_tps"] / 2
-    # with the whole wave's prompts in one pass: 0.8 s of prefill, every first token, then 49 8-row steps
-    whole = simulate(together, 8, steps, 1000.0, 800, 0.0)
-    assert abs(whole["ideal_s"] - (0.8 + 49 * steps[8] / 1e3)) < 1e-9
-    # in 256-token chunks the first prompts start decoding in the passes that prefill the others
-    assert fast["ideal_s"] < whole["ideal_s"]
+    # at an idle server a pass prefills a chunk per slot: here the whole wave in one pass of
+    # 0.8 s, every first token, then 49 8-row steps
+    whole = 0.8 + 49 * steps[8] / 1e3
+    assert abs(fast["ideal_s"] - whole) < 1e-9
+    assert abs(simulate(together, 8, steps, 1000.0, 100, 0.0)["ideal_s"] - whole) < 1e-9
+    # chunks of 50: the first pass holds 4 prompts (400 tokens); with those decoding, the other 4
+    # come 50 tokens a pass beside them (8 passes to 0.8 s: the 4 make 9 tokens, the others 7, 5, 3, 1),
+    # then 41 8-row steps end the first 4 and the rest drain 2 steps each of 4, 3, 2, 1 rows
+    halves = simulate(together, 8, steps, 1000.0, 50, 0.0)
+    drain = 2 * sum(steps[rows] for rows in (4, 3, 2, 1))
+    assert abs(halves["ideal_s"] - (0.8 + (41 * steps[8] + drain) / 1e3)) < 1e-9
 
 
 BOUND = {"slots": 8, "chunk": 256, "step_ms": {str(r): 10.0 + r for r in range(1, 9)},  # as the JSON holds it

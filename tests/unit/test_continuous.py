@@ -422,6 +422,37 @@ def test_prefill_budget_delays_a_long_prompt_while_running_streams_keep_going(en
     assert runner.result.token_ids == alone(engine, PROMPTS[2], 60).token_ids
 
 
+def test_an_idle_server_prefills_a_burst_in_one_step_with_one_budget_per_slot(engine, backend):
+    budget = 8
+    sched = make_scheduler(engine, backend, max_prefill_tokens_per_step=budget)
+    burst = [sched.submit(prepare(engine, p, 4), Events(sched)) for p in (PROMPTS[1], PROMPTS[5], PROMPTS[0])]
+    lengths = [len(h.prepared.prompt_ids) for h in burst]
+    assert max(lengths) > budget and sum(lengths) <= budget * sched.max_slots
+    sched.step()
+    assert [h.first_token_step for h in burst] == [0, 0, 0]  # every prompt in the first step
+    long = sched.submit(prepare(engine, LONG_PROMPT, 4), Events(sched))
+    sched.step()
+    assert backend.slot_length(long.slot) == budget  # streams are running: the per-step budget again
+    drain(sched)
+    for handle, prompt in zip(burst, (PROMPTS[1], PROMPTS[5], PROMPTS[0])):
+        assert handle.result.token_ids == alone(engine, prompt, 4).token_ids
+    assert long.result.token_ids == alone(engine, LONG_PROMPT, 4).token_ids
+
+
+def test_an_idle_server_chunks_a_prompt_longer_than_one_budget_per_slot(engine, backend):
+    budget = 4
+    sched = make_scheduler(engine, backend, max_prefill_tokens_per_step=budget)
+    long = sched.submit(prepare(engine, LONG_PROMPT, 3), Events(sched))
+    idle_budget = budget * sched.max_slots
+    prompt_tokens = len(long.prepared.prompt_ids)
+    assert prompt_tokens > 2 * idle_budget
+    sched.step()
+    assert backend.slot_length(long.slot) == idle_budget
+    drain(sched)
+    assert long.first_token_step + 1 == math.ceil(prompt_tokens / idle_budget)
+    assert long.result.token_ids == alone(engine, LONG_PROMPT, 3).token_ids
+
+
 def test_decode_error_fails_the_rows_of_that_step_and_frees_their_slots(engine, backend, monkeypatch):
     sched = make_scheduler(engine, backend)
     events = Events()
