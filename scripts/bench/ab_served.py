@@ -90,7 +90,9 @@ def build_at_revision(system, revision: str, tree: Path) -> None:
     tree.mkdir(parents=True)
     archive = subprocess.run(["git", "archive", revision], cwd=ROOT, check=True, capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
-    env = {**os.environ, "PYTHONPATH": f"{tree / 'handlers'}{os.pathsep}{tree}"}
+    # the export has no build/: a llamacpp config's GGUF converter comes from this checkout's llama.cpp
+    env = {"LLAMA_CPP_TREE": str(ROOT / "build" / "peers" / "llama.cpp"), **os.environ,
+           "PYTHONPATH": f"{tree / 'handlers'}{os.pathsep}{tree}"}
     subprocess.run([sys.executable, str(tree / "scripts" / "build_model.py"), "--config", str(system.config),
                     "--checkpoint", str(system.checkpoint), "--name", system.model_name,
                     "--build-dir", str(system.work / "models" / system.model_name),

@@ -67,3 +67,27 @@ def test_both_start_orders_cancel_the_bias_of_the_server_started_second(tiny_mod
                            "--one-order"]) == 0
     out = capsys.readouterr().out
     assert "1.320" in out and "both start orders" not in out
+
+
+def test_a_revisions_build_finds_this_checkouts_llama_cpp_converter(tmp_path, monkeypatch):
+    """``git archive`` exports no build/: without LLAMA_CPP_TREE a llamacpp config's build cannot convert."""
+    import subprocess
+    from types import SimpleNamespace
+
+    calls = []
+
+    def run(args, **kw):
+        calls.append((args, kw))
+        return SimpleNamespace(stdout=b"")
+
+    monkeypatch.setattr(subprocess, "run", run)
+    monkeypatch.delenv("LLAMA_CPP_TREE", raising=False)
+    system = SimpleNamespace(config=tmp_path / "v.yaml", checkpoint=tmp_path / "ckpt", model_name="variant0",
+                             work=tmp_path / "variant0", store=tmp_path / "store")
+    ab_served.build_at_revision(system, "HEAD", tmp_path / "tree0")
+    (build, kw), = [call for call in calls if str(call[0][1]).endswith("build_model.py")]
+    assert kw["env"]["LLAMA_CPP_TREE"] == str(ab_served.ROOT / "build" / "peers" / "llama.cpp")
+    assert kw["cwd"] == tmp_path / "tree0" and build[1] == str(tmp_path / "tree0" / "scripts" / "build_model.py")
+    monkeypatch.setenv("LLAMA_CPP_TREE", "/opt/llama.cpp")  # the user's own tree wins
+    ab_served.build_at_revision(system, "HEAD", tmp_path / "tree1")
+    assert calls[-1][1]["env"]["LLAMA_CPP_TREE"] == "/opt/llama.cpp"
