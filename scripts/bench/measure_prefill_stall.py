@@ -9,12 +9,14 @@ worst inter-token gap a running stream saw), the median step before it, and the 
 request's time to first token.
 
 With ``--burst N`` it measures the other side of the trade instead: N prompts arriving
-together, each generating ``--new-tokens``; per budget, the output tokens/s and the TTFT p50
-and max (medians over ``--rounds``, the budgets alternated). A budget of N x the prompt's
-tokens prefills the whole burst in one step, as a static batch would.
+together at an idle scheduler of N slots, each generating ``--new-tokens``; per budget, the
+output tokens/s and the TTFT p50 and max (medians over ``--rounds``, the budgets alternated).
+With no stream running a step takes the budget once per slot, so a budget of the prompt's
+tokens prefills the whole burst in one step, as a static batch would; a budget of 1/N of it
+prefills the first prompt alone, and the others at that budget a step beside it.
 
 Usage: python -m scripts.bench.measure_prefill_stall [--model build/bench-model-fp32] [--threads 2]
-       python -m scripts.bench.measure_prefill_stall --burst 8 --prompt-tokens 256 --budgets 256 2048
+       python -m scripts.bench.measure_prefill_stall --burst 8 --prompt-tokens 256 --budgets 32 256
 """
 from __future__ import annotations
 
@@ -120,7 +122,7 @@ def main(argv=None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     # a burst's prompts and their new tokens; else the 16 + 400 running streams and the prompt's first token
     length = args.prompt_tokens + args.new_tokens if args.burst else max(args.prompt_tokens + 1, 16 + 400)
-    slots = max(args.running + 1, args.burst)
+    slots = args.burst or args.running + 1
     backend = TorchSlotBackend.from_pretrained(str(args.model), slots, max_length=length, dtype=args.dtype)
     scheduler = ContinuousScheduler(backend, tokenizer, max_queue=slots)
     filler = tokenizer(" the", add_special_tokens=False)["input_ids"][-1]

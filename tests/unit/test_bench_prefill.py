@@ -250,14 +250,16 @@ def test_prefill_stall_burst_reports_each_budget_with_every_request_generating(t
     threads = torch.get_num_threads()
     try:
         assert stall.main(["--model", str(tiny_model_dir), "--threads", "1", "--burst", "3", "--prompt-tokens", "12",
-                           "--new-tokens", "4", "--budgets", "12", "36", "--rounds", "2"]) == 0
+                           "--new-tokens", "4", "--budgets", "4", "12", "--rounds", "2"]) == 0
     finally:
         torch.set_num_threads(threads)
     rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
-    assert [row[0] for row in rows] == ["12", "36"]
+    assert [row[0] for row in rows] == ["4", "12"]
     assert all(float(row[1]) > 0 and row[3] == "ms" and float(row[4]) >= float(row[2]) for row in rows)
-    # warm-up, then the budgets alternated: 12 36, 36 12
-    assert [budget for budget, _ in runs] == [12, 12, 36, 36, 12]
-    # a budget of the burst's whole 36 prompt tokens prefills it in one step; 12 takes a step per prompt
+    # warm-up, then the budgets alternated: 4 12, 12 4
+    assert [budget for budget, _ in runs] == [4, 4, 12, 12, 4]
+    # 3 slots, idle: a budget of 12 prefills the whole burst (3 x 12 tokens) in its first step, then
+    # 3 decode steps; 4 prefills the first prompt alone (4 per slot), then 4 tokens a step beside
+    # it: the others' first tokens come at steps 4 and 7, the last one's 4th token at step 10
     steps = [after - before for (_, before), (_, after) in zip(runs, runs[1:])]
-    assert steps == [3 + 3, 1 + 3, 1 + 3, 3 + 3]
+    assert steps == [10, 1 + 3, 1 + 3, 10]
