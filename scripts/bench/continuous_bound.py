@@ -147,8 +147,9 @@ def simulate(schedule, slots: int, step_ms: dict, prefill_tps: float, chunk: int
     """An ideal continuous batcher serving ``schedule`` as it arrives: the schedule's ideal.
 
     The scheduler's policy (admit in arrival order into a free slot, prefill at most ``chunk``
-    prompt tokens per step in admission order, ``chunk`` per slot while no stream decodes, each chunk in the same pass as one decode token
-    for every slot whose prompt is done, a request's first token when its prompt completes) at
+    prompt tokens per step in admission order, ``chunk`` per slot while no stream decodes, each
+    chunk in the same pass as one decode token for every slot whose prompt is done, a request's
+    first token when its prompt completes) at
     the measured step costs (:func:`replay`'s), with no scheduling, serving or client cost at all. Unlike
     :func:`replay`, it pays for what the schedule imposes: steps with fewer rows while requests
     have yet to arrive, and the drain after the last arrival. Returns ``ideal_tps``: output tokens
