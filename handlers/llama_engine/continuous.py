@@ -59,6 +59,14 @@ logger = logging.getLogger(__name__)
 EventCallback = Callable[[TokenEvent], None]
 
 
+def step_prefill_budget(per_step: int, slots: int, streams_running: bool) -> int:
+    """A step's prompt tokens: ``per_step`` while streams decode (it bounds their gaps), else one per slot.
+
+    Shared with ``scripts.bench.continuous_bound``, whose ideal schedule follows this policy.
+    """
+    return per_step if streams_running else per_step * slots
+
+
 class RequestHandle(Generation):
     """One submitted request: its generation (status, tokens, result, error) and its place in the scheduler."""
 
@@ -232,7 +240,8 @@ class ContinuousScheduler:
                 started = time.perf_counter()
                 running = sorted((h for h in self._active.values() if h.status is RequestStatus.RUNNING),
                                  key=lambda h: h.slot)
-                chunks = self._plan_prefill(self._step_budget(bool(running)))
+                chunks = self._plan_prefill(step_prefill_budget(self.max_prefill_tokens_per_step, self.max_slots,
+                                                                 bool(running)))
             forward_started = time.perf_counter()
             out = self.backend.step_slots([h.slot for h in running], [h.next_token for h in running],
                                           [PrefillChunk(h.slot, ids, h.prefilled) for h, ids in chunks])
@@ -256,10 +265,6 @@ class ContinuousScheduler:
                 self._release(handle)
                 handle.cancel()
                 self._ended(handle)
-
-    def _step_budget(self, streams_running: bool) -> int:
-        """The step's prompt tokens: the per-step budget, or one per slot when no stream would wait."""
-        return self.max_prefill_tokens_per_step * (1 if streams_running else self.max_slots)
 
     def _plan_prefill(self, budget: int) -> List[tuple]:
         """Spend ``budget`` prompt tokens: first on prompts under way, then on new admissions.

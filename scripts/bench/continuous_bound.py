@@ -45,6 +45,7 @@ from typing import Optional
 
 import torch
 
+from llama_engine.continuous import step_prefill_budget
 from llama_engine.cpu import auto_dtype
 from scripts.bench.plan import MODES, at_fixed_rate, poisson_lengths
 
@@ -149,11 +150,11 @@ def simulate(schedule, slots: int, step_ms: dict, prefill_tps: float, chunk: int
     The scheduler's policy (admit in arrival order into a free slot, prefill at most ``chunk``
     prompt tokens per step in admission order, ``chunk`` per slot while no stream decodes, each
     chunk in the same pass as one decode token for every slot whose prompt is done, a request's
-    first token when its prompt completes) at
-    the measured step costs (:func:`replay`'s), with no scheduling, serving or client cost at all. Unlike
-    :func:`replay`, it pays for what the schedule imposes: steps with fewer rows while requests
-    have yet to arrive, and the drain after the last arrival. Returns ``ideal_tps``: output tokens
-    / (last completion - first arrival), the served throughput's definition.
+    first token when its prompt completes) at the measured step costs (:func:`replay`'s), with
+    no scheduling, serving or client cost at all. Unlike :func:`replay`, it pays for what the
+    schedule imposes: steps with fewer rows while requests have yet to arrive, and the drain after
+    the last arrival. Returns ``ideal_tps``: output tokens / (last completion - first arrival),
+    the served throughput's definition.
     """
     pending = sorted(schedule)
     start = t = pending[0][0]
@@ -168,7 +169,7 @@ def simulate(schedule, slots: int, step_ms: dict, prefill_tps: float, chunk: int
             t = pending[i][0]
             continue
         decoding = [r for r in active if r["prompt"] == 0]
-        budget, prefilled, completing = chunk * (1 if decoding else slots), 0, []
+        budget, prefilled, completing = step_prefill_budget(chunk, slots, bool(decoding)), 0, []
         for r in active:
             if r["prompt"] and budget:
                 take = min(r["prompt"], budget)

@@ -425,7 +425,8 @@ def test_prefill_budget_delays_a_long_prompt_while_running_streams_keep_going(en
 def test_an_idle_server_prefills_a_burst_in_one_step_with_one_budget_per_slot(engine, backend):
     budget = 8
     sched = make_scheduler(engine, backend, max_prefill_tokens_per_step=budget)
-    burst = [sched.submit(prepare(engine, p, 4), Events(sched)) for p in (PROMPTS[1], PROMPTS[5], PROMPTS[0])]
+    prompts = (PROMPTS[1], PROMPTS[5], PROMPTS[0])
+    burst = [sched.submit(prepare(engine, p, 4), Events(sched)) for p in prompts]
     lengths = [len(h.prepared.prompt_ids) for h in burst]
     assert max(lengths) > budget and sum(lengths) <= budget * sched.max_slots
     sched.step()
@@ -434,7 +435,7 @@ def test_an_idle_server_prefills_a_burst_in_one_step_with_one_budget_per_slot(en
     sched.step()
     assert backend.slot_length(long.slot) == budget  # streams are running: the per-step budget again
     drain(sched)
-    for handle, prompt in zip(burst, (PROMPTS[1], PROMPTS[5], PROMPTS[0])):
+    for handle, prompt in zip(burst, prompts):
         assert handle.result.token_ids == alone(engine, prompt, 4).token_ids
     assert long.result.token_ids == alone(engine, LONG_PROMPT, 4).token_ids
 
