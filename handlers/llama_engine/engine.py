@@ -14,10 +14,11 @@ from typing import List, Optional, Sequence
 import torch
 
 from .backends import Backend, create_backend
+from .backends.base import take_greedy_picks
 from .lifecycle import Limits, PreparedRequest, RequestLifecycle, load_tokenizer
 from .metrics import NULL_SINK, MetricsSink
 from .request import GenerationRequest
-from .selection import select_tokens
+from .selection import select_token_lists
 from .streamer import BatchTextStreamer, GenerationResult, Sink
 
 logger = logging.getLogger(__name__)
@@ -104,12 +105,12 @@ class Engine:
                 generation.start_decoding()
             while True:
                 steps, rows_worked = steps + 1, rows_worked + len(streamer.active_rows)
-                tokens, logprobs = select_tokens(logits, [selectors[r] for r in live])
+                tokens, logprobs = select_token_lists(logits, [selectors[r] for r in live], take_greedy_picks(logits))
                 streamer.put_rows(live, tokens, logprobs)
                 if streamer.finished:
                     break
                 live, tokens = self._shrink(streamer, live, tokens)
-                logits = self._forward(metrics, len(live), 0, self.backend.decode, tokens)
+                logits = self._forward(metrics, len(live), 0, self.backend.decode, torch.tensor(tokens))
         finally:
             self.backend.release()
             metrics.steps(steps, rows_worked, time.perf_counter() - started)
@@ -122,13 +123,13 @@ class Engine:
         metrics.forward(rows, prefill_tokens, time.perf_counter() - started)
         return logits
 
-    def _shrink(self, streamer: BatchTextStreamer, live: List[int], tokens: torch.Tensor):
+    def _shrink(self, streamer: BatchTextStreamer, live: List[int], tokens: List[int]):
         """Drop finished rows from the running batch, where the backend can."""
         active = set(streamer.active_rows)
         keep = [i for i, row in enumerate(live) if row in active]
         if len(keep) == len(live) or not self.backend.retain(keep):
             return live, tokens
-        return [live[i] for i in keep], tokens[keep]
+        return [live[i] for i in keep], [tokens[i] for i in keep]
 
     def warmup(self, batch_size: int = 1, max_new_tokens: int = 2, prompt_lengths: Sequence[int] = ()) -> None:
         """Run short generations so the first real request does not pay for lazy set-up.

@@ -8,7 +8,7 @@ complete, not at the next space, so CJK text and code stream too.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -78,10 +78,11 @@ class BatchTextStreamer:
         self.rows = list(rows)
         self.sink = sink
 
-    def put_rows(self, rows: Sequence[int], tokens: torch.Tensor, logprobs: Optional[Sequence[float]] = None) -> None:
+    def put_rows(self, rows: Sequence[int], tokens: Union[torch.Tensor, Sequence[int]],
+                 logprobs: Optional[Sequence[float]] = None) -> None:
         """Take one new token for each of ``rows`` (the rows still in a shrunken batch)."""
         events = []
-        token_list = tokens.reshape(-1).tolist()
+        token_list = tokens.reshape(-1).tolist() if isinstance(tokens, torch.Tensor) else tokens
         for i, (row, token_id) in enumerate(zip(rows, token_list)):
             generation = self.rows[row]
             if generation is None or generation.result is not None:

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from llama_engine import Engine, GenerationRequest, RequestError, SamplingParams
+from llama_engine.backends.base import take_greedy_picks, with_greedy_picks
 from llama_engine.config import HandlerConfig
 
 PROMPTS = [
@@ -52,6 +53,7 @@ def test_rows_stop_on_eos(engine):
     def decode_forcing_eos_in_row_0(tokens):
         logits = original(tokens)
         if not calls:  # the first decode step: the batch still holds both rows
+            take_greedy_picks(logits)  # the logits change: picks made from them no longer hold
             logits[0, eos] = 1e9
         calls.append(tokens.shape[0])
         return logits
@@ -86,6 +88,27 @@ def test_fixed_batch_size_backend_pads_and_ignores_padding_rows(engine, monkeypa
     got = run(engine, PROMPTS[:3])
     assert seen[0][0] == 4
     assert [r.token_ids for r in got] == [r.token_ids for r in expected]
+
+
+def test_plain_greedy_rows_take_the_backends_picks_and_others_select_from_the_logits(engine, monkeypatch):
+    """Where the backend attached greedy picks to a decode step's logits, a batch of plain greedy rows takes them
+    as they are (no selection over the logits); a batch where a row asks for top log-probabilities selects every
+    row from the logits. The picks here are marked (token 7 at -0.25) so that the two ways differ."""
+    original = engine.backend.decode
+
+    def marked(next_tokens):
+        logits = original(next_tokens)
+        take_greedy_picks(logits)
+        return with_greedy_picks(logits, [7] * logits.shape[0], [-0.25] * logits.shape[0])
+
+    unmarked = run(engine, PROMPTS[:2], max_new_tokens=4)
+    monkeypatch.setattr(engine.backend, "decode", marked)
+    greedy = run(engine, PROMPTS[:2], max_new_tokens=4)
+    assert [r.token_ids[1:] for r in greedy] == [[7] * 3] * 2 and [r.logprobs[1:] for r in greedy] == [[-0.25] * 3] * 2
+    assert [r.token_ids[0] for r in greedy] == [r.token_ids[0] for r in unmarked]  # the prefill's: no picks
+    prepared = [engine.prepare(GenerationRequest(PROMPTS[0], SamplingParams(max_new_tokens=4))),
+                engine.prepare(GenerationRequest(PROMPTS[1], SamplingParams(max_new_tokens=4, logprobs=2)))]
+    assert [r.token_ids for r in engine.generate(prepared)] == [r.token_ids for r in unmarked]
 
 
 def test_seeded_sampling_same_alone_and_batched(engine):

@@ -8,6 +8,7 @@ import torch
 from huggingface_hub.inference._generated.types import TextGenerationStreamOutput
 
 from llama_engine import Engine, GenerationRequest, RequestError, SamplingParams, parse_request
+from llama_engine.backends.base import take_greedy_picks
 from llama_engine.chat import render_chat, render_llama2
 from llama_engine.config import HandlerConfig
 from llama_engine.formatting import full_response, ndjson_line, sse_event
@@ -130,7 +131,13 @@ def test_three_finish_reasons(engine):
     assert length.finish_reason == "length"
     if eos_prompt is None:  # force EOS through the selector path: a logits bias on eos
         original = engine.backend.decode
-        engine.backend.decode = lambda t: original(t).index_fill_(1, torch.tensor([engine.tokenizer.eos_token_id]), 1e9)
+
+        def biased(tokens):
+            logits = original(tokens)
+            take_greedy_picks(logits)  # the logits change: picks made from them no longer hold
+            return logits.index_fill_(1, torch.tensor([engine.tokenizer.eos_token_id]), 1e9)
+
+        engine.backend.decode = biased
         try:
             result = generate(engine, [GenerationRequest("The", SamplingParams(max_new_tokens=5))])[0]
         finally:

@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from llama_engine import cpu as cpu_info
 from llama_engine.backends import cpu_kernels, fast_linear, torch_backend
-from llama_engine.backends.base import PrefillChunk, take_greedy_picks
+from llama_engine.backends.base import PrefillChunk, SlotBatchBackend, take_greedy_picks
 from llama_engine.backends.fast_linear import NativeLinear, PackedLinear, pack_linears, packing_supported
 from llama_engine.backends.torch_backend import (
     TorchBackend,
@@ -690,7 +690,8 @@ def test_a_prompt_alone_runs_its_layers_in_one_native_call_with_the_python_loops
 def test_a_native_decode_step_hands_its_greedy_picks_over_with_its_logits_and_only_there(tiny_model_dir):
     """A decode step whose call ends with the logits gives each row's greedy pick in ``StepLogits.picks``: the
     argmax of its logits and that token's log_softmax. Nothing else carries picks: not the logits it returns,
-    not ``decode_slots``' (whose caller may change them in place), not a pass with a prompt chunk."""
+    not ``decode_slots``' (whose caller may change them in place), not a pass with a prompt chunk; but the
+    static batch's ``decode``, whose logits go straight to the engine's selection."""
     backend = TorchSlotBackend(load(tiny_model_dir, torch.float32), max_slots=4, max_length=64, owns_model=True,
                                weight_dtype=torch.bfloat16)
     assert backend._logits_natively
@@ -706,6 +707,12 @@ def test_a_native_decode_step_hands_its_greedy_picks_over_with_its_logits_and_on
         assert take_greedy_picks(backend.decode_slots([1], [int(firsts[1].argmax())])) is None
         mixed = backend.step_slots([1], [3], [PrefillChunk(3, ids[:4], 0)])
         assert mixed.picks is None and mixed.decode.shape[0] == 1
+        for slot in range(4):
+            backend.free_slot(slot)
+        static = SlotBatchBackend(backend)  # micro-batching's backend: its decode hands them to the engine
+        first = static.prefill(torch.tensor([ids[:5], ids[2:7]]), torch.ones(2, 5, dtype=torch.long))
+        logits = static.decode(first.argmax(-1))
+        assert take_greedy_picks(logits)[0] == logits.argmax(-1).tolist()
 
 
 @needs_native

@@ -60,7 +60,9 @@ class Backend(ABC):
 
     @abstractmethod
     def decode(self, next_tokens: torch.Tensor) -> torch.Tensor:
-        """Append ``next_tokens [B]``; return logits ``[B, vocab]``."""
+        """Append ``next_tokens [B]``; return logits ``[B, vocab]``, with each row's greedy pick attached
+        (:func:`with_greedy_picks`) where the backend computed them beside the logits: code that changes the
+        logits (a wrapper biasing them, say) takes the picks off first (:func:`take_greedy_picks`)."""
 
     def retain(self, rows: Sequence[int]) -> bool:
         """Keep only ``rows`` of the running batch. Return False if the backend cannot shrink."""
@@ -284,7 +286,10 @@ class SlotBatchBackend(Backend):
         return torch.stack(out.prefills)
 
     def decode(self, next_tokens: torch.Tensor) -> torch.Tensor:
-        return self.slots.decode_slots(self._rows, next_tokens.view(-1).tolist())
+        step = self.slots.step_slots(self._rows, next_tokens.view(-1).tolist(), [])
+        if isinstance(step.decode, BaseException):
+            raise step.decode
+        return step.decode if step.picks is None else with_greedy_picks(step.decode, *step.picks)
 
     def retain(self, rows: Sequence[int]) -> bool:
         keep = [self._rows[i] for i in rows]
