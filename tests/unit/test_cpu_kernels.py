@@ -848,6 +848,37 @@ def test_decode_layers_with_a_head_end_with_float32_logits_and_each_rows_greedy_
     assert take_greedy_picks(tied) == ([0, 0, 0], pytest.approx([-math.log(vocab)] * 3, rel=1e-6))
 
 
+@pytest.mark.parametrize("kernels", ISAS, indirect=True)
+@pytest.mark.parametrize("dtype, weight_dtype", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16)])
+def test_a_decode_step_from_token_ids_is_the_call_over_their_embeddings(kernels, dtype, weight_dtype):
+    """``decode_step``: the logits, picks and K/V cache of the call over ``embedding[ids]`` with lengths one past
+    the positions, bit for bit; steps of 3, 1 and again 3 rows (its kept buffers), whose logits stay as they were
+    returned; an id outside the vocabulary and a call without the head refused, naming what is wrong."""
+    gen = torch.Generator().manual_seed(13)
+    heads, kv_heads, dim, width, inner, max_length, vocab = 4, 2, 32, 64, 96, 16, 50
+    rand = lambda *shape, dt=dtype: (torch.randn(*shape, generator=gen) * 0.5).to(dt)  # noqa: E731
+    layers, cos, ssin = random_layers(rand, gen, weight_dtype, 2, heads, kv_heads, dim, width, inner, max_length)
+    head = (1 + rand(width) * 0.1, rand(vocab, width, dt=weight_dtype) * 4)
+    embedding, cache = rand(vocab, width), rand(2, 4, kv_heads, max_length, dim)
+    step = cpu_kernels.DecodeLayers(kernels, layers, heads, kv_heads, dim, 1e-5, head=head)
+    got_k, got_v, want_k, want_v = cache.clone(), cache.clone(), cache.clone(), cache.clone()
+    kept = []
+    for ids, positions, slots in (([7, 0, 49], [5, 0, 11], [2, 0, 3]), ([3], [6], [2]), ([8, 9, 1], [7, 1, 12],
+                                                                                         [2, 0, 3])):
+        got = step.decode_step(embedding, ids, positions, slots, got_k, got_v, cos, ssin)
+        at = torch.tensor(positions)
+        want = step(embedding[ids], want_k, want_v, cos, ssin, at, torch.tensor(slots), at + 1)
+        assert torch.equal(got, want) and take_greedy_picks(got) == take_greedy_picks(want)
+        kept.append((got, got.clone()))
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v) and not torch.equal(got_k, cache)
+    assert all(torch.equal(returned, copy) for returned, copy in kept)
+    with pytest.raises(ValueError, match=r"token id out of range \[0, 50\)"):
+        step.decode_step(embedding, [50], [2], [1], got_k, got_v, cos, ssin)
+    with pytest.raises(ValueError, match="decode_step needs the head"):
+        cpu_kernels.DecodeLayers(kernels, layers, heads, kv_heads, dim, 1e-5).decode_step(
+            embedding, [1], [2], [1], got_k, got_v, cos, ssin)
+
+
 @pytest.mark.parametrize("kernels", ISAS[:2], indirect=True)
 @pytest.mark.parametrize("dtype, kv_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32),
                                              (torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)])

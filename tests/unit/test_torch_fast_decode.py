@@ -581,11 +581,12 @@ def test_fused_small_ops_only_for_models_they_compute(tiny_model_dir, monkeypatc
 
 
 class CountedCalls:
-    """Wraps a callable and counts the calls (the backend's native decode layers, here): ``calls`` of decode
-    rows only, ``prompts`` of passes with prompt chunks (``chunks`` given)."""
+    """Wraps the backend's native decode layers and counts the calls: ``calls`` of decode rows only (a call
+    without ``chunks``, or ``decode_step``), ``prompts`` of passes with prompt chunks (``chunks`` given)."""
 
     def __init__(self, inner):
         self.inner, self.calls, self.prompts = inner, 0, 0
+        self.head = inner.head
 
     def __call__(self, *args, **kwargs):
         if not kwargs.get("chunks"):
@@ -593,6 +594,10 @@ class CountedCalls:
         else:
             self.prompts += 1
         return self.inner(*args, **kwargs)
+
+    def decode_step(self, *args):
+        self.calls += 1
+        return self.inner.decode_step(*args)
 
 
 @needs_native

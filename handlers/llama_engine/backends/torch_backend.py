@@ -578,6 +578,9 @@ class TorchSlotBackend(OnePassSlotBackend):
         (a 256-token prefill of the bench model: ~10 ms of ~60 outside the kernels on an AMX Xeon, against
         ~2 ms when the kernels do nothing)."""
         inner = self.model.model
+        if not spans and self._logits_natively and inner.embed_tokens.weight.dtype == self.dtype:
+            return self._decode_layers.decode_step(inner.embed_tokens.weight, ids, positions, slots, self.k_cache,
+                                                   self.v_cache, self._cos, self._signed_sin)
         positions = torch.tensor(positions, dtype=torch.int64)
         hidden = inner.embed_tokens(torch.tensor(ids, dtype=torch.long))
         out = self._decode_layers(hidden, self.k_cache, self.v_cache, self._cos, self._signed_sin, positions,
