@@ -110,7 +110,7 @@ class Engine:
                 if streamer.finished:
                     break
                 live, tokens = self._shrink(streamer, live, tokens)
-                logits = self._forward(metrics, len(live), 0, self.backend.decode, torch.tensor(tokens))
+                logits = self._forward(metrics, len(live), 0, self.backend.decode, tokens)
         finally:
             self.backend.release()
             metrics.steps(steps, rows_worked, time.perf_counter() - started)

@@ -860,12 +860,12 @@ def test_a_decode_step_from_token_ids_is_the_call_over_their_embeddings(kernels,
     layers, cos, ssin = random_layers(rand, gen, weight_dtype, 2, heads, kv_heads, dim, width, inner, max_length)
     head = (1 + rand(width) * 0.1, rand(vocab, width, dt=weight_dtype) * 4)
     embedding, cache = rand(vocab, width), rand(2, 4, kv_heads, max_length, dim)
-    step = cpu_kernels.DecodeLayers(kernels, layers, heads, kv_heads, dim, 1e-5, head=head)
+    step = cpu_kernels.DecodeLayers(kernels, layers, heads, kv_heads, dim, 1e-5, head=head, embedding=embedding)
     got_k, got_v, want_k, want_v = cache.clone(), cache.clone(), cache.clone(), cache.clone()
     kept = []
     for ids, positions, slots in (([7, 0, 49], [5, 0, 11], [2, 0, 3]), ([3], [6], [2]), ([8, 9, 1], [7, 1, 12],
                                                                                          [2, 0, 3])):
-        got = step.decode_step(embedding, ids, positions, slots, got_k, got_v, cos, ssin)
+        got = step.decode_step(ids, positions, slots, got_k, got_v, cos, ssin)
         at = torch.tensor(positions)
         want = step(embedding[ids], want_k, want_v, cos, ssin, at, torch.tensor(slots), at + 1)
         assert torch.equal(got, want) and take_greedy_picks(got) == take_greedy_picks(want)
@@ -873,10 +873,10 @@ def test_a_decode_step_from_token_ids_is_the_call_over_their_embeddings(kernels,
     assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v) and not torch.equal(got_k, cache)
     assert all(torch.equal(returned, copy) for returned, copy in kept)
     with pytest.raises(ValueError, match=r"token id out of range \[0, 50\)"):
-        step.decode_step(embedding, [50], [2], [1], got_k, got_v, cos, ssin)
+        step.decode_step([50], [2], [1], got_k, got_v, cos, ssin)
     with pytest.raises(ValueError, match="decode_step needs the head"):
-        cpu_kernels.DecodeLayers(kernels, layers, heads, kv_heads, dim, 1e-5).decode_step(
-            embedding, [1], [2], [1], got_k, got_v, cos, ssin)
+        cpu_kernels.DecodeLayers(kernels, layers, heads, kv_heads, dim, 1e-5, embedding=embedding).decode_step(
+            [1], [2], [1], got_k, got_v, cos, ssin)
 
 
 @pytest.mark.parametrize("kernels", ISAS[:2], indirect=True)

@@ -55,7 +55,7 @@ def test_rows_stop_on_eos(engine):
         if not calls:  # the first decode step: the batch still holds both rows
             take_greedy_picks(logits)  # the logits change: picks made from them no longer hold
             logits[0, eos] = 1e9
-        calls.append(tokens.shape[0])
+        calls.append(len(tokens))
         return logits
 
     engine.backend.decode = decode_forcing_eos_in_row_0

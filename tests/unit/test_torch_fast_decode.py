@@ -586,7 +586,7 @@ class CountedCalls:
 
     def __init__(self, inner):
         self.inner, self.calls, self.prompts = inner, 0, 0
-        self.head = inner.head
+        self.head, self.embedding = inner.head, inner.embedding
 
     def __call__(self, *args, **kwargs):
         if not kwargs.get("chunks"):

@@ -59,8 +59,8 @@ class Backend(ABC):
         """Encode ``input_ids [B, T]`` (left-padded); return logits ``[B, vocab]``."""
 
     @abstractmethod
-    def decode(self, next_tokens: torch.Tensor) -> torch.Tensor:
-        """Append ``next_tokens [B]``; return logits ``[B, vocab]``, with each row's greedy pick attached
+    def decode(self, next_tokens: Union[torch.Tensor, Sequence[int]]) -> torch.Tensor:
+        """Append ``next_tokens [B]`` (a tensor or a list of ids); return logits ``[B, vocab]``, with each row's greedy pick attached
         (:func:`with_greedy_picks`) where the backend computed them beside the logits: code that changes the
         logits (a wrapper biasing them, say) takes the picks off first (:func:`take_greedy_picks`)."""
 
@@ -285,8 +285,9 @@ class SlotBatchBackend(Backend):
         self._rows = [chunk.slot for chunk in chunks]
         return torch.stack(out.prefills)
 
-    def decode(self, next_tokens: torch.Tensor) -> torch.Tensor:
-        step = self.slots.step_slots(self._rows, next_tokens.view(-1).tolist(), [])
+    def decode(self, next_tokens: Union[torch.Tensor, Sequence[int]]) -> torch.Tensor:
+        ids = next_tokens.view(-1).tolist() if isinstance(next_tokens, torch.Tensor) else list(next_tokens)
+        step = self.slots.step_slots(self._rows, ids, [])
         if isinstance(step.decode, BaseException):
             raise step.decode
         return step.decode if step.picks is None else with_greedy_picks(step.decode, *step.picks)

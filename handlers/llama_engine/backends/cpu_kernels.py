@@ -434,11 +434,14 @@ class DecodeLayers:
     for the call to end with the logits, as the backend's next two calls did. Those were the first Python after
     ~230 MB of weights had streamed through the caches: 0.64-0.68 ms from the call's return to the logits of an
     8-row step (~21 ms) of the bench model on an AMX Xeon, against ~0.13 ms for both on warm caches.
+
+    ``embedding``: the token embeddings ``[vocab, hidden]`` (contiguous, in the activations' dtype), for
+    :meth:`decode_step` to start from token ids; it needs the ``head`` too.
     """
 
     def __init__(self, kernels: CpuKernels, layers: Sequence[Dict[str, torch.Tensor]], heads: int, kv_heads: int,
                  head_dim: int, eps: float, pairs: bool = False,
-                 head: Optional[Tuple[torch.Tensor, torch.Tensor]] = None):
+                 head: Optional[Tuple[torch.Tensor, torch.Tensor]] = None, embedding: Optional[torch.Tensor] = None):
         first = layers[0]
         self.kernels, self.weight_dtype, self.pairs = kernels, first["qkv"].dtype, pairs
         self.intermediate = first["gate_up"].shape[0] // 2
@@ -450,6 +453,9 @@ class DecodeLayers:
         if head is not None and any(not t.is_contiguous() or t.device.type != "cpu" for t in head):
             raise ValueError("native decode layers: the head's weights must be contiguous CPU tensors")
         self.head = head
+        if embedding is not None and (not embedding.is_contiguous() or embedding.device.type != "cpu"):
+            raise ValueError("native decode layers: the embedding must be a contiguous CPU tensor")
+        self.embedding = embedding
         self._tensors = tensors  # what the pointers below point into
         self._weights = (ctypes.c_void_p * len(tensors))(*[t.data_ptr() for t in tensors])
         self._layers = len(layers)
@@ -496,23 +502,22 @@ class DecodeLayers:
         return self._run(hidden, delta, scratch, staged, head_rows, k_cache, v_cache, cos, signed_sin,
                          positions.data_ptr(), slots.data_ptr(), lengths.data_ptr(), len(chunks), chunk_info, tiles)
 
-    def decode_step(self, embedding: torch.Tensor, ids: Sequence[int], positions: Sequence[int],
-                    slots: Sequence[int], k_cache: torch.Tensor, v_cache: torch.Tensor, cos: torch.Tensor,
-                    signed_sin: torch.Tensor) -> torch.Tensor:
+    def decode_step(self, ids: Sequence[int], positions: Sequence[int], slots: Sequence[int], k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
         """A decode step's rows (one token each, no prompt chunk) from their token ids: the logits, greedy picks
         attached, that this object's call over ``embedding[ids]`` with ``lengths = positions + 1`` returns. Needs
-        a ``head``.
+        the ``head`` and the ``embedding``.
 
         Without a torch call but the one that allocates the logits: the rows' embeddings are copied into a
         buffer kept per row count (as are the call's scratch buffers) and the integers go as ctypes arrays. The
         seven torch calls this replaces were the first Python after the weights had streamed through the
         caches: ~0.35 ms of a 9 ms one-row step of the bench model on two Zen 4 cores."""
-        if self.head is None:
-            raise ValueError("native decode layers: decode_step needs the head (the call ends with the logits)")
+        embedding = self.embedding
+        if self.head is None or embedding is None:
+            raise ValueError("native decode layers: decode_step needs the head (the call ends with the logits) "
+                             "and the embedding")
         self._check_dtypes(embedding.dtype, k_cache.dtype)
         rows, (vocab, width) = len(ids), embedding.shape
-        if not embedding.is_contiguous() or embedding.device.type != "cpu":
-            raise ValueError("native decode layers: the embedding must be a contiguous CPU tensor")
         if any(not 0 <= token < vocab for token in ids):
             raise ValueError(f"native decode layers: a token id out of range [0, {vocab}) in {list(ids)}")
         key = (rows, embedding.dtype)

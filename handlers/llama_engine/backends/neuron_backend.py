@@ -35,7 +35,7 @@ import os
 import shutil
 import subprocess
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Union
 
 import torch
 
@@ -171,11 +171,12 @@ class NeuronBackend(Backend):
         self._position = input_ids.shape[1]
         return self.model.forward(input_ids, cache_ids=None, start_ids=self._start_ids).float()
 
-    def decode(self, next_tokens: torch.Tensor) -> torch.Tensor:
+    def decode(self, next_tokens: Union[torch.Tensor, Sequence[int]]) -> torch.Tensor:
         if self._position >= self.max_length:
             raise ValueError(f"the batch reached the largest n_positions ({self.max_length})")
         cache_ids = torch.tensor([self._position], dtype=torch.int32)
-        logits = self.model.forward(next_tokens.view(-1, 1), cache_ids=cache_ids, start_ids=self._start_ids)
+        logits = self.model.forward(torch.as_tensor(next_tokens).view(-1, 1), cache_ids=cache_ids,
+                                    start_ids=self._start_ids)
         self._position += 1
         return logits.float()
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import Dict, FrozenSet, List, Optional, Sequence
+from typing import Dict, FrozenSet, List, Optional, Sequence, Union
 
 import torch
 
@@ -300,12 +300,12 @@ class CompiledTorchBackend(Backend):
         return out.logits[:, -1, :].float()
 
     @torch.inference_mode()
-    def decode(self, next_tokens: torch.Tensor) -> torch.Tensor:
+    def decode(self, next_tokens: Union[torch.Tensor, Sequence[int]]) -> torch.Tensor:
         if self._position >= self.max_length:
             raise ValueError(f"the batch reached handler.max_length ({self.max_length}) positions")
         self._full_mask[:, self._position] = 1
         cache_position = torch.tensor([self._position], device=self.device)
-        logits = self._decode_step(next_tokens.to(self.device).view(-1, 1), self._next_position,
+        logits = self._decode_step(torch.as_tensor(next_tokens).to(self.device).view(-1, 1), self._next_position,
                                    cache_position, self._full_mask)
         self._position += 1
         self._next_position = self._next_position + 1
@@ -455,8 +455,12 @@ class TorchSlotBackend(OnePassSlotBackend):
                 or any(t.dtype != self.dtype for layer in layers for t in (layer["input_norm"], layer["post_norm"]))):
             return None, 0
         rows, eps = min(p.max_rows for p in products), eps.pop()
+        head = self._native_head(products[0], rows, eps)
+        embedding = inner.embed_tokens.weight.detach()  # for decode_step, where its rows are the activations
         step = cpu_kernels.DecodeLayers(self._kernels, layers, self.n_heads, self.n_kv_heads, self.head_dim, eps,
-                                        pairs=products[0].pairs, head=self._native_head(products[0], rows, eps))
+                                        pairs=products[0].pairs, head=head,
+                                        embedding=embedding if head is not None and embedding.dtype == self.dtype
+                                        else None)
         return step, rows
 
     def _native_head(self, product: NativeLinear, rows: int, eps: float):
@@ -578,9 +582,9 @@ class TorchSlotBackend(OnePassSlotBackend):
         (a 256-token prefill of the bench model: ~10 ms of ~60 outside the kernels on an AMX Xeon, against
         ~2 ms when the kernels do nothing)."""
         inner = self.model.model
-        if not spans and self._logits_natively and inner.embed_tokens.weight.dtype == self.dtype:
-            return self._decode_layers.decode_step(inner.embed_tokens.weight, ids, positions, slots, self.k_cache,
-                                                   self.v_cache, self._cos, self._signed_sin)
+        if not spans and self._decode_layers.embedding is not None:
+            return self._decode_layers.decode_step(ids, positions, slots, self.k_cache, self.v_cache, self._cos,
+                                                   self._signed_sin)
         positions = torch.tensor(positions, dtype=torch.int64)
         hidden = inner.embed_tokens(torch.tensor(ids, dtype=torch.long))
         out = self._decode_layers(hidden, self.k_cache, self.v_cache, self._cos, self._signed_sin, positions,
