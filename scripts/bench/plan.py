@@ -90,7 +90,7 @@ MODES = {
         model="bench", dtype="auto", lengths=[(256, 768), (512, 512), (768, 256)], length_repeats=1,
         ttft_probes=4, probe_tokens=8, concurrency=[1, 2, 4, 8, 16], conc_input=256, conc_output=128, rounds=2,
         poisson=MIXED, poisson_rounds=2, poisson_wide=WIDE, poisson_steady=STEADY, bound=True,
-        membw_gb=2.0, paired_rounds=3, paired_concurrency=[1, 8], quiet_wait=30, quiet_budget=300, peers=True, fp32_decode=True, max_minutes=95, request_timeout=900, docs=True),
+        membw_gb=2.0, paired_rounds=5, paired_concurrency=[1, 8], quiet_wait=30, quiet_budget=300, peers=True, fp32_decode=True, max_minutes=95, request_timeout=900, docs=True),
 }
 
 SYSTEMS = ("inprocess", "torchserve", "torchserve-continuous", "torchserve-llamacpp", "llama.cpp", "llama.cpp-q8_0", "vllm")

@@ -1023,7 +1023,8 @@ ahead of micro-batching on the Poisson load at all: `.venv/bin/python -m scripts
   300 s per run in the full run; 10 s and 60 s in `--quick`) for a second in which other processes use
   under 10% of the CPUs.
 * Serving overhead: served output tok/s at 8 streams / in-process at batch 8, the median over
-  back-to-back A/B pairs of the same wave (the "paired" rows: the in-process engine stays loaded while
+  back-to-back A/B pairs of the same wave, 5 in the full run and 3 in `--quick` (one pair's ratio ranged
+  0.82-0.94 within a run on the 2-vCPU Zen 5 EPYC; the "paired" rows: the in-process engine stays loaded while
   the idle server is up, and the order alternates), because the machine's speed drifts by tens of
   percent between minutes; `serving_overhead_batch1` is the same at 1 stream. The bench process computes
   under the OpenMP waits the servers get (`OMP_WAIT_POLICY=PASSIVE`, `GOMP_SPINCOUNT=20000`, from
