@@ -9,7 +9,7 @@ import statistics
 from pathlib import Path
 from typing import List, Optional
 
-from scripts.bench.plan import choices_text
+from scripts.bench.plan import MODES, choices_text
 
 #: The page a full run rewrites (``--docs`` names another).
 DOCS_PAGE = Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md"
@@ -910,7 +910,10 @@ def _save(fig, path: Path, plt) -> Path:
 
 # -- docs and files ----------------------------------------------------------------------------
 
-DOCS_HEAD = """# Benchmarks
+#: The back-to-back pairs a paired ratio's median is over, as the page's method says.
+FULL_PAIRS, QUICK_PAIRS = MODES["default"]["paired_rounds"], MODES["quick"]["paired_rounds"]
+
+DOCS_HEAD = f"""# Benchmarks
 
 These pages are rewritten by the benchmark suite: a full or quick run rewrites its CPU class's page
 (`benchmarks-<class>.md`) and the index (`benchmarks.md`); edit `scripts/bench/report.py`, not these
@@ -1006,7 +1009,7 @@ ahead of micro-batching on the Poisson load at all: `.venv/bin/python -m scripts
    replay's in-process steps; `extra.steady_load` holds its pace): a load both servers keep up with, so that TTFT measures the
    wait each scheduler imposes rather than a backlog. The in-process engine has no scheduler, so it does not run the Poisson
    loads. Before the Poisson rounds, the two variants also run the same static wave (full run: 8 streams,
-   256 in, 128 out) back to back, alternated over 3 pairs (the "paired-variants" rows;
+   256 in, 128 out) back to back, alternated over {FULL_PAIRS} pairs (the "paired-variants" rows;
    `continuous_over_micro` holds continuous / micro per pair), so that their static-load comparison
    carries no drift between sweeps minutes apart.
 
@@ -1023,7 +1026,7 @@ ahead of micro-batching on the Poisson load at all: `.venv/bin/python -m scripts
   300 s per run in the full run; 10 s and 60 s in `--quick`) for a second in which other processes use
   under 10% of the CPUs.
 * Serving overhead: served output tok/s at 8 streams / in-process at batch 8, the median over
-  back-to-back A/B pairs of the same wave, 5 in the full run and 3 in `--quick` (one pair's ratio ranged
+  back-to-back A/B pairs of the same wave, {FULL_PAIRS} in the full run and {QUICK_PAIRS} in `--quick` (one pair's ratio ranged
   0.82-0.94 within a run on the 2-vCPU Zen 5 EPYC; the "paired" rows: the in-process engine stays loaded while
   the idle server is up, and the order alternates), because the machine's speed drifts by tens of
   percent between minutes; `serving_overhead_batch1` is the same at 1 stream. The bench process computes
