@@ -525,6 +525,25 @@ def test_prompt_attention_in_bf16_products_is_stable_for_large_scores(kernels, d
     assert_tile_attention(got, q, k, v)
 
 
+@AMX_TILES
+@pytest.mark.parametrize("kernels", ["avx512bf16"], indirect=True)
+def test_amx_products_read_nothing_a_larger_call_left_in_their_buffers(kernels, tiles_from):
+    """The tiles' scratch buffers are kept per thread and only grow: a call that needs less than the one before
+    reads only what it writes itself, so the NaNs a larger call left there change none of its values."""
+    tiles_from(1)
+    gen = torch.Generator().manual_seed(5)
+    x, w = torch.randn(33, 768, generator=gen).to(torch.bfloat16), torch.randn(64, 768, generator=gen)
+    small = kernels.pack_pairs(w.to(torch.bfloat16))
+    q, k, v = (t.to(torch.bfloat16) for t in fused_qkv(49, 6, 3, 64, seed=5))
+    linear, attention = kernels.linear(x, small, pairs=True), kernels.prompt_attention(q, k, v, 0.125, tiles=True)
+    nan = torch.full((100, 3072), float("nan"), dtype=torch.bfloat16)
+    assert kernels.linear(nan, kernels.pack_pairs(torch.randn(64, 3072).to(torch.bfloat16)), pairs=True).isnan().all()
+    big = torch.full((257, 12, 128), float("nan"), dtype=torch.bfloat16)
+    assert kernels.prompt_attention(big, big, big, 0.125, tiles=True).isnan().all()
+    assert torch.equal(kernels.linear(x, small, pairs=True), linear)
+    assert torch.equal(kernels.prompt_attention(q, k, v, 0.125, tiles=True), attention)
+
+
 @pytest.mark.parametrize("kernels", ISAS, indirect=True)
 def test_prompt_attention_in_bf16_products_is_refused_where_they_do_not_run(kernels, monkeypatch):
     """bf16 products need the avx512bf16 build (an AMX CPU's tiles, or AVX512_BF16's dot products), bf16 q, k
