@@ -1143,7 +1143,8 @@ def render_index(by_cpu_file: Path) -> str:
     by_cpu = json.loads(by_cpu_file.read_text()) if by_cpu_file.exists() else {}
     return (f"{title}\n\nEach CPU class's latest full run has a page of its own, which `python -m scripts.bench` rewrites "
             f"when it runs on (or, with `--cpu-class`, as) that class: its machine, every system's rows, the ratios and the "
-            f"plots. This page is their index, rewritten with them.\n\n## Pages by CPU class\n\n{links}\n\n"
+            f"plots. This page is their index, rewritten with them. What every earlier run measured, and what changed "
+            f"between runs: [measured.md](measured.md).\n\n## Pages by CPU class\n\n{links}\n\n"
             + by_cpu_section(by_cpu, by_cpu_file, DOCS_PAGE) + "\n" + method)
 
 
