@@ -1192,12 +1192,12 @@ bool amx_linear_pairs(const bf16 *x, long ldx, const bf16 *P, bf16 *y, long ldy,
     const long chunks = (blocks + per_chunk - 1) / per_chunk;
     pool().run(chunks, threads, [&](long c) {
         thread_local std::vector<float, AlignedAlloc<float>> sums;
-        sums.resize((size_t)((few ? 16 : Mp) * 32));
+        float *const acc = grown(sums, (size_t)((few ? 16 : Mp) * 32));  // each K block's sums stored before read
         const long b1 = (c + 1) * per_chunk < blocks ? (c + 1) * per_chunk : blocks;
         amx_configure(few ? (int)M : 16);
         for (long b = c * per_chunk; b < b1; b++) {
-            if (few) amx_columns<16>(xa, M, Mp, P, K, b * PANEL_COLS, y, ldy, sums.data());
-            else amx_columns<32>(xa, M, Mp, P, K, b * PANEL_COLS, y, ldy, sums.data());
+            if (few) amx_columns<16>(xa, M, Mp, P, K, b * PANEL_COLS, y, ldy, acc);
+            else amx_columns<32>(xa, M, Mp, P, K, b * PANEL_COLS, y, ldy, acc);
         }
         amx_release();
     });
