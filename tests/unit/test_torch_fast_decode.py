@@ -38,6 +38,10 @@ NATIVE = cpu_kernels.load()
 needs_native = pytest.mark.skipif(NATIVE is None, reason="the native CPU kernels do not run on this CPU")
 PAIRED = pytest.mark.skipif(NATIVE is None or NATIVE.isa not in cpu_kernels.PAIRS_ISAS,
                             reason="the native kernels' AVX-512 builds lay weights out in pair panels")
+#: bf16 arithmetic on the native kernels: only the avx512bf16 build runs it (fast_linear.native_kernels_for); on an
+#: ``avx512`` CPU a bf16 model keeps oneDNN's products.
+needs_bf16_native = pytest.mark.skipif(NATIVE is None or NATIVE.isa != "avx512bf16",
+                                       reason="bf16 arithmetic runs natively on the avx512bf16 build only")
 needs_amx_tiles = pytest.mark.skipif(NATIVE is None or not NATIVE.amx, reason="this CPU has no AMX tiles")
 #: bf16 prompt products on AVX512_BF16's dot products: the avx512bf16 build on a CPU without AMX.
 needs_dot_products = pytest.mark.skipif(NATIVE is None or NATIVE.isa != "avx512bf16" or NATIVE.amx,
@@ -652,7 +656,7 @@ def test_decode_steps_run_their_layers_in_one_native_call_with_the_python_loops_
 @needs_native
 @pytest.mark.parametrize("dtype, weight_dtype, kv", [("float32", torch.bfloat16, "auto"),
                                                      ("float32", torch.bfloat16, "float32"),
-                                                     pytest.param("bfloat16", None, "auto", marks=BF16)])
+                                                     pytest.param("bfloat16", None, "auto", marks=[BF16, needs_bf16_native])])
 def test_a_prompt_alone_runs_its_layers_in_one_native_call_with_the_python_loops_numbers(tiny_model_dir, dtype,
                                                                                         weight_dtype, kv,
                                                                                         monkeypatch):
@@ -1220,6 +1224,7 @@ def test_a_native_favour_keeps_the_gemm_within_its_share_of_the_fastest_side(mon
 
 
 @PAIRED
+@needs_bf16_native
 def test_a_bf16_model_keeps_the_gemm_for_its_pair_panels_where_float32_times_a_little_faster(tiny_model_dir,
                                                                                             monkeypatch):
     """``pack_linears`` favours the GEMM by ``NATIVE_PROMPT_FAVOUR`` where the weights go to pair panels; with
@@ -1273,7 +1278,7 @@ def test_an_unsure_prompt_products_measurement_times_more_rounds(monkeypatch):
     assert decide(1.2) == "bfloat16" and calls == [5]
 
 
-@needs_native
+@needs_bf16_native
 @BF16
 def test_a_bf16_models_prompt_rows_in_float32_round_once_to_bf16(tiny_model_dir, monkeypatch):
     """With the float32 choice a prompt's products (more rows than the native kernel keeps) are the float32
@@ -1387,6 +1392,7 @@ def greedy_in_three_slots(backend, prompt, length, steps=6):
 
 
 @PAIRED
+@needs_bf16_native
 def test_a_bf16_model_decodes_the_same_tokens_with_its_weights_in_pair_panels(tiny_model_dir, monkeypatch):
     """The tiny model with ``LLAMA_WEIGHT_PAIRS=on`` and ``off``: every decode-step product in pair panels (one
     native call per step, ``pairs``) or none; the same greedy tokens, logits within bf16's rounding. (As on a CPU
