@@ -35,7 +35,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Tuple
 
 from scripts import build_archive, prepare_checkpoint
 
@@ -71,25 +71,62 @@ def compile_and_manifest(cfg, model_root: Path) -> Path:
 
 #: ``convert_hf_to_gguf.py --outtype`` of a checkpoint stored in each 16-bit dtype.
 GGUF_OF_16_BIT = {"bfloat16": "bf16", "float16": "f16"}
+#: The largest finite float16: a bf16 weight beyond it would become infinite in an f16 GGUF.
+F16_MAX = 65504.0
 
 
 def gguf_outtype(gguf_type: str, checkpoint: Optional[Path] = None) -> str:
     """``handler.gguf_type`` as ``convert_hf_to_gguf.py --outtype``.
 
-    ``auto``: the checkpoint's own type where it is stored in 16 bits (its ``config.json``'s
-    ``torch_dtype``), as ``weight_dtype: auto`` keeps it for the torch backend: nothing of it is lost,
-    and a decode step streams half of float32's bytes. On a Zen 3 EPYC (AVX2, where ``dtype: auto`` is
-    float32) the llamacpp backend served the bf16 bench checkpoint 1.36x faster at one stream and 1.12x
-    at 8 from a bf16 GGUF than from an f32 one (4 alternated rounds each, prompts included). A float32
-    checkpoint follows ``dtype: auto`` on this CPU: bf16 where it has native bf16, else f32.
+    ``auto``: a 16-bit type for a checkpoint stored in 16 bits (its ``config.json``'s ``torch_dtype``),
+    as ``weight_dtype: auto`` keeps it for the torch backend: a decode step streams half of float32's
+    bytes. On a Zen 3 EPYC (AVX2, where ``dtype: auto`` is float32) the llamacpp backend served the bf16
+    bench checkpoint 1.36x faster at one stream and 1.12x at 8 from a bf16 GGUF than from an f32 one
+    (4 alternated rounds each, prompts included). A bf16 checkpoint becomes f16 where llama.cpp decodes
+    that faster (:func:`llama_engine.cpu.gguf_16_bit_type`: a CPU without native bf16) and its weights
+    fit (:func:`fits_f16`), which loses none of them. A float32 checkpoint follows ``dtype: auto`` on
+    this CPU: bf16 where it has native bf16, else f32.
     """
     if gguf_type != "auto":
         return gguf_type
     from llama_engine.backends.torch_backend import checkpoint_dtype
-    from llama_engine.cpu import auto_dtype
+    from llama_engine.cpu import auto_dtype, gguf_16_bit_type
 
     stored = checkpoint_dtype(str(checkpoint)) if checkpoint is not None else None
+    if stored == "bfloat16" and gguf_16_bit_type() == "f16":
+        fits, detail = fits_f16(checkpoint)
+        print(f"    gguf_type auto: {'f16' if fits else 'bf16'} ({detail})", flush=True)
+        return "f16" if fits else "bf16"
     return GGUF_OF_16_BIT.get(stored) or GGUF_OF_16_BIT.get(auto_dtype("cpu"), "f32")
+
+
+def fits_f16(checkpoint: Path) -> Tuple[bool, str]:
+    """Whether every weight of the bf16 ``checkpoint`` converts to float16 without loss, and why.
+
+    float16 holds every bf16 value from 2^-14 to 65504 in magnitude exactly (its 11 significant bits
+    cover bf16's 8), and smaller ones to within 2^-25, below bf16's own rounding of any weight over
+    2^-17. So the one loss to rule out is a weight beyond 65504, which would become infinite.
+    """
+    from safetensors import safe_open
+    from tqdm import tqdm
+
+    files = sorted(checkpoint.glob("*.safetensors"))
+    if not files:
+        return False, f"no safetensors weights in {checkpoint} to check float16's range against"
+    largest, where = 0.0, ""
+    for path in tqdm(files, desc="checking weights against float16's range", unit="file", disable=len(files) < 2):
+        with safe_open(str(path), "pt") as weights:
+            for name in weights.keys():
+                tensor = weights.get_tensor(name)
+                if tensor.is_floating_point() and tensor.numel():
+                    peak = float(tensor.abs().max())
+                    if peak != peak:
+                        return False, f"{name} holds NaN: kept in bf16"
+                    if peak > largest:
+                        largest, where = peak, name
+    if largest > F16_MAX:
+        return False, f"{where} holds {largest:g}, beyond float16's {F16_MAX:g}: kept in bf16"
+    return True, f"the largest weight, {largest:g} in {where}, fits float16: llama.cpp decodes f16 faster on this CPU"
 
 
 def convert_to_gguf(cfg, model_root: Path) -> Path:

@@ -25,6 +25,8 @@ logger = logging.getLogger(__name__)
 
 #: /proc/cpuinfo flags that mean bf16 matrix products run natively.
 NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+#: /proc/cpuinfo flags that mean f16 converts to float32 in hardware (x86 F16C, Arm's half-precision SIMD).
+F16_CONVERT_FLAGS = ("f16c", "asimdhp")
 #: The flags the bench and the logs report (what decides speed on x86).
 REPORTED_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16",
                   "amx_tile", "amx_bf16", "amx_int8", "amx_fp16")
@@ -143,6 +145,21 @@ def auto_dtype(device: str, flags: Optional[FrozenSet[str]] = None) -> str:
 
         return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
     return "bfloat16" if has_native_bf16(cpu_flags() if flags is None else flags) else "float32"
+
+
+def gguf_16_bit_type(flags: Optional[FrozenSet[str]] = None) -> str:
+    """The 16-bit GGUF type llama.cpp decodes faster on the CPU with ``flags`` (default: this one's).
+
+    bf16 where the CPU has native bf16. Without it ggml widens every bf16 weight in software, while a
+    CPU with F16C converts f16 in one instruction: on the Emerald Rapids VM without AVX512_BF16
+    (2026-12-03, bench model, 2 threads, a token after a 256-token prompt, alternated rounds) an f16
+    GGUF decoded 15.8 against 17.0 ms a token in llama-server (16.6 against 19.2 under its AVX2
+    build) and 14.4 against 16.9 in llama-cpp-python, prefill within 3%. bf16 on a CPU that has neither.
+    """
+    flags = cpu_flags() if flags is None else flags
+    if has_native_bf16(flags) or not any(flag in flags for flag in F16_CONVERT_FLAGS):
+        return "bf16"
+    return "f16"
 
 
 def reported_flags(flags: FrozenSet[str]) -> list:

@@ -62,25 +62,6 @@ def test_conversion_keeps_the_tokenizer_and_drops_the_safetensors(tiny_gguf):
     assert not list(folder.glob("*.safetensors"))
 
 
-def test_gguf_type_auto_keeps_a_16_bit_checkpoints_type_and_else_follows_the_dtype_auto_picks(monkeypatch, tmp_path):
-    from llama_engine import cpu
-
-    checkpoints = {}
-    for stored in ("bfloat16", "float16", "float32", None):
-        folder = checkpoints[stored] = tmp_path / str(stored)
-        folder.mkdir()
-        (folder / "config.json").write_text(json.dumps({"torch_dtype": stored} if stored else {}))
-    for auto, fallback in (("bfloat16", "bf16"), ("float32", "f32")):
-        monkeypatch.setattr(cpu, "auto_dtype", lambda device, auto=auto: auto)
-        assert build_model.gguf_outtype("auto", checkpoints["bfloat16"]) == "bf16"  # on an AVX2 CPU too
-        assert build_model.gguf_outtype("auto", checkpoints["float16"]) == "f16"
-        assert build_model.gguf_outtype("auto", checkpoints["float32"]) == fallback
-        assert build_model.gguf_outtype("auto", checkpoints[None]) == fallback
-        assert build_model.gguf_outtype("auto") == fallback
-        assert build_model.gguf_outtype("q8_0", checkpoints["bfloat16"]) == "q8_0"
-        assert build_model.gguf_outtype("f32", checkpoints["bfloat16"]) == "f32"
-
-
 def test_prefill_and_decode_match_torch(backend, reference):
     for slot in range(2):
         reference.free_slot(slot)
@@ -377,3 +358,33 @@ def test_a_q8_0_gguf_generates_close_to_float32(tmp_path, tiny_model_dir, refere
     want.append(reference.decode_slots([0], [int(got[0].argmax())])[0])
     for g, w in zip(got, want):
         assert torch.nn.functional.cosine_similarity(g, w, dim=0) > 0.99
+
+
+def test_a_bf16_checkpoint_converts_to_this_cpus_16_bit_type_and_generates_as_torch(tmp_path, tiny_model_dir, capsys):
+    """``gguf_type: auto`` on a bf16 checkpoint: f16 on a CPU without native bf16 (ggml's faster type
+    there), bf16 on one with it; either way the weights are the checkpoint's, exactly."""
+    from safetensors.torch import load_file, save_file
+
+    from llama_engine.config import HandlerConfig
+    from llama_engine.cpu import gguf_16_bit_type
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, folder)
+    weights = folder / "model.safetensors"
+    save_file({name: t.bfloat16() for name, t in load_file(str(weights)).items()}, str(weights), metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(dict(config, torch_dtype="bfloat16")))
+    reference = TorchSlotBackend.from_pretrained(str(folder), 2, MAX_LENGTH, "float32", "cpu")
+    cfg = type("Cfg", (), {"handler": HandlerConfig(backend="llamacpp", gguf_type="auto")})()
+    gguf = build_model.convert_to_gguf(cfg, tmp_path)
+    assert f"(--outtype {gguf_16_bit_type()})" in capsys.readouterr().out
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(str(p) for p in (build_model.ROOT / "handlers", build_model.ROOT)))
+    run = subprocess.run([sys.executable, "-c", Q8_PROBE, str(gguf), json.dumps(PROMPT)], capture_output=True,
+                         text=True, timeout=300, env=env)
+    assert run.returncode == 0, f"exit {run.returncode}: {run.stderr[-2000:]}"
+    got = torch.tensor(json.loads(run.stdout.strip().splitlines()[-1]))
+    want = [reference.prefill_slot(0, PROMPT)]
+    want.append(reference.decode_slots([0], [int(got[0].argmax())])[0])
+    for g, w in zip(got, want):
+        assert torch.nn.functional.cosine_similarity(g, w, dim=0) > 0.999
+        assert int(g.argmax()) == int(w.argmax())
