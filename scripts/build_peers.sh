@@ -3,7 +3,7 @@
 #
 #   build/peers/llama.cpp/build/bin/llama-server   llama.cpp's server, built from the llama.cpp tree
 #                                                 vendored in the llama-cpp-python sdist
-#   build/peers/bench-model-bf16.gguf, -fp32.gguf, -q8_0.gguf  the bench model converted with that tree's
+#   build/peers/bench-model-{bf16,f16,fp32,q8_0}.gguf  the bench model converted with that tree's
 #                                                 convert_hf_to_gguf.py (in build/peers/gguf-venv)
 #   build/peers/vllm-venv                          vLLM for CPU (python -m vllm.entrypoints.openai.api_server)
 #
@@ -182,8 +182,9 @@ build_gguf() {
     touch "$GGUF_VENV/.installed"
   fi
   local pair src out outtype
+  # f16: the bf16 checkpoint as a CPU without native bf16 gets it (llama_engine.cpu.gguf_16_bit_type).
   # q8_0: ggml's AMX and VNNI kernels cover quantized types only; a separately labelled peer row
-  for pair in "bf16:$BENCH_BF16:bf16" "fp32:$BENCH_FP32:f32" "q8_0:$BENCH_FP32:q8_0"; do
+  for pair in "bf16:$BENCH_BF16:bf16" "f16:$BENCH_BF16:f16" "fp32:$BENCH_FP32:f32" "q8_0:$BENCH_FP32:q8_0"; do
     IFS=: read -r suffix src outtype <<<"$pair"
     out=$PEERS/bench-model-$suffix.gguf
     if [[ -f $out && $out -nt $src/model.safetensors ]]; then

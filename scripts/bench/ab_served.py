@@ -2,6 +2,7 @@
 
     python -m scripts.bench.ab_served model-config/bench-llama-llamacpp.yaml my-variant.yaml
     python -m scripts.bench.ab_served llama-server llama-server:t1 --streams 1
+    python -m scripts.bench.ab_served llama-server:bf16 llama-server:f16 --checkpoint bfloat16
     python -m scripts.bench.ab_served model-config/bench-llama-continuous.yaml@HEAD model-config/bench-llama-continuous.yaml
     python -m scripts.bench.ab_served model-config/bench-llama.yaml llama-server --dtype float32 --checkpoint bfloat16
 
@@ -9,7 +10,8 @@ A variant is a model-config (built from the bench model into its own TorchServe,
 serves it), the same at a git revision (``CONFIG@REV``: the archive is built by that revision's
 own code, exported with ``git archive``, so a code change is compared served), or
 ``llama-server`` (``llama-server:tN``: N threads for a batch of one token, ``-t``; ``:fa-off``, ``:fa-on``:
-its ``-fa``, whose default is ``auto``; both as in ``llama-server:t1:fa-off``).
+its ``-fa``, whose default is ``auto``; ``:bf16``, ``:f16``, ``:fp32``, ``:q8_0``: that GGUF of the bench model
+instead of the one the bench gives the checkpoint; as in ``llama-server:t1:fa-off:f16``).
 Both stay up; each round sends the same wave of ``--streams`` requests to one, then the other,
 in alternating order, so the machine's drift between minutes falls on both alike. Prints each
 one's output tokens/s per round and the median.
@@ -48,10 +50,10 @@ def make_system(variant: str, index: int, work: Path, dtype: str, threads: int, 
     from scripts.bench.systems import LlamaCppSystem, TorchServeSystem
 
     if variant.startswith("llama-server"):
-        decode, flash_attn = llama_server_options(variant)
+        decode, flash_attn, gguf = llama_server_options(variant)
         # under an emulated CPU class (llama_engine.cpu.emulation_env), the llama-server built for it
         system = LlamaCppSystem(work / f"peer{index}", checkpoint, threads, parallel=8, max_length=1024,
-                                decode_threads=decode, cpu_class=os.environ.get(CLASS_ENV) or None,
+                                gguf=gguf, decode_threads=decode, cpu_class=os.environ.get(CLASS_ENV) or None,
                                 flash_attn=flash_attn)
         ok, detail = system.detect()
         if not ok:
@@ -71,17 +73,27 @@ def make_system(variant: str, index: int, work: Path, dtype: str, threads: int, 
     return system
 
 
+#: ``llama-server:TYPE``: the bench model's GGUF of that type (``make bench-peers`` converts them all).
+GGUF_OPTIONS = ("bf16", "f16", "fp32", "q8_0")
+
+
 def llama_server_options(variant: str):
-    """``llama-server[:tN][:fa-SETTING]`` as (``-t``, or None for the bench's threads; ``-fa``)."""
-    decode, flash_attn = None, "auto"
+    """``llama-server[:tN][:fa-SETTING][:TYPE]`` as (``-t``, or None for the bench's threads; ``-fa``;
+    the GGUF of :data:`GGUF_OPTIONS`'s TYPE, or None for the one the bench gives the checkpoint)."""
+    from scripts.bench.systems import PEERS
+
+    decode, flash_attn, gguf = None, "auto", None
     for option in variant.split(":")[1:]:
         if option[:1] == "t" and option[1:].isdigit():
             decode = int(option[1:])
         elif option in ("fa-auto", "fa-on", "fa-off"):
             flash_attn = option[3:]
+        elif option in GGUF_OPTIONS:
+            gguf = PEERS / f"bench-model-{option}.gguf"
         else:
-            raise SystemExit(f"{variant}: unknown llama-server option {option!r} (tN, fa-auto, fa-on or fa-off)")
-    return decode, flash_attn
+            raise SystemExit(f"{variant}: unknown llama-server option {option!r} "
+                             f"(tN, fa-auto, fa-on, fa-off or a GGUF type: {', '.join(GGUF_OPTIONS)})")
+    return decode, flash_attn, gguf
 
 
 def build_at_revision(system, revision: str, tree: Path) -> None:

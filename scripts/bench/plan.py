@@ -232,8 +232,19 @@ def poisson_lengths(p: dict, max_length: int, seed: int) -> List[tuple]:
         schedule.append((t, inp, rng.choice([o for o in p["outputs"] if inp + o <= max_length] or [1])))
 
 
-#: ``handler.gguf_type`` for a variant's dtype (backend llamacpp).
-GGUF_TYPE_OF = {"auto": "auto", "float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+#: ``handler.gguf_type`` for a variant's dtype (backend llamacpp); bfloat16: :func:`gguf_type_of`.
+GGUF_TYPE_OF = {"auto": "auto", "float32": "f32", "float16": "f16"}
+
+
+def gguf_type_of(dtype: str) -> str:
+    """The GGUF type that stands for ``dtype`` on this CPU (or the emulated class): bf16 weights in the
+    16-bit type llama.cpp decodes faster here (:func:`llama_engine.cpu.gguf_16_bit_type`; f16 holds
+    the bench checkpoint's bf16 weights exactly), what ``gguf_type: auto`` converts them to."""
+    if dtype == "bfloat16":
+        from llama_engine.cpu import gguf_16_bit_type
+
+        return gguf_16_bit_type()
+    return GGUF_TYPE_OF[dtype]
 
 
 def derived_config(base: Path, out: Path, dtype: str, threads: Optional[int], overrides: dict) -> Path:
@@ -245,7 +256,7 @@ def derived_config(base: Path, out: Path, dtype: str, threads: Optional[int], ov
 
     data = yaml.safe_load(base.read_text())
     if data["handler"].get("backend") == "llamacpp":  # the GGUF's type stands for the dtype
-        data["handler"]["gguf_type"] = GGUF_TYPE_OF[dtype]
+        data["handler"]["gguf_type"] = gguf_type_of(dtype)
     else:
         data["handler"]["dtype"] = dtype
     if threads:

@@ -971,21 +971,24 @@ ahead of micro-batching on the Poisson load at all: `.venv/bin/python -m scripts
    `continuousBatching`, 8 slots, the same prompts and the same Poisson schedule), (4) the same handler with
    continuous batching on the llamacpp backend (`torchserve-llamacpp`, `model-config/bench-llama-llamacpp.yaml`:
    the forward pass on llama.cpp through llama-cpp-python, over a GGUF the build converts in the linears' dtype
-   as served, as llama-server's (bf16 for the bf16 checkpoint under float32 too); when `make llamacpp` has built
+   as served, as llama-server's (for the bf16 checkpoint, under float32 too, the 16-bit type `gguf_type: auto`
+   picks: bf16 on a CPU with native bf16, else f16, which holds its weights exactly and which llama.cpp decodes faster there); when `make llamacpp` has built
    it; its concurrency sweep and the llama-server pairs only),
    (5) peers when installed
    (`make bench-peers` builds them under `build/peers/`): llama.cpp's `llama-server` (`POST /completion`,
    `stream: true`, `n_predict`, `ignore_eos: true`; built from the llama.cpp tree in the llama-cpp-python
    0.3.36 sdist, the bench model converted to GGUF by that tree's `convert_hf_to_gguf.py`) and vLLM for CPU
    0.32.0's OpenAI server (`POST /v1/completions`, `stream: true`, `ignore_eos: true`; it serves
-   the checkpoint served itself). llama-server's GGUF is in the linears' dtype as served (bf16 for the bf16
-   checkpoint, computed in float32 or not). They run with the same batch and thread budget:
+   the checkpoint served itself). llama-server's GGUF is in the linears' dtype as served (for the bf16
+   checkpoint, computed in float32 or not, bf16 or f16 as above: the systems table names the file). They run with the same batch and thread budget:
    `llama-server -np 8 -t 2 -c 8192`, vLLM `--max-num-seqs 8 --max-model-len 1024` (vLLM's CPU defaults
    reserve one of the two cores for its scheduler). llama-server's flash attention (`-fa`) is timed both
    ways before its rows, its default `auto` against `off`, the two servers up at once and the paired waves
    alternated between them (2 rounds at 1 and 8 streams), and it runs with the faster (`scripts/bench/peer_flags.py`;
    the systems table says which and by how much): on the AMX Xeon its default served 1 / 8 streams 0.85 / 0.89x
-   as fast as `-fa off`. Prompts go to peers as token ids. What each process (the
+   as fast as `-fa off`. Before that, for the bf16 checkpoint, its GGUF type is timed the same way: the 16-bit
+   type `gguf_type: auto` gives the llamacpp backend here against the other (bf16 / f16), and it runs on the
+   faster. Prompts go to peers as token ids. What each process (the
    bench's own, each served worker) chose at load, where the backend times its kernels against each other, is
    kept in `extra.load_choices` (`scripts/bench/choices.py`) and listed below the results: each process decides
    for itself, and one that took the slower side moves its ratios.

@@ -411,7 +411,7 @@ class BenchRun:
                 "status": "not installed", "detail": "llama-cpp-python does not import (make llamacpp builds it)"}
             log(f"{report.LLAMACPP}: llama-cpp-python not installed (make llamacpp)")
             return
-        # its GGUF in the linears' dtype as served, as llama-server's (bf16 for the bf16 checkpoint under float32)
+        # its GGUF in the linears' dtype as served, as llama-server's (plan.gguf_type_of: bf16 or f16 for the bf16 checkpoint)
         config = derived_config(self.args.llamacpp_config.resolve(), self.work / "bench-llama-llamacpp.yaml",
                                 self.weight_dtype, self.args.threads, {})
         self.served(report.LLAMACPP,
@@ -652,6 +652,7 @@ class BenchRun:
                 status.update(status="skipped", detail="out of the time budget")
                 continue
             if isinstance(peer, LlamaCppSystem):
+                self._peer_gguf(peer, status)
                 self._peer_flash_attn(peer, status)
             try:
                 adapter = peer.start(timeout=min(900, budget.left()))
@@ -669,6 +670,36 @@ class BenchRun:
                 peer.stop()
                 status["timings"] = peer.timings
             self.phases[f"{peer.name}_s"] = time.perf_counter() - t
+
+    def _peer_gguf(self, peer, status: dict) -> None:
+        """llama-server's 16-bit GGUF of the bf16 checkpoint for this run, the faster here
+        (:func:`scripts.bench.peer_flags.choose_gguf`); a ``--llama-gguf`` or a quantized peer is kept."""
+        from scripts.bench.peer_flags import SIXTEEN_BIT, choose_gguf
+        from scripts.bench.plan import gguf_type_of
+
+        default = gguf_type_of(self.weight_dtype) if self.weight_dtype == "bfloat16" else None
+        if default not in SIXTEEN_BIT or self.args.llama_gguf or peer.name != "llama.cpp" \
+                or "paired" not in self.plan["scenarios"] or not self.plan["paired_rounds"]:
+            return
+        other = peer.gguf.with_name(peer.gguf.name.replace(default, next(t for t in SIXTEEN_BIT if t != default)))
+        if not other.exists():
+            status["gguf"] = {"choice": default, "file": peer.gguf.name,
+                              "error": f"not timed: no {other} (make bench-peers BENCH_PEERS=gguf)"}
+        elif self.budget.ok(f"{peer.name} GGUF type", 180):
+            t = time.perf_counter()
+            try:
+                status["gguf"] = choose_gguf(peer, default, self.prompts, self.plan, self.monitor,
+                                             lambda a, ps, n: run_wave(a, ps, n, self.timeout), log)
+            except Exception as exc:  # noqa: BLE001 - the peer still runs, on the default GGUF
+                traceback.print_exc()
+                status["gguf"] = {"choice": default, "file": peer.gguf.name, "error": f"{type(exc).__name__}: {exc}"[:500]}
+            self.phases[f"{peer.name}_gguf_s"] = time.perf_counter() - t
+        chosen = status.get("gguf", {})
+        ratio = next((k for k in chosen if k.endswith(f"_over_{default}")), None)
+        status["detail"] = f"{peer.binary} with {peer.gguf}" + (
+            f" (timed against the other 16-bit GGUF here: {ratio.replace('_over_', ' / ')} {chosen[ratio]:.2f}, at "
+            + ", ".join(f"{c} streams {m:.2f}" for c, m in chosen["medians"].items()) + ")"
+            if ratio else f" ({chosen['error']})" if "error" in chosen else "")
 
     def _peer_flash_attn(self, peer, status: dict) -> None:
         """llama-server's ``-fa`` for this run, the faster here (:mod:`scripts.bench.peer_flags`)."""

@@ -7,7 +7,8 @@ then SIGKILL). Peers are never installed or built here; they are detected:
 * llama.cpp: a ``llama-server`` binary on PATH, in ``build/peers/`` or in
   ``build/peers/llama.cpp/build/bin/`` (for an emulated CPU class only
   ``build/peers/llama.cpp/build-<class>/bin/``), and a GGUF of the bench model at
-  ``build/peers/bench-model-<bf16|fp32>.gguf`` (or ``--llama-gguf``);
+  ``build/peers/bench-model-<bf16|f16|fp32>.gguf`` (or ``--llama-gguf``; for the bf16 checkpoint the
+  16-bit type ``gguf_type: auto`` picks on this CPU, :func:`.plan.gguf_type_of`);
 * vLLM: a virtual environment at ``build/peers/vllm-venv`` whose Python imports vllm; it
   serves the bench model's safetensors directory directly.
 """
@@ -28,6 +29,7 @@ from scripts.streaming_client import Adapter, TorchServeAdapter
 from scripts.tsctl import PortInUse, retry_on_taken_port
 
 from .clients import LlamaServerAdapter, OpenAICompletionsAdapter
+from .plan import gguf_type_of
 from .server_metrics import ServerMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -178,7 +180,7 @@ class LlamaCppSystem(PeerSystem):
         self.flash_attn = flash_attn
         #: ``-t``: threads for a batch of one token (one stream decoding); ``-tb`` is ``threads``.
         self.decode_threads = decode_threads or threads
-        suffix = quant or {"bfloat16": "bf16", "float32": "fp32"}.get(dtype, dtype)
+        suffix = quant or {"float32": "fp32"}.get(dtype) or gguf_type_of(dtype)
         self.gguf = Path(gguf) if gguf else PEERS / f"bench-model-{suffix}.gguf"
         self.binary: Optional[str] = None
         #: an emulated CPU class (the bench's --cpu-class): only a llama-server built for it will do
@@ -208,12 +210,16 @@ class LlamaCppSystem(PeerSystem):
                 "-t", str(self.decode_threads), "-tb", str(self.threads), "-b", str(self.max_length),
                 "-fa", self.flash_attn]
 
-    def with_flash_attn(self, flash_attn: str, work: Path) -> "LlamaCppSystem":
-        """The same server (the binary and GGUF :meth:`detect` found for this one) with another ``-fa``,
-        working in ``work``: its own process, port and timings."""
+    def twin(self, work: Path, **changes) -> "LlamaCppSystem":
+        """The same server (the binary and GGUF :meth:`detect` found for this one) with ``changes``
+        (another ``flash_attn``, another ``gguf``), working in ``work``: its own process, port and timings."""
         twin = copy.copy(self)
-        twin.work, twin.flash_attn = Path(work), flash_attn
-        twin.process, twin.port, twin.timings = None, None, {}
+        unknown = set(changes) - {"flash_attn", "gguf"}
+        if unknown:
+            raise TypeError(f"a llama-server twin differs in flash_attn or gguf, not {sorted(unknown)}")
+        for name, value in changes.items():
+            setattr(twin, name, Path(value) if name == "gguf" else value)
+        twin.work, twin.process, twin.port, twin.timings = Path(work), None, None, {}
         return twin
 
     def adapter(self):

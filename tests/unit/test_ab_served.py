@@ -5,10 +5,15 @@ from scripts.bench.systems import LlamaCppSystem
 
 
 def test_llama_server_reads_the_checkpoints_gguf_and_the_emulated_class_build(tmp_path, monkeypatch):
+    from llama_engine import cpu
+
     monkeypatch.setattr(LlamaCppSystem, "detect", lambda self: (True, "stub: not started"))
-    monkeypatch.setenv(CLASS_ENV, "avx2")
+    monkeypatch.setattr(cpu, "host_cpu_flags", lambda: frozenset({"avx2", "f16c", "avx512f", "avx512_bf16"}))
+    peer = ab_served.make_system("llama-server", 0, tmp_path, "float32", 2, "bfloat16")
+    assert peer.gguf == systems.PEERS / "bench-model-bf16.gguf" and peer.cpu_class is None
+    monkeypatch.setenv(CLASS_ENV, "avx2")  # no native bf16: llama.cpp's faster 16-bit type there
     peer = ab_served.make_system("llama-server:t1", 1, tmp_path, "float32", 2, "bfloat16")
-    assert peer.gguf == systems.PEERS / "bench-model-bf16.gguf"
+    assert peer.gguf == systems.PEERS / "bench-model-f16.gguf"
     assert peer.cpu_class == "avx2" and peer.decode_threads == 1
     monkeypatch.delenv(CLASS_ENV)
     peer = ab_served.make_system("llama-server", 0, tmp_path, "float32", 2, "float32")

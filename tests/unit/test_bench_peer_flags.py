@@ -1,4 +1,4 @@
-"""scripts.bench.peer_flags: llama-server's -fa timed both ways, and the peer run with the faster."""
+"""scripts.bench.peer_flags: llama-server's -fa and GGUF type timed both ways, and the peer run with the faster."""
 from pathlib import Path
 
 import pytest
@@ -40,8 +40,8 @@ class _Peer:
     def __init__(self, work: Path):
         self.work, self.log = work, []
 
-    def with_flash_attn(self, setting, work):
-        return _Twin(setting, work, self.log)
+    def twin(self, work, flash_attn=None, gguf=None):
+        return _Twin(flash_attn or Path(gguf).stem.rsplit("-", 1)[-1], work, self.log)
 
 
 PLAN = {"paired_concurrency": [1, 8], "paired_rounds": 3, "conc_output": 16, "conc_input": 32}
@@ -100,11 +100,40 @@ def test_llama_server_takes_fa_and_a_twin_is_a_separate_server(tmp_path):
     peer = LlamaCppSystem(tmp_path / "llama.cpp", "bfloat16", 2, 8, 1024, gguf=tmp_path / "m.gguf")
     peer.binary, peer.port = "llama-server", 1
     assert peer.command()[-2:] == ["-fa", "auto"]
-    twin = peer.with_flash_attn("off", tmp_path / "other")
+    twin = peer.twin(tmp_path / "other", flash_attn="off")
     twin.binary, twin.port = "llama-server", 2
     assert twin.command()[-2:] == ["-fa", "off"] and twin.work == tmp_path / "other"
     twin.timings["x"] = 1.0
     assert peer.timings == {} and peer.flash_attn == "auto" and peer.work == tmp_path / "llama.cpp"
+    typed = peer.twin(tmp_path / "typed", gguf=str(tmp_path / "f16.gguf"))
+    typed.port = 3
+    assert typed.command()[2] == str(tmp_path / "f16.gguf") and peer.command()[2] == str(tmp_path / "m.gguf")
+    with pytest.raises(TypeError, match="not \\['threads'\\]"):
+        peer.twin(tmp_path / "x", threads=4)
+
+
+@pytest.mark.parametrize("default, speeds, choice", [
+    ("bf16", {"bf16": 40.0, "f16": 48.0}, "f16"),
+    ("f16", {"bf16": 40.0, "f16": 48.0}, "f16"),
+    ("f16", {"bf16": 50.0, "f16": 45.0}, "bf16"),
+    ("f16", {"bf16": 50.0, "f16": 50.0}, "f16"),  # a tie keeps the type gguf_type: auto gives the backend
+])
+def test_the_peer_runs_on_the_16_bit_gguf_that_served_more(tmp_path, monkeypatch, default, speeds, choice):
+    monkeypatch.setattr(scenarios, "summarize", lambda records, **labels: {
+        "output_tokens_per_s": sum(records) / len(records) if records else None, **labels})
+    monitor = type("Monitor", (), {"snapshot": lambda self: None, "since": lambda self, snap: {}})()
+    peer = _Peer(tmp_path / "llama.cpp")
+    peer.gguf = tmp_path / f"bench-model-{default}.gguf"
+    lines = []
+    out = peer_flags.choose_gguf(peer, default, _Prompts(), PLAN, monitor,
+                                 lambda adapter, prompts, tokens: [_Record(speeds[adapter])] * len(prompts), lines.append)
+    other = "f16" if default == "bf16" else "bf16"
+    assert out["choice"] == choice and peer.gguf == tmp_path / f"bench-model-{choice}.gguf"
+    assert out[f"{other}_over_{default}"] == pytest.approx(speeds[other] / speeds[default], rel=1e-3)
+    assert set(out["medians"]) == {"1", "8"} and all(len(r) == 2 for r in out["rounds"].values())
+    assert peer.log[:2] == [("start", default, f"llama.cpp-{default}"), ("start", other, f"llama.cpp-{other}")]
+    assert sorted(peer.log[2:]) == sorted([("stop", default), ("stop", other)])
+    assert lines[-1].endswith(f"runs on bench-model-{choice}.gguf")
 
 
 def test_ab_served_reads_llama_server_options(tmp_path, monkeypatch):
@@ -112,5 +141,67 @@ def test_ab_served_reads_llama_server_options(tmp_path, monkeypatch):
     peer = ab_served.make_system("llama-server:t1:fa-off", 0, tmp_path, "bfloat16", 2, "bfloat16")
     assert peer.decode_threads == 1 and peer.flash_attn == "off"
     assert ab_served.make_system("llama-server:fa-on", 1, tmp_path, "bfloat16", 2, "bfloat16").flash_attn == "on"
+    typed = ab_served.make_system("llama-server:fa-off:f16", 1, tmp_path, "bfloat16", 2, "bfloat16")
+    assert typed.gguf.name == "bench-model-f16.gguf" and typed.flash_attn == "off"
+    assert ab_served.make_system("llama-server:q8_0", 1, tmp_path, "bfloat16", 2, "bfloat16").gguf.name == \
+        "bench-model-q8_0.gguf"
     with pytest.raises(SystemExit, match="unknown llama-server option 'fast'"):
         ab_served.make_system("llama-server:fast", 0, tmp_path, "bfloat16", 2, "bfloat16")
+
+
+class _Budget:
+    def ok(self, what, need=0.0):
+        return True
+
+
+def _bench_run(tmp_path, weight_dtype="bfloat16", llama_gguf=None):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(weight_dtype=weight_dtype, args=SimpleNamespace(llama_gguf=llama_gguf),
+                           plan={"scenarios": ["paired"], "paired_rounds": 3}, budget=_Budget(), prompts=_Prompts(),
+                           monitor=None, timeout=60, phases={})
+
+
+@pytest.mark.parametrize("native_bf16, default", [(False, "f16"), (True, "bf16")])
+def test_the_bench_times_the_peers_16_bit_gguf_from_the_type_the_backend_gets(tmp_path, monkeypatch, native_bf16,
+                                                                              default):
+    from llama_engine import cpu
+    from scripts.bench.run import BenchRun
+
+    monkeypatch.setattr(cpu, "host_cpu_flags", lambda: frozenset({"avx2", "f16c"} | ({"avx512_bf16"} if native_bf16 else set())))
+    monkeypatch.delenv(cpu.CLASS_ENV, raising=False)
+    other = "bf16" if default == "f16" else "f16"
+    for kind in (default, other):
+        (tmp_path / f"bench-model-{kind}.gguf").write_bytes(b"GGUF")
+    peer = LlamaCppSystem(tmp_path / "llama.cpp", "bfloat16", 2, 8, 1024, gguf=tmp_path / f"bench-model-{default}.gguf")
+    peer.binary = "llama-server"
+    asked = []
+
+    def choose(peer, default, *args):
+        asked.append(default)
+        peer.gguf = peer.gguf.with_name(f"bench-model-{other}.gguf")
+        return {"choice": other, "file": peer.gguf.name, f"{other}_over_{default}": 1.06, "medians": {"1": 1.1, "8": 1.02}}
+
+    monkeypatch.setattr(peer_flags, "choose_gguf", choose)
+    status = {"detail": "found"}
+    BenchRun._peer_gguf(_bench_run(tmp_path), peer, status)
+    assert asked == [default] and peer.gguf.name == f"bench-model-{other}.gguf"
+    assert f"{other} / {default} 1.06, at 1 streams 1.10, 8 streams 1.02" in status["detail"]
+
+    (tmp_path / f"bench-model-{other}.gguf").unlink()  # the other file missing: the default, said why
+    peer.gguf = tmp_path / f"bench-model-{default}.gguf"
+    status = {"detail": "found"}
+    BenchRun._peer_gguf(_bench_run(tmp_path), peer, status)
+    assert status["gguf"]["choice"] == default and asked == [default]
+    assert f"not timed: no {tmp_path / f'bench-model-{other}.gguf'} (make bench-peers BENCH_PEERS=gguf)" in status["detail"]
+
+
+def test_a_given_or_float32_gguf_is_not_timed(tmp_path, monkeypatch):
+    from scripts.bench.run import BenchRun
+
+    monkeypatch.setattr(peer_flags, "choose_gguf", lambda *a: pytest.fail("timed"))
+    peer = LlamaCppSystem(tmp_path / "llama.cpp", "bfloat16", 2, 8, 1024, gguf=tmp_path / "m.gguf")
+    for run in (_bench_run(tmp_path, "float32"), _bench_run(tmp_path, llama_gguf=tmp_path / "m.gguf")):
+        status = {"detail": "found"}
+        BenchRun._peer_gguf(run, peer, status)
+        assert status == {"detail": "found"}

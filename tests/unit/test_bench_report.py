@@ -80,13 +80,19 @@ def test_the_llamacpp_backends_batch1_is_reported_beside_its_engines_own():
     assert kept["value"] == 0.93 and kept["met"] is None and kept["inputs"]["pairs"] == [0.9, 0.96, 0.93]
 
 
-def test_derived_configs_set_the_gguf_type_for_llamacpp_and_the_dtype_otherwise(tmp_path):
+@pytest.mark.parametrize("native_bf16, sixteen_bit", [(True, "bf16"), (False, "f16")])
+def test_derived_configs_set_the_gguf_type_for_llamacpp_and_the_dtype_otherwise(tmp_path, monkeypatch, native_bf16,
+                                                                                sixteen_bit):
     import yaml
 
+    from llama_engine import cpu
     from scripts.bench.plan import ROOT, derived_config
 
+    flags = {"avx2", "f16c", "avx512f"} | ({"avx512_bf16"} if native_bf16 else set())
+    monkeypatch.setattr(cpu, "host_cpu_flags", lambda: frozenset(flags))
+    monkeypatch.delenv(cpu.CLASS_ENV, raising=False)
     for base, dtype, key, want in (("bench-llama-llamacpp", "float32", "gguf_type", "f32"),
-                                   ("bench-llama-llamacpp", "bfloat16", "gguf_type", "bf16"),
+                                   ("bench-llama-llamacpp", "bfloat16", "gguf_type", sixteen_bit),
                                    ("bench-llama", "bfloat16", "dtype", "bfloat16")):
         out = derived_config(ROOT / "model-config" / f"{base}.yaml", tmp_path / f"{base}-{dtype}.yaml", dtype, 2, {})
         handler = yaml.safe_load(out.read_text())["handler"]
