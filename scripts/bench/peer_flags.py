@@ -47,7 +47,7 @@ def choose_gguf(peer, default: str, prompts, plan: dict, monitor, run_wave: Call
     """Time ``peer`` on its GGUF (of 16-bit type ``default``) against the same checkpoint's other 16-bit
     GGUF beside it, and keep the faster in ``peer.gguf`` (``default`` on a tie)."""
     other = next(t for t in SIXTEEN_BIT if t != default)
-    files = {default: Path(peer.gguf), other: Path(peer.gguf).with_name(Path(peer.gguf).name.replace(default, other))}
+    files = {default: Path(peer.gguf), other: other_16_bit_gguf(peer.gguf, default)}
     twins = {t: peer.twin(peer.work.parent / f"{peer.work.name}-{t}", gguf=files[t]) for t in (default, other)}
     ratio = f"{other}_over_{default}"
     rows = _time_twins(twins, prompts, plan, monitor, run_wave, f"gguf/{peer.name}", ratio)
@@ -58,6 +58,12 @@ def choose_gguf(peer, default: str, prompts, plan: dict, monitor, run_wave: Call
         f"({', '.join(f'{c} streams {m:.3f}' for c, m in medians.items())}); runs on {peer.gguf.name}")
     return {"choice": choice, "file": peer.gguf.name, ratio: round(overall, 4), "medians": medians,
             **_record(rows, other, ratio)}
+
+
+def other_16_bit_gguf(gguf, default: str) -> Path:
+    """The GGUF beside ``gguf`` (``bench-model-<default>.gguf``) in the other type of :data:`SIXTEEN_BIT`."""
+    other = next(t for t in SIXTEEN_BIT if t != default)
+    return Path(gguf).with_name(Path(gguf).name.replace(default, other))
 
 
 def _time_twins(twins: Dict[str, object], prompts, plan: dict, monitor, run_wave: Callable, scenario: str,

@@ -674,14 +674,14 @@ class BenchRun:
     def _peer_gguf(self, peer, status: dict) -> None:
         """llama-server's 16-bit GGUF of the bf16 checkpoint for this run, the faster here
         (:func:`scripts.bench.peer_flags.choose_gguf`); a ``--llama-gguf`` or a quantized peer is kept."""
-        from scripts.bench.peer_flags import SIXTEEN_BIT, choose_gguf
+        from scripts.bench.peer_flags import SIXTEEN_BIT, choose_gguf, other_16_bit_gguf
         from scripts.bench.plan import gguf_type_of
 
         default = gguf_type_of(self.weight_dtype) if self.weight_dtype == "bfloat16" else None
         if default not in SIXTEEN_BIT or self.args.llama_gguf or peer.name != "llama.cpp" \
                 or "paired" not in self.plan["scenarios"] or not self.plan["paired_rounds"]:
             return
-        other = peer.gguf.with_name(peer.gguf.name.replace(default, next(t for t in SIXTEEN_BIT if t != default)))
+        other = other_16_bit_gguf(peer.gguf, default)
         if not other.exists():
             status["gguf"] = {"choice": default, "file": peer.gguf.name,
                               "error": f"not timed: no {other} (make bench-peers BENCH_PEERS=gguf)"}
