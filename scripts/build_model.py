@@ -95,17 +95,19 @@ def gguf_outtype(gguf_type: str, checkpoint: Optional[Path] = None) -> str:
     stored = checkpoint_dtype(str(checkpoint)) if checkpoint is not None else None
     if stored == "bfloat16" and gguf_16_bit_type() == "f16":
         fits, detail = fits_f16(checkpoint)
-        print(f"    gguf_type auto: {'f16' if fits else 'bf16'} ({detail})", flush=True)
-        return "f16" if fits else "bf16"
+        outtype = "f16" if fits else "bf16"
+        print(f"    gguf_type auto: {outtype} ({detail})", flush=True)
+        return outtype
     return GGUF_OF_16_BIT.get(stored) or GGUF_OF_16_BIT.get(auto_dtype("cpu"), "f32")
 
 
 def fits_f16(checkpoint: Path) -> Tuple[bool, str]:
     """Whether every weight of the bf16 ``checkpoint`` converts to float16 without loss, and why.
 
-    float16 holds every bf16 value from 2^-14 to 65504 in magnitude exactly (its 11 significant bits
-    cover bf16's 8), and smaller ones to within 2^-25, below bf16's own rounding of any weight over
-    2^-17. So the one loss to rule out is a weight beyond 65504, which would become infinite.
+    float16 holds every bf16 value from 2^-17 to 65504 in magnitude exactly (its 11 significant bits
+    cover bf16's 8, its subnormals down to 2^-24), and smaller ones to within 2^-25. So the one loss to
+    rule out is a weight beyond 65504, which would become infinite. This reads every weight once more
+    than the conversion does, which is the price of not patching llama.cpp's converter.
     """
     from safetensors import safe_open
     from tqdm import tqdm

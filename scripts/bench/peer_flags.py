@@ -46,7 +46,7 @@ def choose_gguf(peer, default: str, prompts, plan: dict, monitor, run_wave: Call
                 log: Callable[[str], None]) -> dict:
     """Time ``peer`` on its GGUF (of 16-bit type ``default``) against the same checkpoint's other 16-bit
     GGUF beside it, and keep the faster in ``peer.gguf`` (``default`` on a tie)."""
-    other = next(t for t in SIXTEEN_BIT if t != default)
+    other = other_16_bit_type(default)
     files = {default: Path(peer.gguf), other: other_16_bit_gguf(peer.gguf, default)}
     twins = {t: peer.twin(peer.work.parent / f"{peer.work.name}-{t}", gguf=files[t]) for t in (default, other)}
     ratio = f"{other}_over_{default}"
@@ -60,10 +60,22 @@ def choose_gguf(peer, default: str, prompts, plan: dict, monitor, run_wave: Call
             **_record(rows, other, ratio)}
 
 
+def other_16_bit_type(default: str) -> str:
+    return next(t for t in SIXTEEN_BIT if t != default)
+
+
 def other_16_bit_gguf(gguf, default: str) -> Path:
     """The GGUF beside ``gguf`` (``bench-model-<default>.gguf``) in the other type of :data:`SIXTEEN_BIT`."""
-    other = next(t for t in SIXTEEN_BIT if t != default)
-    return Path(gguf).with_name(Path(gguf).name.replace(default, other))
+    return Path(gguf).with_name(Path(gguf).name.replace(default, other_16_bit_type(default)))
+
+
+def timed_detail(against: str, ratio_name: str, chosen: dict) -> str:
+    """`` (timed against AGAINST here: RATIO_NAME r, at 1 streams m1, 8 streams m8)`` for a systems table,
+    from a choice's record; empty where it holds no ratio."""
+    if ratio_name not in chosen:
+        return ""
+    return (f" (timed against {against} here: {ratio_name.replace('_over_', ' / ')} {chosen[ratio_name]:.2f}, at "
+            + ", ".join(f"{c} streams {m:.2f}" for c, m in chosen["medians"].items()) + ")")
 
 
 def _time_twins(twins: Dict[str, object], prompts, plan: dict, monitor, run_wave: Callable, scenario: str,

@@ -674,13 +674,13 @@ class BenchRun:
     def _peer_gguf(self, peer, status: dict) -> None:
         """llama-server's 16-bit GGUF of the bf16 checkpoint for this run, the faster here
         (:func:`scripts.bench.peer_flags.choose_gguf`); a ``--llama-gguf`` or a quantized peer is kept."""
-        from scripts.bench.peer_flags import SIXTEEN_BIT, choose_gguf, other_16_bit_gguf
+        from scripts.bench.peer_flags import choose_gguf, other_16_bit_gguf, other_16_bit_type, timed_detail
         from scripts.bench.plan import gguf_type_of
 
-        default = gguf_type_of(self.weight_dtype) if self.weight_dtype == "bfloat16" else None
-        if default not in SIXTEEN_BIT or self.args.llama_gguf or peer.name != "llama.cpp" \
+        if self.weight_dtype != "bfloat16" or self.args.llama_gguf or peer.name != "llama.cpp" \
                 or "paired" not in self.plan["scenarios"] or not self.plan["paired_rounds"]:
             return
+        default = gguf_type_of(self.weight_dtype)
         other = other_16_bit_gguf(peer.gguf, default)
         if not other.exists():
             status["gguf"] = {"choice": default, "file": peer.gguf.name,
@@ -695,15 +695,12 @@ class BenchRun:
                 status["gguf"] = {"choice": default, "file": peer.gguf.name, "error": f"{type(exc).__name__}: {exc}"[:500]}
             self.phases[f"{peer.name}_gguf_s"] = time.perf_counter() - t
         chosen = status.get("gguf", {})
-        ratio = next((k for k in chosen if k.endswith(f"_over_{default}")), None)
-        status["detail"] = f"{peer.binary} with {peer.gguf}" + (
-            f" (timed against the other 16-bit GGUF here: {ratio.replace('_over_', ' / ')} {chosen[ratio]:.2f}, at "
-            + ", ".join(f"{c} streams {m:.2f}" for c, m in chosen["medians"].items()) + ")"
-            if ratio else f" ({chosen['error']})" if "error" in chosen else "")
+        timed = timed_detail("the other 16-bit GGUF", f"{other_16_bit_type(default)}_over_{default}", chosen)
+        status["detail"] = f"{peer.binary} with {peer.gguf}" + (timed or (f" ({chosen['error']})" if "error" in chosen else ""))
 
     def _peer_flash_attn(self, peer, status: dict) -> None:
         """llama-server's ``-fa`` for this run, the faster here (:mod:`scripts.bench.peer_flags`)."""
-        from scripts.bench.peer_flags import choose_flash_attn
+        from scripts.bench.peer_flags import choose_flash_attn, timed_detail
 
         if "paired" in self.plan["scenarios"] and self.plan["paired_rounds"] and self.budget.ok(f"{peer.name} -fa", 180):
             t = time.perf_counter()
@@ -714,11 +711,7 @@ class BenchRun:
                 traceback.print_exc()
                 status["flash_attn"] = {"choice": peer.flash_attn, "error": f"{type(exc).__name__}: {exc}"[:500]}
             self.phases[f"{peer.name}_flash_attn_s"] = time.perf_counter() - t
-        chosen = status.get("flash_attn", {})
-        status["detail"] += f", -fa {peer.flash_attn}" + (
-            f" (timed against -fa auto here: off / auto {chosen['off_over_auto']:.2f}, at "
-            + ", ".join(f"{c} streams {m:.2f}" for c, m in chosen["medians"].items()) + ")"
-            if "off_over_auto" in chosen else "")
+        status["detail"] += f", -fa {peer.flash_attn}" + timed_detail("-fa auto", "off_over_auto", status.get("flash_attn", {}))
 
     def _paired_with_peer(self, name: str, adapter) -> None:
         """The peer against each served variant still up, in back-to-back A/B waves (``paired-peer/<variant>``

@@ -331,7 +331,7 @@ def test_missing_pieces_say_what_to_run(tiny_gguf, tmp_path, monkeypatch):
 #: Runs in a child process: on an AMX CPU, a llama.cpp built without the tile-config patch
 #: (scripts/build_peers.sh) dies with SIGSEGV on its first q8_0 product, which would take the
 #: test session with it.
-Q8_PROBE = """
+GENERATE_PROBE = """
 import json, sys
 from llama_engine.backends.llamacpp_backend import LlamaCppSlotBackend
 backend = LlamaCppSlotBackend(sys.argv[1], 2, 128, threads=1)
@@ -349,7 +349,7 @@ def test_a_q8_0_gguf_generates_close_to_float32(tmp_path, tiny_model_dir, refere
     cfg = type("Cfg", (), {"handler": HandlerConfig(backend="llamacpp", gguf_type="q8_0")})()
     gguf = build_model.convert_to_gguf(cfg, tmp_path)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(str(p) for p in (build_model.ROOT / "handlers", build_model.ROOT)))
-    run = subprocess.run([sys.executable, "-c", Q8_PROBE, str(gguf), json.dumps(PROMPT)], capture_output=True,
+    run = subprocess.run([sys.executable, "-c", GENERATE_PROBE, str(gguf), json.dumps(PROMPT)], capture_output=True,
                          text=True, timeout=300, env=env)
     assert run.returncode == 0, f"exit {run.returncode}: {run.stderr[-2000:]}"
     got = torch.tensor(json.loads(run.stdout.strip().splitlines()[-1]))
@@ -379,7 +379,7 @@ def test_a_bf16_checkpoint_converts_to_this_cpus_16_bit_type_and_generates_as_to
     gguf = build_model.convert_to_gguf(cfg, tmp_path)
     assert f"(--outtype {gguf_16_bit_type()})" in capsys.readouterr().out
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(str(p) for p in (build_model.ROOT / "handlers", build_model.ROOT)))
-    run = subprocess.run([sys.executable, "-c", Q8_PROBE, str(gguf), json.dumps(PROMPT)], capture_output=True,
+    run = subprocess.run([sys.executable, "-c", GENERATE_PROBE, str(gguf), json.dumps(PROMPT)], capture_output=True,
                          text=True, timeout=300, env=env)
     assert run.returncode == 0, f"exit {run.returncode}: {run.stderr[-2000:]}"
     got = torch.tensor(json.loads(run.stdout.strip().splitlines()[-1]))
