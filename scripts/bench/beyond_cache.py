@@ -1,0 +1,281 @@
+"""Batch-1 decode of a model larger than the CPU's last-level cache, against the memory bandwidth.
+
+The bench model's 230 MB of weights a token fit some CPUs' last-level cache (an Emerald Rapids
+Xeon VM reports 260 MiB), so there its batch-1 decode efficiency reads weights partly from the
+cache and says little of a 7B model. This builds a random-weight Llama of Llama-2's layer shape
+(hidden 2048, 16 heads of 128) with enough layers for ``--times`` the cache's bytes, offline and
+deterministically, and decodes one stream: through the engine in this process on the torch
+backend as ``handler.dtype: auto`` serves it here and on the llamacpp backend over the GGUF that
+``gguf_type: auto`` converts (where llama-cpp-python is installed), and through llama.cpp's own
+``llama-server`` on that GGUF (where ``make bench-peers`` built it; under ``--cpu-class``, its build
+for that class).
+Rounds alternate the backends, each wave bracketed by a memory-bandwidth sample; efficiency =
+decode tok/s x weight bytes a token / the bracket's mean bandwidth. Prints figures, asserts none::
+
+    python -m scripts.bench.beyond_cache                      # ~6 min on 2 cores, 1.1 GB of weights
+    python -m scripts.bench.beyond_cache --cpu-class avx2     # as an AVX2-only CPU would compute
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+for _path in (ROOT, ROOT / "handlers"):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+
+#: Llama-2's layer shape at a smaller width (7B: hidden 4096, 32 heads of 128, intermediate 11008).
+HIDDEN, INTERMEDIATE, HEADS = 2048, 5632, 16
+#: Used where sysfs gives no last-level cache size: a 2-vCPU cloud VM's slice is at most this.
+UNKNOWN_CACHE_BYTES = 64 << 20
+#: The bench configs' ``handler.max_length`` (and the model's positions).
+MAX_LENGTH = 1024
+BACKEND_CONFIGS = {"torch": "model-config/bench-llama.yaml", "llamacpp": "model-config/bench-llama-llamacpp.yaml"}
+#: What ``--backends`` takes: the two backends in this process, and llama.cpp's own server.
+BACKENDS = (*BACKEND_CONFIGS, "llama-server")
+
+
+def layer_bytes(hidden: int, intermediate: int, width: int = 2) -> int:
+    """Bytes of one decoder layer's linear weights (four attention projections, three MLP ones)."""
+    return (4 * hidden * hidden + 3 * hidden * intermediate) * width
+
+
+def layers_for(cache_bytes: int, times: float, hidden: int, intermediate: int) -> int:
+    """Layers whose bf16 weights are at least ``times`` the cache."""
+    return max(1, math.ceil(times * cache_bytes / layer_bytes(hidden, intermediate)))
+
+
+def model_spec(args, cache_bytes: int):
+    from scripts.bench.model import ModelSpec
+
+    layers = args.layers or layers_for(cache_bytes, args.times, args.hidden, args.intermediate)
+    return ModelSpec(hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=layers,
+                     num_attention_heads=args.heads, num_key_value_heads=args.heads)
+
+
+def gguf_copy(checkpoint: Path, out: Path) -> tuple:
+    """``out``: the checkpoint's config and tokenizer with ``model.gguf`` of the type ``gguf_type: auto``
+    converts it to here (built once); returns (out, the GGUF type)."""
+    from scripts.build_model import gguf_outtype
+
+    outtype = gguf_outtype("auto", checkpoint)
+    out = out.with_name(f"{out.name}-{outtype}")
+    if (out / "model.gguf").is_file():
+        return out, outtype
+    out.mkdir(parents=True, exist_ok=True)
+    for path in checkpoint.iterdir():
+        if path.is_file() and not path.name.endswith(".safetensors"):
+            (out / path.name).write_bytes(path.read_bytes())
+    tree = Path(os.environ.get("LLAMA_CPP_TREE", ROOT / "build" / "peers" / "llama.cpp"))
+    partial = out / "model.gguf.partial"
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "convert_gguf.py"), "--tree", str(tree), str(checkpoint),
+                    "--outfile", str(partial), "--outtype", outtype], check=True, capture_output=True)
+    partial.rename(out / "model.gguf")
+    return out, outtype
+
+
+GGUF_WEIGHT_DTYPES = {"f16": "float16", "bf16": "bfloat16", "f32": "float32"}
+
+
+class LlamaServer:
+    """llama.cpp's ``llama-server`` (the bench's peer, built by ``make bench-peers``; under ``--cpu-class``
+    the build for that class) on the GGUF, one stream at a time, with the engine's ``run_wave``."""
+
+    def __init__(self, gguf: Path, work: Path, threads: int, cpu_class):
+        from scripts.bench.systems import LlamaCppSystem
+
+        self.system = LlamaCppSystem(work / "llama-server", "bfloat16", threads, parallel=1, max_length=MAX_LENGTH,
+                                     gguf=gguf, cpu_class=cpu_class)
+        installed, self.detail = self.system.detect()
+        self.adapter = self.system.start(300) if installed else None
+        self.load_s = self.system.timings.get("start_to_ready_s", 0.0)
+
+    def run_wave(self, prompts, max_new_tokens: int):
+        from scripts.streaming_client import run_wave
+
+        return run_wave(self.adapter, prompts, max_new_tokens, 600)
+
+    def close(self) -> None:
+        self.system.stop()
+
+
+def load_backends(args, checkpoint: Path, work: Path, loaded: dict) -> dict:
+    """Into ``loaded`` (the caller closes what it holds): ``{name: (engine, weight bytes a token, what it
+    runs)}`` for each available backend asked for."""
+    from llama_engine.cpu import auto_dtype
+    from scripts.bench import model as bench_model
+
+    dtype = auto_dtype("cpu")
+    for name in args.backends:
+        source, overrides = checkpoint, {"max_new_tokens": args.tokens}
+        if name == "llamacpp" and args.cpu_class:
+            print(f"llamacpp: skipped, llama-cpp-python is built for this host's instruction set, which no variable "
+                  f"narrows to class {args.cpu_class}'s", flush=True)
+            continue
+        if name == "llamacpp" and importlib.util.find_spec("llama_cpp") is None:
+            print("llamacpp: llama-cpp-python is not installed (make llamacpp); skipped", flush=True)
+            continue
+        if name != "torch":
+            source, outtype = gguf_copy(checkpoint, args.root / "gguf")
+            weight_dtype = GGUF_WEIGHT_DTYPES[outtype]
+        if name == "llama-server":
+            engine = LlamaServer(source / "model.gguf", work, args.threads, args.cpu_class)
+            if engine.adapter is None:
+                print(f"llama-server: skipped, {engine.detail} (make bench-peers)", flush=True)
+                continue
+            what = f"llama-server over a {outtype} GGUF ({engine.system.binary})"
+        elif name == "llamacpp":
+            overrides["gguf_type"] = outtype
+            engine = in_process(name, dtype, args, work, source, overrides)[0]
+            what = f"llama.cpp in-process over a {outtype} GGUF"
+        else:
+            engine, handler = in_process(name, dtype, args, work, source, overrides)
+            weight_dtype = bench_model.served_weight_dtype(handler, checkpoint)
+            what = f"torch, {dtype} arithmetic over {weight_dtype} weights"
+        nbytes = bench_model.describe(checkpoint, dtype, weight_dtype)["weight_bytes_per_token"]
+        loaded[name] = (engine, nbytes, what)
+        print(f"{name}: {what}, {nbytes / 1e9:.2f} GB of weights a token (load {engine.load_s:.1f} s)", flush=True)
+    return loaded
+
+
+def in_process(name: str, dtype: str, args, work: Path, source: Path, overrides: dict):
+    """The engine on backend ``name``'s bench config in this process, and its handler config."""
+    from llama_engine import load_model_config_file
+    from scripts.bench.inprocess import InProcessEngine
+    from scripts.bench.plan import derived_config
+
+    config = derived_config(ROOT / BACKEND_CONFIGS[name], work / f"{name}.yaml", dtype, args.threads, overrides)
+    handler = load_model_config_file(str(config)).handler
+    return InProcessEngine(handler, source, 1, args.threads), handler
+
+
+def bandwidth(args) -> float:
+    from scripts.bench.membw import read_bandwidth
+
+    return read_bandwidth(args.membw_gb, threads=(args.threads,), repeats=3)[str(args.threads)]["gb_per_s"]
+
+
+def measure(args, loaded: dict, prompts) -> dict:
+    """Alternated rounds: each backend's decode tok/s and efficiency against its wave's bandwidth bracket."""
+    rounds = {name: [] for name in loaded}
+    for index in range(args.rounds):
+        names = list(loaded) if index % 2 == 0 else list(loaded)[::-1]
+        prompt = prompts.make(args.prompt)
+        for name in names:
+            engine, nbytes, _ = loaded[name]
+            before = bandwidth(args)
+            record = engine.run_wave([prompt], args.tokens)[0]
+            after = bandwidth(args)
+            if record.error or record.decode_tokens_per_s() is None:
+                raise RuntimeError(f"{name}: the wave failed: {record.error or 'no decode tokens'}")
+            rate = record.decode_tokens_per_s()
+            rounds[name].append({"decode_tokens_per_s": round(rate, 3), "bandwidth_gb_per_s": [before, after],
+                                 "efficiency": round(rate * nbytes / ((before + after) / 2 * 1e9), 4)})
+            print(f"round {index + 1}, {name}: {rate:.2f} decode tok/s ({1e3 / rate:.1f} ms a token), bandwidth "
+                  f"{before:.1f} / {after:.1f} GB/s, efficiency {rounds[name][-1]['efficiency']:.3f}", flush=True)
+    return rounds
+
+
+def summary(loaded: dict, rounds: dict) -> dict:
+    out = {}
+    for name, (_, nbytes, what) in loaded.items():
+        best = max(bw for r in rounds[name] for bw in r["bandwidth_gb_per_s"])
+        rate = statistics.median(r["decode_tokens_per_s"] for r in rounds[name])
+        out[name] = {"runs": what, "weight_bytes_per_token": nbytes, "decode_tokens_per_s_median": rate,
+                     "efficiency_median": statistics.median(r["efficiency"] for r in rounds[name]),
+                     "efficiency_vs_best_bandwidth": round(rate * nbytes / (best * 1e9), 4), "rounds": rounds[name]}
+    return out
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     epilog="Figures only: nothing here asserts a speed.")
+    parser.add_argument("--times", type=float, default=4.0,
+                        help="bf16 weights at least this many times the last-level cache (default 4)")
+    parser.add_argument("--layers", type=int, help="decoder layers (default: from --times and the cache's size)")
+    parser.add_argument("--hidden", type=int, default=HIDDEN, help=f"hidden size (default {HIDDEN})")
+    parser.add_argument("--intermediate", type=int, default=INTERMEDIATE, help=f"MLP size (default {INTERMEDIATE})")
+    parser.add_argument("--heads", type=int, default=HEADS, help=f"attention heads, as many KV heads (default {HEADS})")
+    parser.add_argument("--backends", default=",".join(BACKENDS), type=lambda s: [b for b in s.split(",") if b],
+                        help=f"comma list of {', '.join(BACKENDS)} (default all; each where installed)")
+    parser.add_argument("--prompt", type=int, default=256, help="prompt tokens (default 256)")
+    parser.add_argument("--tokens", type=int, default=48, help="generated tokens a wave (default 48)")
+    parser.add_argument("--rounds", type=int, default=5, help="alternated rounds (default 5)")
+    parser.add_argument("--threads", type=int, default=2, help="model threads (default 2)")
+    parser.add_argument("--membw-gb", type=float, default=2.0, help="GB read by each bandwidth sample (default 2)")
+    parser.add_argument("--cpu-class", help="compute as a CPU of this class would (llama_engine.cpu.CLASSES)")
+    parser.add_argument("--tokenizer", type=Path, default=ROOT / "build" / "tiny-llama",
+                        help="checkpoint whose tokenizer the model gets (default build/tiny-llama, as the bench model's)")
+    parser.add_argument("--root", type=Path, default=ROOT / "build" / "beyond-cache", help="where the model is built")
+    parser.add_argument("--out", type=Path, help="JSON of the figures (default ROOT/build/bench/beyond-cache-CLASS.json)")
+    args = parser.parse_args(argv)
+    unknown = set(args.backends) - set(BACKENDS)
+    if unknown:
+        parser.error(f"--backends: unknown {', '.join(sorted(unknown))} ({', '.join(BACKENDS)})")
+    if args.prompt + args.tokens >= MAX_LENGTH:
+        parser.error(f"--prompt + --tokens must stay under the configs' max_length ({MAX_LENGTH})")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from scripts.bench import machine
+
+    machine.openmp_as_served()  # before torch loads, which emulate() does
+    if args.cpu_class:
+        machine.emulate(args.cpu_class)
+    import torch
+    from transformers import AutoTokenizer
+
+    from llama_engine.cpu import cpu_class, cpu_flags
+    from scripts.bench.model import ensure_bench_models
+    from scripts.bench.prompts import PromptFactory
+
+    torch.set_num_threads(args.threads)
+    cache = machine.last_level_cache_bytes()
+    spec = model_spec(args, cache or UNKNOWN_CACHE_BYTES)
+    args.root = args.root.resolve()
+    checkpoint = ensure_bench_models(("bfloat16",), tokenizer_src=args.tokenizer.resolve(), root=args.root,
+                                     spec=spec, log=lambda m: print(m, flush=True))["bfloat16"]
+    weights = spec.num_hidden_layers * layer_bytes(spec.hidden_size, spec.intermediate_size)
+    where = f"{cache / 2**20:.0f} MiB" if cache else f"not reported (taken as {UNKNOWN_CACHE_BYTES >> 20} MiB)"
+    print(f"model: {spec.num_hidden_layers} layers of hidden {spec.hidden_size}, {weights / 1e9:.2f} GB of bf16 "
+          f"linear weights; last-level cache {where}; CPU class {cpu_class(cpu_flags())}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="beyond-cache-") as work:
+        loaded = {}
+        try:
+            loaded = load_backends(args, checkpoint, Path(work), loaded)
+            if not loaded:
+                raise SystemExit("no backend to measure")
+            prompts = PromptFactory(AutoTokenizer.from_pretrained(checkpoint), 0)
+            results = summary(loaded, measure(args, loaded, prompts))
+        finally:
+            for engine, _, _ in loaded.values():
+                engine.close()
+    for name, got in results.items():
+        print(f"{name} ({got['runs']}): batch-1 decode {got['decode_tokens_per_s_median']:.2f} tok/s, efficiency "
+              f"{got['efficiency_median']:.3f} of the bandwidth bracketing each wave (median of {args.rounds}), "
+              f"{got['efficiency_vs_best_bandwidth']:.3f} of the best sample", flush=True)
+    out = args.out or ROOT / "build" / "bench" / f"beyond-cache-{cpu_class(cpu_flags())}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"spec": dataclasses.asdict(spec), "last_level_cache_bytes": cache,
+                               "cpu_class": cpu_class(cpu_flags()), "threads": args.threads, "prompt": args.prompt,
+                               "tokens": args.tokens, "backends": results,
+                               "when": time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())}, indent=1))
+    print(f"wrote {out}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
