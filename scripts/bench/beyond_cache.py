@@ -1,18 +1,20 @@
-"""Batch-1 decode of a model larger than the CPU's last-level cache, against the memory bandwidth.
+"""Decode of a model larger than the CPU's last-level cache, against the memory bandwidth and llama-server.
 
 The bench model's 230 MB of weights a token fit some CPUs' last-level cache (an Emerald Rapids
 Xeon VM reports 260 MiB), so there its batch-1 decode efficiency reads weights partly from the
 cache and says little of a 7B model. This builds a random-weight Llama of Llama-2's layer shape
 (hidden 2048, 16 heads of 128) with enough layers for ``--times`` the cache's bytes, offline and
-deterministically, and decodes one stream: through the engine in this process on the torch
+deterministically, and decodes one stream, then eight at once (``--streams``): through the engine in this process on the torch
 backend as ``handler.dtype: auto`` serves it here and on the llamacpp backend over the GGUF that
 ``gguf_type: auto`` converts (where llama-cpp-python is installed), and through llama.cpp's own
 ``llama-server`` on that GGUF (where ``make bench-peers`` built it; under ``--cpu-class``, its build
 for that class).
-Rounds alternate the backends, each wave bracketed by a memory-bandwidth sample; efficiency =
-decode tok/s x weight bytes a token / the bracket's mean bandwidth. Prints figures, asserts none::
+Rounds alternate the systems, each wave bracketed by a memory-bandwidth sample; efficiency =
+decode steps/s x weight bytes a token / the bracket's mean bandwidth (one stream: its tokens/s;
+eight: a step of eight rows reads the weights once), and each backend's decode and output tokens/s
+over llama-server's. Prints figures, asserts none::
 
-    python -m scripts.bench.beyond_cache                      # ~6 min on 2 cores, 1.1 GB of weights
+    python -m scripts.bench.beyond_cache                      # ~8 min on 2 cores, 1.1 GB of weights
     python -m scripts.bench.beyond_cache --cpu-class avx2     # as an AVX2-only CPU would compute
 """
 from __future__ import annotations
@@ -23,6 +25,7 @@ import importlib.util
 import json
 import math
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -66,14 +69,17 @@ def model_spec(args, cache_bytes: int):
 
 def gguf_copy(checkpoint: Path, out: Path) -> tuple:
     """``out``: the checkpoint's config and tokenizer with ``model.gguf`` of the type ``gguf_type: auto``
-    converts it to here (built once); returns (out, the GGUF type)."""
+    converts it to here (built once for each checkpoint, as its spec file says); returns (out, the GGUF type)."""
+    from scripts.bench.model import SPEC_FILE
     from scripts.build_model import gguf_outtype
 
     outtype = gguf_outtype("auto", checkpoint)
     out = out.with_name(f"{out.name}-{outtype}")
-    if (out / "model.gguf").is_file():
+    spec = (checkpoint / SPEC_FILE).read_text()
+    if (out / "model.gguf").is_file() and (out / SPEC_FILE).is_file() and (out / SPEC_FILE).read_text() == spec:
         return out, outtype
-    out.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
     for path in checkpoint.iterdir():
         if path.is_file() and not path.name.endswith(".safetensors"):
             (out / path.name).write_bytes(path.read_bytes())
@@ -90,12 +96,12 @@ GGUF_WEIGHT_DTYPES = {"f16": "float16", "bf16": "bfloat16", "f32": "float32"}
 
 class LlamaServer:
     """llama.cpp's ``llama-server`` (the bench's peer, built by ``make bench-peers``; under ``--cpu-class``
-    the build for that class) on the GGUF, one stream at a time, with the engine's ``run_wave``."""
+    the build for that class) on the GGUF, a slot for each stream, with the engine's ``run_wave``."""
 
-    def __init__(self, gguf: Path, work: Path, threads: int, cpu_class):
+    def __init__(self, gguf: Path, work: Path, threads: int, parallel: int, cpu_class):
         from scripts.bench.systems import LlamaCppSystem
 
-        self.system = LlamaCppSystem(work / "llama-server", "bfloat16", threads, parallel=1, max_length=MAX_LENGTH,
+        self.system = LlamaCppSystem(work / "llama-server", "bfloat16", threads, parallel=parallel, max_length=MAX_LENGTH,
                                      gguf=gguf, cpu_class=cpu_class)
         installed, self.detail = self.system.detect()
         self.adapter = self.system.start(300) if installed else None
@@ -130,7 +136,7 @@ def load_backends(args, checkpoint: Path, work: Path, loaded: dict) -> dict:
             source, outtype = gguf_copy(checkpoint, args.root / "gguf")
             weight_dtype = GGUF_WEIGHT_DTYPES[outtype]
         if name == "llama-server":
-            engine = LlamaServer(source / "model.gguf", work, args.threads, args.cpu_class)
+            engine = LlamaServer(source / "model.gguf", work, args.threads, max(args.streams), args.cpu_class)
             if engine.adapter is None:
                 print(f"llama-server: skipped, {engine.detail} (make bench-peers)", flush=True)
                 continue
@@ -157,7 +163,7 @@ def in_process(name: str, dtype: str, args, work: Path, source: Path, overrides:
 
     config = derived_config(ROOT / BACKEND_CONFIGS[name], work / f"{name}.yaml", dtype, args.threads, overrides)
     handler = load_model_config_file(str(config)).handler
-    return InProcessEngine(handler, source, 1, args.threads), handler
+    return InProcessEngine(handler, source, max(args.streams), args.threads), handler
 
 
 def bandwidth(args) -> float:
@@ -167,35 +173,69 @@ def bandwidth(args) -> float:
 
 
 def measure(args, loaded: dict, prompts) -> dict:
-    """Alternated rounds: each backend's decode tok/s and efficiency against its wave's bandwidth bracket."""
-    rounds = {name: [] for name in loaded}
+    """Alternated rounds at each stream count: every system's wave between two bandwidth samples;
+    ``{(name, streams): [round, ...]}``."""
+    from scripts.bench.stats import summarize
+
+    rounds = {(name, n): [] for name in loaded for n in args.streams}
     for index in range(args.rounds):
         names = list(loaded) if index % 2 == 0 else list(loaded)[::-1]
-        prompt = prompts.make(args.prompt)
-        for name in names:
-            engine, nbytes, _ = loaded[name]
-            before = bandwidth(args)
-            record = engine.run_wave([prompt], args.tokens)[0]
-            after = bandwidth(args)
-            if record.error or record.decode_tokens_per_s() is None:
-                raise RuntimeError(f"{name}: the wave failed: {record.error or 'no decode tokens'}")
-            rate = record.decode_tokens_per_s()
-            rounds[name].append({"decode_tokens_per_s": round(rate, 3), "bandwidth_gb_per_s": [before, after],
-                                 "efficiency": round(rate * nbytes / ((before + after) / 2 * 1e9), 4)})
-            print(f"round {index + 1}, {name}: {rate:.2f} decode tok/s ({1e3 / rate:.1f} ms a token), bandwidth "
-                  f"{before:.1f} / {after:.1f} GB/s, efficiency {rounds[name][-1]['efficiency']:.3f}", flush=True)
+        for n in args.streams:
+            wave = [prompts.make(args.prompt) for _ in range(n)]
+            for name in names:
+                engine, nbytes, _ = loaded[name]
+                before = bandwidth(args)
+                records = engine.run_wave(wave, args.tokens)
+                after = bandwidth(args)
+                rates = [record.decode_tokens_per_s() for record in records]
+                failed = [record.error or "no decode tokens" for record, rate in zip(records, rates)
+                          if record.error or rate is None]
+                if failed:
+                    raise RuntimeError(f"{name}: the wave of {n} failed: {failed[0]}")
+                rate = sum(rates)
+                got = {"decode_tokens_per_s": round(rate, 3), "bandwidth_gb_per_s": [before, after],
+                       "output_tokens_per_s": summarize(records)["output_tokens_per_s"],
+                       "efficiency": round(rate / n * nbytes / ((before + after) / 2 * 1e9), 4)}
+                rounds[name, n].append(got)
+                print(f"round {index + 1}, {name}, {n} stream(s): {rate:.2f} decode tok/s ({1e3 * n / rate:.1f} ms a "
+                      f"step), {got['output_tokens_per_s']:.2f} output tok/s with the prefill, bandwidth {before:.1f} / "
+                      f"{after:.1f} GB/s, efficiency {got['efficiency']:.3f}", flush=True)
     return rounds
 
 
-def summary(loaded: dict, rounds: dict) -> dict:
+def summary(loaded: dict, rounds: dict, streams: list) -> dict:
+    """Each system's medians at each stream count; efficiency = decode steps/s x weight bytes a token /
+    bandwidth (at one stream, tokens/s; at N, a step of N rows reads the weights once)."""
     out = {}
     for name, (_, nbytes, what) in loaded.items():
-        best = max(bw for r in rounds[name] for bw in r["bandwidth_gb_per_s"])
-        rate = statistics.median(r["decode_tokens_per_s"] for r in rounds[name])
-        out[name] = {"runs": what, "weight_bytes_per_token": nbytes, "decode_tokens_per_s_median": rate,
-                     "efficiency_median": statistics.median(r["efficiency"] for r in rounds[name]),
-                     "efficiency_vs_best_bandwidth": round(rate * nbytes / (best * 1e9), 4), "rounds": rounds[name]}
+        out[name] = {"runs": what, "weight_bytes_per_token": nbytes, "streams": {}}
+        for n in streams:
+            got = rounds[name, n]
+            best = max(bw for r in got for bw in r["bandwidth_gb_per_s"])
+            rate = statistics.median(r["decode_tokens_per_s"] for r in got)
+            out[name]["streams"][str(n)] = {
+                "decode_tokens_per_s_median": rate,
+                "output_tokens_per_s_median": statistics.median(r["output_tokens_per_s"] for r in got),
+                "efficiency_median": statistics.median(r["efficiency"] for r in got),
+                "efficiency_vs_best_bandwidth": round(rate / n * nbytes / (best * 1e9), 4), "rounds": got}
     return out
+
+
+def report(results: dict, rounds: int) -> None:
+    """One line a system and stream count; then each backend's speed over llama-server's, where it ran."""
+    for name, got in results.items():
+        for n, figures in got["streams"].items():
+            print(f"{name} ({got['runs']}), {n} stream(s): decode {figures['decode_tokens_per_s_median']:.2f} tok/s, "
+                  f"{figures['output_tokens_per_s_median']:.2f} output tok/s with the prefill; efficiency "
+                  f"{figures['efficiency_median']:.3f} of the bandwidth bracketing each wave (median of {rounds}), "
+                  f"{figures['efficiency_vs_best_bandwidth']:.3f} of the best sample", flush=True)
+    peer = results.get("llama-server")
+    for name in [n for n in results if peer and n != "llama-server"]:
+        for n, figures in results[name]["streams"].items():
+            theirs = peer["streams"][n]
+            print(f"{name} / llama-server, {n} stream(s): decode "
+                  f"{figures['decode_tokens_per_s_median'] / theirs['decode_tokens_per_s_median']:.2f}x, output "
+                  f"{figures['output_tokens_per_s_median'] / theirs['output_tokens_per_s_median']:.2f}x", flush=True)
 
 
 def parse_args(argv=None):
@@ -211,6 +251,8 @@ def parse_args(argv=None):
                         help=f"comma list of {', '.join(BACKENDS)} (default all; each where installed)")
     parser.add_argument("--prompt", type=int, default=256, help="prompt tokens (default 256)")
     parser.add_argument("--tokens", type=int, default=48, help="generated tokens a wave (default 48)")
+    parser.add_argument("--streams", default="1,8", type=lambda s: [int(n) for n in s.split(",") if n],
+                        help="comma list of concurrent streams a wave (default 1,8)")
     parser.add_argument("--rounds", type=int, default=5, help="alternated rounds (default 5)")
     parser.add_argument("--threads", type=int, default=2, help="model threads (default 2)")
     parser.add_argument("--membw-gb", type=float, default=2.0, help="GB read by each bandwidth sample (default 2)")
@@ -259,19 +301,16 @@ def main(argv=None) -> int:
             if not loaded:
                 raise SystemExit("no backend to measure")
             prompts = PromptFactory(AutoTokenizer.from_pretrained(checkpoint), 0)
-            results = summary(loaded, measure(args, loaded, prompts))
+            results = summary(loaded, measure(args, loaded, prompts), args.streams)
         finally:
             for engine, _, _ in loaded.values():
                 engine.close()
-    for name, got in results.items():
-        print(f"{name} ({got['runs']}): batch-1 decode {got['decode_tokens_per_s_median']:.2f} tok/s, efficiency "
-              f"{got['efficiency_median']:.3f} of the bandwidth bracketing each wave (median of {args.rounds}), "
-              f"{got['efficiency_vs_best_bandwidth']:.3f} of the best sample", flush=True)
+    report(results, args.rounds)
     out = args.out or ROOT / "build" / "bench" / f"beyond-cache-{cpu_class(cpu_flags())}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"spec": dataclasses.asdict(spec), "last_level_cache_bytes": cache,
                                "cpu_class": cpu_class(cpu_flags()), "threads": args.threads, "prompt": args.prompt,
-                               "tokens": args.tokens, "backends": results,
+                               "tokens": args.tokens, "streams": args.streams, "backends": results,
                                "when": time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())}, indent=1))
     print(f"wrote {out}", flush=True)
     return 0

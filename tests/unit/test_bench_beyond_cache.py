@@ -34,31 +34,36 @@ def test_a_run_measures_each_backend_on_the_model_it_built(tiny_model_dir, tmp_p
     hidden, intermediate, layers = 64, 128, 2
     run = subprocess.run([sys.executable, "-m", "scripts.bench.beyond_cache", "--hidden", str(hidden),
                           "--intermediate", str(intermediate), "--heads", "2", "--layers", str(layers),
-                          "--rounds", "2", "--tokens", "6", "--prompt", "24", "--membw-gb", "0.05",
+                          "--streams", "1,3", "--rounds", "2", "--tokens", "6", "--prompt", "24", "--membw-gb", "0.05",
                           "--tokenizer", str(tiny_model_dir), "--root", str(tmp_path / "model"), "--out", str(out)],
                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     figures = json.loads(out.read_text())
     assert figures["spec"]["num_hidden_layers"] == layers and figures["spec"]["hidden_size"] == hidden
+    assert figures["streams"] == [1, 3]
     config = json.loads((tmp_path / "model" / "bench-model-bf16" / "config.json").read_text())
-    vocab = config["vocab_size"]
-    # every weight but the input embedding, read once a token: the layers, the final norm, the LM head
-    streamed = layers * (4 * hidden * hidden + 3 * hidden * intermediate + 2 * hidden) + hidden + vocab * hidden
+    # every weight but the input embedding, read once a step: the layers, the final norm, the LM head
+    streamed = layers * (4 * hidden * hidden + 3 * hidden * intermediate + 2 * hidden) + hidden + config["vocab_size"] * hidden
     served = "llama-server" in figures["backends"]
     assert served or "llama-server: skipped, not installed" in run.stdout
     assert set(figures["backends"]) == {"torch", "llamacpp"} | ({"llama-server"} if served else set())
     for name, got in figures["backends"].items():
         assert got["weight_bytes_per_token"] == 2 * (streamed + hidden), name  # bf16 weights, f16 GGUF: 2 bytes
-        assert len(got["rounds"]) == 2
-        for round_ in got["rounds"]:
-            mean_bandwidth = sum(round_["bandwidth_gb_per_s"]) / 2
-            assert round_["decode_tokens_per_s"] > 0
-            assert round_["efficiency"] == pytest.approx(
-                round_["decode_tokens_per_s"] * got["weight_bytes_per_token"] / (mean_bandwidth * 1e9), abs=1e-4)  # 4 decimals
-        assert got["efficiency_median"] == pytest.approx(sum(r["efficiency"] for r in got["rounds"]) / 2)
-        assert f"{name} (" in run.stdout and "batch-1 decode" in run.stdout
+        assert set(got["streams"]) == {"1", "3"}
+        for n, at in got["streams"].items():
+            assert len(at["rounds"]) == 2
+            for round_ in at["rounds"]:
+                mean_bandwidth = sum(round_["bandwidth_gb_per_s"]) / 2
+                assert round_["decode_tokens_per_s"] > 0 and round_["output_tokens_per_s"] > 0
+                steps_per_s = round_["decode_tokens_per_s"] / int(n)  # a step of n rows reads the weights once
+                assert round_["efficiency"] == pytest.approx(
+                    steps_per_s * got["weight_bytes_per_token"] / (mean_bandwidth * 1e9), abs=1e-4)  # 4 decimals
+            assert at["efficiency_median"] == pytest.approx(sum(r["efficiency"] for r in at["rounds"]) / 2)
+            assert f"{name} ({got['runs']}), {n} stream(s): decode" in run.stdout
     assert figures["backends"]["llamacpp"]["runs"].startswith("llama.cpp in-process over a ")
     assert list((tmp_path / "model").glob("gguf-*/model.gguf"))
+    if served:
+        assert "torch / llama-server, 3 stream(s): decode" in run.stdout
 
 
 def test_llama_server_not_built_is_skipped_with_the_fix(monkeypatch, tmp_path, capsys):
@@ -69,3 +74,46 @@ def test_llama_server_not_built_is_skipped_with_the_fix(monkeypatch, tmp_path, c
     args = beyond_cache.parse_args(["--backends", "llama-server", "--root", str(tmp_path)])
     assert beyond_cache.load_backends(args, tmp_path, tmp_path, {}) == {}
     assert "llama-server: skipped, not installed (no llama-server) (make bench-peers)" in capsys.readouterr().out
+
+
+def test_the_report_gives_each_backend_over_llama_server_at_each_stream_count(capsys):
+    def at(decode, output):
+        return {"decode_tokens_per_s_median": decode, "output_tokens_per_s_median": output,
+                "efficiency_median": 0.5, "efficiency_vs_best_bandwidth": 0.4}
+
+    results = {"torch": {"runs": "torch", "streams": {"1": at(30.0, 20.0), "8": at(120.0, 60.0)}},
+               "llama-server": {"runs": "llama-server", "streams": {"1": at(20.0, 10.0), "8": at(100.0, 80.0)}}}
+    beyond_cache.report(results, rounds=5)
+    printed = capsys.readouterr().out
+    assert "torch / llama-server, 1 stream(s): decode 1.50x, output 2.00x" in printed
+    assert "torch / llama-server, 8 stream(s): decode 1.20x, output 0.75x" in printed
+    assert "llama-server / llama-server" not in printed
+    beyond_cache.report({"torch": results["torch"]}, rounds=5)
+    assert "/ llama-server" not in capsys.readouterr().out
+
+
+def test_the_gguf_is_converted_again_for_another_checkpoint(tmp_path, monkeypatch):
+    """A model rebuilt with another spec must not decode through the GGUF of the one before."""
+    from scripts.bench.model import SPEC_FILE
+
+    conversions = []
+
+    def convert(command, **_):
+        conversions.append(command)
+        Path(command[command.index("--outfile") + 1]).write_bytes(b"GGUF")
+
+    monkeypatch.setattr(beyond_cache.subprocess, "run", convert)
+    checkpoint = tmp_path / "checkpoint"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text("{}")
+    (checkpoint / "model.safetensors").write_bytes(b"weights")
+    (checkpoint / SPEC_FILE).write_text('{"spec": 1}')
+    monkeypatch.setattr("scripts.build_model.gguf_outtype", lambda gguf_type, path: "f16")
+    out, outtype = beyond_cache.gguf_copy(checkpoint, tmp_path / "gguf")
+    assert (out.name, outtype) == ("gguf-f16", "f16") and (out / "model.gguf").read_bytes() == b"GGUF"
+    assert not (out / "model.safetensors").exists() and (out / "config.json").exists()
+    beyond_cache.gguf_copy(checkpoint, tmp_path / "gguf")
+    assert len(conversions) == 1
+    (checkpoint / SPEC_FILE).write_text('{"spec": 2}')
+    beyond_cache.gguf_copy(checkpoint, tmp_path / "gguf")
+    assert len(conversions) == 2 and (out / SPEC_FILE).read_text() == '{"spec": 2}'
