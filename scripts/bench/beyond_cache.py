@@ -4,17 +4,22 @@ The bench model's 230 MB of weights a token fit some CPUs' last-level cache (an 
 Xeon VM reports 260 MiB), so there its batch-1 decode efficiency reads weights partly from the
 cache and says little of a 7B model. This builds a random-weight Llama of Llama-2's layer shape
 (hidden 2048, 16 heads of 128) with enough layers for ``--times`` the cache's bytes, offline and
-deterministically, and decodes one stream, then eight at once (``--streams``): through the engine in this process on the torch
-backend as ``handler.dtype: auto`` serves it here and on the llamacpp backend over the GGUF that
-``gguf_type: auto`` converts (where llama-cpp-python is installed), and through llama.cpp's own
-``llama-server`` on that GGUF (where ``make bench-peers`` built it; under ``--cpu-class``, its build
-for that class).
+deterministically, and decodes one stream, then eight at once (``--streams``), on each system:
+
+* ``torch``, ``llamacpp``: the engine in this process on either backend (the torch one as
+  ``handler.dtype: auto`` serves it here; llama.cpp over the GGUF ``gguf_type: auto`` converts,
+  where llama-cpp-python is installed);
+* ``torchserve``: the handler on the torch backend, built into an archive and served by
+  TorchServe with micro-batching, as the bench's ``torchserve`` row;
+* ``llama-server``: llama.cpp's own server on that GGUF (where ``make bench-peers`` built it;
+  under ``--cpu-class``, its build for that class).
+
 Rounds alternate the systems, each wave bracketed by a memory-bandwidth sample; efficiency =
 decode steps/s x weight bytes a token / the bracket's mean bandwidth (one stream: its tokens/s;
-eight: a step of eight rows reads the weights once), and each backend's decode and output tokens/s
+eight: a step of eight rows reads the weights once), and each system's decode and output tokens/s
 over llama-server's. Prints figures, asserts none::
 
-    python -m scripts.bench.beyond_cache                      # ~8 min on 2 cores, 1.1 GB of weights
+    python -m scripts.bench.beyond_cache                      # ~12 min on 2 cores, 1.1 GB of weights
     python -m scripts.bench.beyond_cache --cpu-class avx2     # as an AVX2-only CPU would compute
 """
 from __future__ import annotations
@@ -45,8 +50,8 @@ UNKNOWN_CACHE_BYTES = 64 << 20
 #: The bench configs' ``handler.max_length`` (and the model's positions).
 MAX_LENGTH = 1024
 BACKEND_CONFIGS = {"torch": "model-config/bench-llama.yaml", "llamacpp": "model-config/bench-llama-llamacpp.yaml"}
-#: What ``--backends`` takes: the two backends in this process, and llama.cpp's own server.
-BACKENDS = (*BACKEND_CONFIGS, "llama-server")
+#: What ``--backends`` takes: the two backends in this process, the handler served, and llama.cpp's own server.
+BACKENDS = (*BACKEND_CONFIGS, "torchserve", "llama-server")
 
 
 def layer_bytes(hidden: int, intermediate: int, width: int = 2) -> int:
@@ -94,18 +99,10 @@ def gguf_copy(checkpoint: Path, out: Path) -> tuple:
 GGUF_WEIGHT_DTYPES = {"f16": "float16", "bf16": "bfloat16", "f32": "float32"}
 
 
-class LlamaServer:
-    """llama.cpp's ``llama-server`` (the bench's peer, built by ``make bench-peers``; under ``--cpu-class``
-    the build for that class) on the GGUF, a slot for each stream, with the engine's ``run_wave``."""
+class Server:
+    """A server under test, one wave of streams at a time through the bench's client (``run_wave``)."""
 
-    def __init__(self, gguf: Path, work: Path, threads: int, parallel: int, cpu_class):
-        from scripts.bench.systems import LlamaCppSystem
-
-        self.system = LlamaCppSystem(work / "llama-server", "bfloat16", threads, parallel=parallel, max_length=MAX_LENGTH,
-                                     gguf=gguf, cpu_class=cpu_class)
-        installed, self.detail = self.system.detect()
-        self.adapter = self.system.start(300) if installed else None
-        self.load_s = self.system.timings.get("start_to_ready_s", 0.0)
+    system = adapter = None
 
     def run_wave(self, prompts, max_new_tokens: int):
         from scripts.streaming_client import run_wave
@@ -116,11 +113,40 @@ class LlamaServer:
         self.system.stop()
 
 
+class LlamaServer(Server):
+    """llama.cpp's ``llama-server`` (the bench's peer, built by ``make bench-peers``; under ``--cpu-class``
+    the build for that class) on the GGUF, a slot for each stream."""
+
+    def __init__(self, gguf: Path, work: Path, threads: int, parallel: int, cpu_class):
+        from scripts.bench.systems import LlamaCppSystem
+
+        self.system = LlamaCppSystem(work / "llama-server", "bfloat16", threads, parallel=parallel, max_length=MAX_LENGTH,
+                                     gguf=gguf, cpu_class=cpu_class)
+        installed, self.detail = self.system.detect()
+        self.adapter = self.system.start(300) if installed else None
+        self.load_s = self.system.timings.get("start_to_ready_s", 0.0)
+
+
+class TorchServeModel(Server):
+    """The handler served by TorchServe on the torch backend (``config``, as the bench's ``torchserve`` row:
+    micro-batching), built into an archive of the checkpoint as ``make build`` builds one."""
+
+    def __init__(self, config: Path, checkpoint: Path, work: Path):
+        from scripts.bench.systems import TorchServeSystem
+
+        self.system = TorchServeSystem(work / "torchserve", config, checkpoint, model_name="beyond-cache")
+        self.system.build()
+        self.adapter = self.system.start(900)
+        self.load_s = self.system.timings["start_to_ready_s"]
+
+
 def load_backends(args, checkpoint: Path, work: Path, loaded: dict) -> dict:
     """Into ``loaded`` (the caller closes what it holds): ``{name: (engine, weight bytes a token, what it
     runs)}`` for each available backend asked for."""
+    from llama_engine import load_model_config_file
     from llama_engine.cpu import auto_dtype
     from scripts.bench import model as bench_model
+    from scripts.bench.plan import derived_config
 
     dtype = auto_dtype("cpu")
     for name in args.backends:
@@ -132,7 +158,7 @@ def load_backends(args, checkpoint: Path, work: Path, loaded: dict) -> dict:
         if name == "llamacpp" and importlib.util.find_spec("llama_cpp") is None:
             print("llamacpp: llama-cpp-python is not installed (make llamacpp); skipped", flush=True)
             continue
-        if name != "torch":
+        if name in ("llamacpp", "llama-server"):
             source, outtype = gguf_copy(checkpoint, args.root / "gguf")
             weight_dtype = GGUF_WEIGHT_DTYPES[outtype]
         if name == "llama-server":
@@ -145,10 +171,15 @@ def load_backends(args, checkpoint: Path, work: Path, loaded: dict) -> dict:
             overrides["gguf_type"] = outtype
             engine = in_process(name, dtype, args, work, source, overrides)[0]
             what = f"llama.cpp in-process over a {outtype} GGUF"
+        elif name == "torchserve":
+            config = derived_config(ROOT / BACKEND_CONFIGS["torch"], work / f"{name}.yaml", dtype, args.threads, overrides)
+            weight_dtype = bench_model.served_weight_dtype(load_model_config_file(str(config)).handler, checkpoint)
+            engine = TorchServeModel(config, checkpoint, work)
+            what = f"TorchServe, the torch backend, micro-batching, {dtype} arithmetic over {weight_dtype} weights"
         else:
             engine, handler = in_process(name, dtype, args, work, source, overrides)
             weight_dtype = bench_model.served_weight_dtype(handler, checkpoint)
-            what = f"torch, {dtype} arithmetic over {weight_dtype} weights"
+            what = f"torch in-process, {dtype} arithmetic over {weight_dtype} weights"
         nbytes = bench_model.describe(checkpoint, dtype, weight_dtype)["weight_bytes_per_token"]
         loaded[name] = (engine, nbytes, what)
         print(f"{name}: {what}, {nbytes / 1e9:.2f} GB of weights a token (load {engine.load_s:.1f} s)", flush=True)

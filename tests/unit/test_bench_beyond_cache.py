@@ -22,14 +22,15 @@ def test_a_layer_of_the_default_shape_and_the_layers_for_four_times_the_cache():
 def test_unknown_backends_and_too_long_waves_are_refused(capsys):
     with pytest.raises(SystemExit):
         beyond_cache.parse_args(["--backends", "torch,onnx"])
-    assert "--backends: unknown onnx" in capsys.readouterr().err
+    assert "--backends: unknown onnx (torch, llamacpp, torchserve, llama-server)" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         beyond_cache.parse_args(["--prompt", "1000", "--tokens", "48"])
     assert "max_length (1024)" in capsys.readouterr().err
 
 
 def test_a_run_measures_each_backend_on_the_model_it_built(tiny_model_dir, tmp_path):
-    """Both backends in this process; llama-server too where `make bench-peers` built it (else a skip line)."""
+    """Both backends in this process, the handler served by a real TorchServe, and llama-server where
+    `make bench-peers` built it (else a skip line)."""
     out = tmp_path / "figures.json"
     hidden, intermediate, layers = 64, 128, 2
     run = subprocess.run([sys.executable, "-m", "scripts.bench.beyond_cache", "--hidden", str(hidden),
@@ -46,7 +47,7 @@ def test_a_run_measures_each_backend_on_the_model_it_built(tiny_model_dir, tmp_p
     streamed = layers * (4 * hidden * hidden + 3 * hidden * intermediate + 2 * hidden) + hidden + config["vocab_size"] * hidden
     served = "llama-server" in figures["backends"]
     assert served or "llama-server: skipped, not installed" in run.stdout
-    assert set(figures["backends"]) == {"torch", "llamacpp"} | ({"llama-server"} if served else set())
+    assert set(figures["backends"]) == {"torch", "llamacpp", "torchserve"} | ({"llama-server"} if served else set())
     for name, got in figures["backends"].items():
         assert got["weight_bytes_per_token"] == 2 * (streamed + hidden), name  # bf16 weights, f16 GGUF: 2 bytes
         assert set(got["streams"]) == {"1", "3"}
@@ -62,8 +63,9 @@ def test_a_run_measures_each_backend_on_the_model_it_built(tiny_model_dir, tmp_p
             assert f"{name} ({got['runs']}), {n} stream(s): decode" in run.stdout
     assert figures["backends"]["llamacpp"]["runs"].startswith("llama.cpp in-process over a ")
     assert list((tmp_path / "model").glob("gguf-*/model.gguf"))
+    assert figures["backends"]["torchserve"]["runs"].startswith("TorchServe, the torch backend, micro-batching")
     if served:
-        assert "torch / llama-server, 3 stream(s): decode" in run.stdout
+        assert "torchserve / llama-server, 3 stream(s): decode" in run.stdout
 
 
 def test_llama_server_not_built_is_skipped_with_the_fix(monkeypatch, tmp_path, capsys):
