@@ -181,6 +181,7 @@ def test_decode_threads_auto_takes_one_thread_only_where_it_frees_a_core(tiny_gg
 
     monkeypatch.setattr(llamacpp_backend, "usable_cpus", lambda: UsableCpus(cpus, "affinity"))
     monkeypatch.setattr(llamacpp_backend, "ONE_THREAD_ALLOWANCE_S", allowance)
+    monkeypatch.setattr(llamacpp_backend, "ONE_THREAD_MAX_SLOWDOWN", 1e9 if allowance > 0 else 1.0)
     with caplog.at_level(logging.INFO, logger=llamacpp_backend.logger.name):
         made = LlamaCppSlotBackend(str(tiny_gguf), 2, MAX_LENGTH, threads=2, decode_threads="auto")
     try:
@@ -192,6 +193,19 @@ def test_decode_threads_auto_takes_one_thread_only_where_it_frees_a_core(tiny_gg
         assert made.lib.llama_n_threads(made.ctx) == expected
     finally:
         made.close()
+
+
+@pytest.mark.parametrize("one_ms,many_ms,suffices", [
+    (8.6, 7.7, True),  # Zen 4: 1.12x slower, and one thread served one stream faster
+    (10.32, 8.62, True),  # Zen 4 again: 1.20x
+    (7.67, 5.62, False),  # Zen 5: 1.36x, inside the 3 ms, and both threads served it 1.09x faster
+    (23.07, 13.20, False),  # AMX Xeon: 1.75x
+    (44.0, 40.0, False),  # a large model: 1.1x, but 4 ms a token
+])
+def test_one_decode_thread_only_where_its_step_is_close_in_time_and_in_ratio(one_ms, many_ms, suffices):
+    from llama_engine.backends.llamacpp_backend import one_thread_suffices
+
+    assert one_thread_suffices(one_ms / 1e3, many_ms / 1e3) is suffices
 
 
 def test_decode_threads_set_is_kept_and_capped_at_the_threads(tiny_gguf):

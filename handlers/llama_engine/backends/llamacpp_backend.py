@@ -37,6 +37,17 @@ logger = logging.getLogger(__name__)
 #: EPYC: one stream's served step 12.5 ms against 9.5 in-process). An absolute allowance, so that
 #: a large model, whose step takes far longer than the frontend's share, keeps every thread.
 ONE_THREAD_ALLOWANCE_S = 0.003
+#: ... and at most this factor slower. On a Zen 4 EPYC one thread 1.1-1.3x slower served one stream
+#: faster; on a Zen 5 EPYC a step 1.36x slower (7.67 against 5.62 ms, inside the allowance) served it
+#: 0.92x as fast as both threads (bench model, ``scripts.bench.ab_served``, both start orders):
+#: where one core draws less of the bandwidth, the core it frees is not worth the step it costs.
+ONE_THREAD_MAX_SLOWDOWN = 1.3
+
+
+def one_thread_suffices(one: float, many: float) -> bool:
+    """Whether a one-token step of ``one`` seconds on one thread is close enough to ``many`` on all of
+    them to leave the other cores to TorchServe's frontend (``decode_threads: auto``)."""
+    return one <= many + ONE_THREAD_ALLOWANCE_S and one <= many * ONE_THREAD_MAX_SLOWDOWN
 
 #: ``flash_attn`` as llama.cpp's ``flash_attn_type`` (llama.h); ``auto`` is llama.cpp's own choice.
 FLASH_ATTN_TYPES = {"auto": -1, "off": 0, "on": 1}
@@ -210,9 +221,8 @@ class LlamaCppSlotBackend(OnePassSlotBackend):
         both. On a 2-vCPU Zen 4 EPYC one thread decoded the bench model 1.1-1.3x slower in-process,
         yet served one stream faster (67.4 -> 83.9 tokens/s with the continuous scheduler in its
         own thread), while llama-server with one decode thread lost (79.1 against 86.2). So: 1
-        thread where the model's threads take every CPU and one thread's step is at most
-        :data:`ONE_THREAD_ALLOWANCE_S` slower than theirs, timed here on a scratch slot
-        (alternated blocks, medians).
+        thread where the model's threads take every CPU and one thread's step is close to theirs
+        (:func:`one_thread_suffices`), timed here on a scratch slot (alternated blocks, medians).
         """
         if self.threads < 2 or self.threads < usable_cpus().count or self.max_length < 64:
             return self.threads
@@ -230,7 +240,7 @@ class LlamaCppSlotBackend(OnePassSlotBackend):
         finally:
             self.free_slot(0)
         one, many = statistics.median(times[1]), statistics.median(times[self.threads])
-        choice = 1 if one <= many + ONE_THREAD_ALLOWANCE_S else self.threads
+        choice = 1 if one_thread_suffices(one, many) else self.threads
         self.lib.llama_set_n_threads(self.ctx, choice, self.threads)
         logger.info("decode_threads auto: a one-token step took %.2f ms on 1 thread, %.2f ms on %d; %d for one token",
                     1e3 * one, 1e3 * many, self.threads, choice)
