@@ -49,6 +49,7 @@ def one_thread_suffices(one: float, many: float) -> bool:
     them to leave the other cores to TorchServe's frontend (``decode_threads: auto``)."""
     return one <= many + ONE_THREAD_ALLOWANCE_S and one <= many * ONE_THREAD_MAX_SLOWDOWN
 
+
 #: ``flash_attn`` as llama.cpp's ``flash_attn_type`` (llama.h); ``auto`` is llama.cpp's own choice.
 FLASH_ATTN_TYPES = {"auto": -1, "off": 0, "on": 1}
 #: ``flash_attn: auto`` times both settings on a request of this many prompt tokens (at most half of
