@@ -133,25 +133,31 @@ def fits_f16(checkpoint: Path) -> Tuple[bool, str]:
 
 def convert_to_gguf(cfg, model_root: Path) -> Path:
     """The prepared checkpoint as ``handler.gguf`` inside it, then its safetensors weights removed."""
+    checkpoint = model_root / cfg.handler.model_path
+    target = checkpoint / cfg.handler.gguf
+    outtype = gguf_outtype(cfg.handler.gguf_type, checkpoint)
+    print(f"    {checkpoint} -> {target} (--outtype {outtype})", flush=True)
+    run_converter(checkpoint, target, outtype)
+    for weights in [*checkpoint.glob("*.safetensors"), *checkpoint.glob("*.safetensors.index.json")]:
+        weights.unlink()
+    print(f"    wrote {target.name} ({target.stat().st_size / 2**20:.1f} MiB); safetensors weights dropped", flush=True)
+    return target
+
+
+def run_converter(checkpoint: Path, target: Path, outtype: str) -> None:
+    """llama.cpp's ``convert_hf_to_gguf.py`` (its tree: ``LLAMA_CPP_TREE``) on ``checkpoint`` into
+    ``target``, which appears only once whole."""
     tree = Path(os.environ.get("LLAMA_CPP_TREE", ROOT / "build" / "peers" / "llama.cpp"))
     if not (tree / "convert_hf_to_gguf.py").is_file():
         raise SystemExit(f"backend llamacpp: no llama.cpp converter at {tree / 'convert_hf_to_gguf.py'}; run `make llamacpp` "
                          "(or set LLAMA_CPP_TREE to a llama.cpp source tree)")
-    checkpoint = model_root / cfg.handler.model_path
-    target = checkpoint / cfg.handler.gguf
     partial = target.with_name(target.name + ".partial")
-    outtype = gguf_outtype(cfg.handler.gguf_type, checkpoint)
-    print(f"    {checkpoint} -> {target} (--outtype {outtype})", flush=True)
     result = subprocess.run([sys.executable, str(ROOT / "scripts" / "convert_gguf.py"), "--tree", str(tree),
                              str(checkpoint), "--outfile", str(partial), "--outtype", outtype],
                             capture_output=True, text=True)
     if result.returncode != 0:
         raise SystemExit(f"convert_hf_to_gguf.py failed ({result.returncode}):\n{result.stderr[-3000:]}")
     partial.rename(target)
-    for weights in [*checkpoint.glob("*.safetensors"), *checkpoint.glob("*.safetensors.index.json")]:
-        weights.unlink()
-    print(f"    wrote {target.name} ({target.stat().st_size / 2**20:.1f} MiB); safetensors weights dropped", flush=True)
-    return target
 
 
 def warm_up(cfg, model_root: Path, build_cache_dir: Path):

@@ -29,10 +29,8 @@ import dataclasses
 import importlib.util
 import json
 import math
-import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -76,7 +74,7 @@ def gguf_copy(checkpoint: Path, out: Path) -> tuple:
     """``out``: the checkpoint's config and tokenizer with ``model.gguf`` of the type ``gguf_type: auto``
     converts it to here (built once for each checkpoint, as its spec file says); returns (out, the GGUF type)."""
     from scripts.bench.model import SPEC_FILE
-    from scripts.build_model import gguf_outtype
+    from scripts.build_model import gguf_outtype, run_converter
 
     outtype = gguf_outtype("auto", checkpoint)
     out = out.with_name(f"{out.name}-{outtype}")
@@ -87,16 +85,16 @@ def gguf_copy(checkpoint: Path, out: Path) -> tuple:
     out.mkdir(parents=True)
     for path in checkpoint.iterdir():
         if path.is_file() and not path.name.endswith(".safetensors"):
-            (out / path.name).write_bytes(path.read_bytes())
-    tree = Path(os.environ.get("LLAMA_CPP_TREE", ROOT / "build" / "peers" / "llama.cpp"))
-    partial = out / "model.gguf.partial"
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "convert_gguf.py"), "--tree", str(tree), str(checkpoint),
-                    "--outfile", str(partial), "--outtype", outtype], check=True, capture_output=True)
-    partial.rename(out / "model.gguf")
+            shutil.copy2(path, out / path.name)
+    run_converter(checkpoint, out / "model.gguf", outtype)
     return out, outtype
 
 
-GGUF_WEIGHT_DTYPES = {"f16": "float16", "bf16": "bfloat16", "f32": "float32"}
+def gguf_weight_dtype(outtype: str) -> str:
+    """The torch dtype a GGUF of ``outtype`` stores its weights in (for the bytes a token)."""
+    from scripts.build_model import GGUF_OF_16_BIT
+
+    return {gguf: dtype for dtype, gguf in GGUF_OF_16_BIT.items()}.get(outtype, "float32")
 
 
 class Server:
@@ -160,7 +158,7 @@ def load_backends(args, checkpoint: Path, work: Path, loaded: dict) -> dict:
             continue
         if name in ("llamacpp", "llama-server"):
             source, outtype = gguf_copy(checkpoint, args.root / "gguf")
-            weight_dtype = GGUF_WEIGHT_DTYPES[outtype]
+            weight_dtype = gguf_weight_dtype(outtype)
         if name == "llama-server":
             engine = LlamaServer(source / "model.gguf", work, args.threads, max(args.streams), args.cpu_class)
             if engine.adapter is None:

@@ -103,8 +103,15 @@ def test_the_gguf_is_converted_again_for_another_checkpoint(tmp_path, monkeypatc
     def convert(command, **_):
         conversions.append(command)
         Path(command[command.index("--outfile") + 1]).write_bytes(b"GGUF")
+        return subprocess.CompletedProcess(command, 0, "", "")
 
-    monkeypatch.setattr(beyond_cache.subprocess, "run", convert)
+    from scripts import build_model
+
+    tree = tmp_path / "llama.cpp"
+    tree.mkdir()
+    (tree / "convert_hf_to_gguf.py").write_text("")
+    monkeypatch.setenv("LLAMA_CPP_TREE", str(tree))
+    monkeypatch.setattr(build_model.subprocess, "run", convert)
     checkpoint = tmp_path / "checkpoint"
     checkpoint.mkdir()
     (checkpoint / "config.json").write_text("{}")
