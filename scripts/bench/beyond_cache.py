@@ -141,10 +141,8 @@ class TorchServeModel(Server):
 def load_backends(args, checkpoint: Path, work: Path, loaded: dict) -> dict:
     """Into ``loaded`` (the caller closes what it holds): ``{name: (engine, weight bytes a token, what it
     runs)}`` for each available backend asked for."""
-    from llama_engine import load_model_config_file
     from llama_engine.cpu import auto_dtype
     from scripts.bench import model as bench_model
-    from scripts.bench.plan import derived_config
 
     dtype = auto_dtype("cpu")
     for name in args.backends:
@@ -170,8 +168,8 @@ def load_backends(args, checkpoint: Path, work: Path, loaded: dict) -> dict:
             engine = in_process(name, dtype, args, work, source, overrides)[0]
             what = f"llama.cpp in-process over a {outtype} GGUF"
         elif name == "torchserve":
-            config = derived_config(ROOT / BACKEND_CONFIGS["torch"], work / f"{name}.yaml", dtype, args.threads, overrides)
-            weight_dtype = bench_model.served_weight_dtype(load_model_config_file(str(config)).handler, checkpoint)
+            config, handler = bench_config("torch", name, dtype, args, work, overrides)
+            weight_dtype = bench_model.served_weight_dtype(handler, checkpoint)
             engine = TorchServeModel(config, checkpoint, work)
             what = f"TorchServe, the torch backend, micro-batching, {dtype} arithmetic over {weight_dtype} weights"
         else:
@@ -184,14 +182,20 @@ def load_backends(args, checkpoint: Path, work: Path, loaded: dict) -> dict:
     return loaded
 
 
-def in_process(name: str, dtype: str, args, work: Path, source: Path, overrides: dict):
-    """The engine on backend ``name``'s bench config in this process, and its handler config."""
+def bench_config(backend: str, name: str, dtype: str, args, work: Path, overrides: dict):
+    """``backend``'s bench config as system ``name`` runs it (``work/NAME.yaml``), and its handler config."""
     from llama_engine import load_model_config_file
-    from scripts.bench.inprocess import InProcessEngine
     from scripts.bench.plan import derived_config
 
-    config = derived_config(ROOT / BACKEND_CONFIGS[name], work / f"{name}.yaml", dtype, args.threads, overrides)
-    handler = load_model_config_file(str(config)).handler
+    config = derived_config(ROOT / BACKEND_CONFIGS[backend], work / f"{name}.yaml", dtype, args.threads, overrides)
+    return config, load_model_config_file(str(config)).handler
+
+
+def in_process(name: str, dtype: str, args, work: Path, source: Path, overrides: dict):
+    """The engine on backend ``name``'s bench config in this process, and its handler config."""
+    from scripts.bench.inprocess import InProcessEngine
+
+    handler = bench_config(name, name, dtype, args, work, overrides)[1]
     return InProcessEngine(handler, source, max(args.streams), args.threads), handler
 
 
