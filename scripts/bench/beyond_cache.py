@@ -271,6 +271,13 @@ def report(results: dict, rounds: int) -> None:
                   f"{figures['output_tokens_per_s_median'] / theirs['output_tokens_per_s_median']:.2f}x", flush=True)
 
 
+def figures_name(host: dict) -> str:
+    """The CPU class in the default figures file's name; an emulated class names the CPU under it, so
+    a run as an AVX2 CPU does not overwrite (or pass for) a real AVX2 CPU's figures."""
+    emulated_on = host.get("emulated_on")
+    return f"{host['cpu_class']}-on-{emulated_on}" if emulated_on else host["cpu_class"]
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      epilog="Figures only: nothing here asserts a speed.")
@@ -313,12 +320,13 @@ def main(argv=None) -> int:
     import torch
     from transformers import AutoTokenizer
 
-    from llama_engine.cpu import cpu_class, cpu_flags
     from scripts.bench.model import ensure_bench_models
     from scripts.bench.prompts import PromptFactory
 
     torch.set_num_threads(args.threads)
-    cache = machine.last_level_cache_bytes()
+    host = machine.machine_info()
+    label = host["cpu_class"] + (f" (emulated on {host['emulated_on']})" if "emulated_on" in host else "")
+    cache = host["last_level_cache_bytes"]
     spec = model_spec(args, cache or UNKNOWN_CACHE_BYTES)
     args.root = args.root.resolve()
     checkpoint = ensure_bench_models(("bfloat16",), tokenizer_src=args.tokenizer.resolve(), root=args.root,
@@ -326,7 +334,7 @@ def main(argv=None) -> int:
     weights = spec.num_hidden_layers * layer_bytes(spec.hidden_size, spec.intermediate_size)
     where = f"{cache / 2**20:.0f} MiB" if cache else f"not reported (taken as {UNKNOWN_CACHE_BYTES >> 20} MiB)"
     print(f"model: {spec.num_hidden_layers} layers of hidden {spec.hidden_size}, {weights / 1e9:.2f} GB of bf16 "
-          f"linear weights; last-level cache {where}; CPU class {cpu_class(cpu_flags())}", flush=True)
+          f"linear weights; last-level cache {where}; CPU class {label}", flush=True)
     with tempfile.TemporaryDirectory(prefix="beyond-cache-") as work:
         loaded = {}
         try:
@@ -339,10 +347,10 @@ def main(argv=None) -> int:
             for engine, _, _ in loaded.values():
                 engine.close()
     report(results, args.rounds)
-    out = args.out or ROOT / "build" / "bench" / f"beyond-cache-{cpu_class(cpu_flags())}.json"
+    out = args.out or ROOT / "build" / "bench" / f"beyond-cache-{figures_name(host)}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"spec": dataclasses.asdict(spec), "last_level_cache_bytes": cache,
-                               "cpu_class": cpu_class(cpu_flags()), "threads": args.threads, "prompt": args.prompt,
+    out.write_text(json.dumps({"spec": dataclasses.asdict(spec), "last_level_cache_bytes": cache, "machine": host,
+                               "cpu_class": host["cpu_class"], "threads": args.threads, "prompt": args.prompt,
                                "tokens": args.tokens, "streams": args.streams, "backends": results,
                                "when": time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())}, indent=1))
     print(f"wrote {out}", flush=True)

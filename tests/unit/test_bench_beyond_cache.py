@@ -1,6 +1,7 @@
 """scripts/bench/beyond_cache.py: the model it sizes against the cache, and one real run of both backends on a
 model small enough for a test (it prints figures; only what it computes from them is checked)."""
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -66,6 +67,41 @@ def test_a_run_measures_each_backend_on_the_model_it_built(tiny_model_dir, tmp_p
     assert figures["backends"]["torchserve"]["runs"].startswith("TorchServe, the torch backend, micro-batching")
     if served:
         assert "torchserve / llama-server, 3 stream(s): decode" in run.stdout
+
+
+def test_a_run_as_an_avx2_cpu_computes_as_one_and_files_its_figures_apart(tiny_model_dir, tmp_path):
+    """The README's ``--cpu-class avx2``: the torch rows (in-process and served) get that class's dtype,
+    llama-cpp-python (built for this host) is skipped with why, llama-server runs its AVX2 build where
+    `make bench-peers BENCH_PEERS=llama-avx2` built it, and the figures say which CPU was under it and
+    land beside, not over, a native run's."""
+    from llama_engine import cpu
+
+    host = cpu.cpu_class(cpu.host_cpu_flags())
+    if cpu.CLASSES.index(host) < cpu.CLASSES.index("avx2"):
+        pytest.skip(f"this CPU ({host}) has no AVX2 to run an avx2 CPU's instructions")
+    env = {k: v for k, v in os.environ.items() if k not in cpu.EMULATION_VARS}
+    run = subprocess.run([sys.executable, "-m", "scripts.bench.beyond_cache", "--cpu-class", "avx2", "--hidden", "64",
+                          "--intermediate", "128", "--heads", "2", "--layers", "1", "--streams", "2", "--rounds", "1",
+                          "--tokens", "4", "--prompt", "16", "--membw-gb", "0.05", "--tokenizer", str(tiny_model_dir),
+                          "--root", str(tmp_path / "model"), "--out", str(tmp_path / "figures.json")],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    emulated = host != "avx2"
+    figures = json.loads((tmp_path / "figures.json").read_text())
+    assert beyond_cache.figures_name(figures["machine"]) == (f"avx2-on-{host}" if emulated else "avx2")
+    assert figures["cpu_class"] == figures["machine"]["cpu_class"] == "avx2"
+    assert figures["machine"]["auto_dtype"] == "float32"
+    assert figures["machine"].get("emulated_on") == (host if emulated else None)
+    assert f"CPU class avx2{f' (emulated on {host})' if emulated else ''}" in run.stdout
+    if emulated:
+        assert figures["machine"]["emulation_env"]["ATEN_CPU_CAPABILITY"].lower() == "avx2"
+        assert "llamacpp: skipped, llama-cpp-python is built for this host's instruction set" in run.stdout
+    for system in ("torch", "torchserve"):
+        assert "float32 arithmetic over bfloat16 weights" in figures["backends"][system]["runs"], system
+    peer = figures["backends"].get("llama-server")
+    assert peer or "llama-server: skipped, not installed" in run.stdout
+    if peer and emulated:
+        assert "avx2" in peer["runs"], peer["runs"]  # the AVX2 build's binary, not the host's
 
 
 def test_llama_server_not_built_is_skipped_with_the_fix(monkeypatch, tmp_path, capsys):
