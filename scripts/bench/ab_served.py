@@ -12,6 +12,9 @@ own code, exported with ``git archive``, so a code change is compared served), o
 ``llama-server`` (``llama-server:tN``: N threads for a batch of one token, ``-t``; ``:fa-off``, ``:fa-on``:
 its ``-fa``, whose default is ``auto``; ``:bf16``, ``:f16``, ``:fp32``, ``:q8_0``: that GGUF of the bench model
 instead of the one the bench gives the checkpoint; as in ``llama-server:t1:fa-off:f16``).
+``--a-property`` / ``--b-property KEY=VALUE`` (repeatable) set a TorchServe property of that
+variant's server over config.properties', as in ``--b-property number_of_netty_threads=1`` (a
+``vmargs`` given whole: its ``-Dlog4j.configurationFile`` stays relative to the repository).
 Both stay up; each round sends the same wave of ``--streams`` requests to one, then the other,
 in alternating order, so the machine's drift between minutes falls on both alike. Prints each
 one's output tokens/s per round and the median.
@@ -32,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Dict, Optional, Tuple
 
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
@@ -40,8 +44,10 @@ if str(ROOT / "handlers") not in sys.path:
     sys.path.insert(0, str(ROOT / "handlers"))
 
 
-def make_system(variant: str, index: int, work: Path, dtype: str, threads: int, checkpoint: str):
-    """``checkpoint``: the dtype of the bench checkpoint the variants serve (and of llama-server's GGUF)."""
+def make_system(variant: str, index: int, work: Path, dtype: str, threads: int, checkpoint: str,
+                properties: Optional[Dict[str, str]] = None):
+    """``checkpoint``: the dtype of the bench checkpoint the variants serve (and of llama-server's GGUF);
+    ``properties``: TorchServe properties of this variant's server."""
     import yaml
 
     from llama_engine.cpu import CLASS_ENV
@@ -50,6 +56,8 @@ def make_system(variant: str, index: int, work: Path, dtype: str, threads: int, 
     from scripts.bench.systems import LlamaCppSystem, TorchServeSystem
 
     if variant.startswith("llama-server"):
+        if properties:
+            raise SystemExit(f"{variant}: TorchServe properties ({', '.join(properties)}) are for a model-config variant")
         decode, flash_attn, gguf = llama_server_options(variant)
         # under an emulated CPU class (llama_engine.cpu.emulation_env), the llama-server built for it
         system = LlamaCppSystem(work / f"peer{index}", checkpoint, threads, parallel=8, max_length=1024,
@@ -66,6 +74,7 @@ def make_system(variant: str, index: int, work: Path, dtype: str, threads: int, 
     own_gguf = {"gguf_type": handler.get("gguf_type", "auto")} if handler.get("backend") == "llamacpp" else {}
     config = derived_config(Path(variant).resolve(), work / f"variant{index}.yaml", dtype, threads, own_gguf)
     system = TorchServeSystem(work / f"variant{index}", config, model_dir(checkpoint), model_name=f"variant{index}")
+    system.extra_properties = dict(properties or {})
     if revision:
         build_at_revision(system, revision, work / f"tree{index}")
     else:
@@ -94,6 +103,14 @@ def llama_server_options(variant: str):
             raise SystemExit(f"{variant}: unknown llama-server option {option!r} "
                              f"(tN, fa-auto, fa-on, fa-off or a GGUF type: {', '.join(GGUF_OPTIONS)})")
     return decode, flash_attn, gguf
+
+
+def property_setting(text: str) -> Tuple[str, str]:
+    """``KEY=VALUE`` of ``--a-property`` / ``--b-property``."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"{text!r}: want KEY=VALUE, a TorchServe property (number_of_netty_threads=1)")
+    return key.strip(), value.strip()
 
 
 def build_at_revision(system, revision: str, tree: Path) -> None:
@@ -127,6 +144,9 @@ def main(argv=None) -> int:
                              "--dtype computes in; e.g. --dtype float32 --checkpoint bfloat16: a bf16 checkpoint on a "
                              "CPU without native bf16 (default: the --dtype one)")
     parser.add_argument("--threads", type=int, default=2, help="model threads of every variant (default 2)")
+    for side in ("a", "b"):
+        parser.add_argument(f"--{side}-property", action="append", default=[], type=property_setting,
+                            metavar="KEY=VALUE", help=f"a TorchServe property of {side.upper()}'s server (repeatable)")
     parser.add_argument("--one-order", action="store_true",
                         help="start A then B only (half the time), not also B then A: the start order's bias stays in")
     args = parser.parse_args(argv)
@@ -141,8 +161,11 @@ def main(argv=None) -> int:
     checkpoint = args.checkpoint or dtype
     prompts = PromptFactory(AutoTokenizer.from_pretrained(model_dir(checkpoint)))
     work = Path(tempfile.mkdtemp(prefix="ab-served-"))
-    names = [f"A {args.a}", f"B {args.b}"]
-    systems = [make_system(v, i, work, dtype, args.threads, checkpoint) for i, v in enumerate((args.a, args.b))]
+    settings = [dict(args.a_property), dict(args.b_property)]
+    names = [f"{side} {variant}" + "".join(f" {k}={v}" for k, v in props.items())
+             for side, variant, props in zip("AB", (args.a, args.b), settings)]
+    systems = [make_system(v, i, work, dtype, args.threads, checkpoint, settings[i] or None)
+               for i, v in enumerate((args.a, args.b))]
     streams = [int(s) for s in args.streams.split(",")]
     orders = [(0, 1)] if args.one_order else [(0, 1), (1, 0)]
     ratios = {n: [] for n in streams}

@@ -47,6 +47,8 @@ class TorchServeSystem:
         self.store = self.work / "model_store"
         #: the server's properties (None: this repository's config.properties)
         self.base_config: Optional[Path] = None
+        #: properties set over the base config's (``tsctl.TorchServe``'s ``extra``)
+        self.extra_properties: Dict[str, str] = {}
         self.server = None
         self.timings: Dict[str, float] = {}
 
@@ -68,7 +70,8 @@ class TorchServeSystem:
         shutil.rmtree(workdir, ignore_errors=True)
         workdir.mkdir(parents=True)
         base = {} if self.base_config is None else {"base_config": self.base_config}
-        self.server = TorchServe(workdir, self.store, models=self.model_name, ports=free_ports(), **base)
+        self.server = TorchServe(workdir, self.store, models=self.model_name, ports=free_ports(),
+                                 extra=self.extra_properties, **base)
         self.timings["ready_s"] = round(self.server.start_ready(timeout), 2)
         self.timings["start_to_ready_s"] = round(time.perf_counter() - self.server.started_at, 2)
         return TorchServeAdapter(self.server.url(), self.model_name, self.server.auth_headers())

@@ -69,9 +69,40 @@ def test_both_start_orders_cancel_the_bias_of_the_server_started_second(tiny_mod
     assert "B/A over both start orders 1.200 (the server started second ran 1.100x as fast as the first)" in out
     assert not _FakeServer.started  # both stopped after each order
     assert ab_served.main(["a.yaml", "b.yaml", "--streams", "1", "--rounds", "2", "--dtype", "bfloat16",
-                           "--one-order"]) == 0
+                           "--one-order", "--b-property", "number_of_netty_threads=1"]) == 0
     out = capsys.readouterr().out
     assert "1.320" in out and "both start orders" not in out
+    assert "1 stream(s), B b.yaml number_of_netty_threads=1: median" in out
+
+
+def test_a_variants_torchserve_properties_reach_its_server_alone(tmp_path, monkeypatch, capsys):
+    import pytest
+
+    from scripts import tsctl
+
+    monkeypatch.setattr(systems.TorchServeSystem, "build", lambda self: None)
+    written = []
+
+    def start_ready(self, timeout=300.0, **_):
+        written.append(dict(self.props))
+        raise RuntimeError("not started in this test")
+
+    monkeypatch.setattr(tsctl.TorchServe, "start_ready", start_ready)
+    config = str(ab_served.ROOT / "model-config" / "bench-llama.yaml")
+    serial = {"number_of_netty_threads": "1", "vmargs": "-Dlog4j.configurationFile=log4j2.xml -XX:+UseSerialGC"}
+    for index, props in enumerate((None, serial)):
+        with pytest.raises(RuntimeError, match="not started"):
+            ab_served.make_system(config, index, tmp_path, "float32", 2, "bfloat16", props).start(10)
+    default, varied = written
+    assert "number_of_netty_threads" not in default and varied["number_of_netty_threads"] == "1"
+    assert varied["vmargs"].startswith(f"-Dlog4j.configurationFile={ab_served.ROOT / 'log4j2.xml'} -XX:+UseSerialGC ")
+    assert "-XX:TieredStopAtLevel=1" in default["vmargs"]
+    assert varied["disable_token_authorization"] == "false" and varied["inference_address"].startswith("http://127.0.0.1:")
+    with pytest.raises(SystemExit, match="TorchServe properties"):
+        ab_served.make_system("llama-server", 0, tmp_path, "float32", 2, "bfloat16", {"number_of_netty_threads": "1"})
+    with pytest.raises(SystemExit):
+        ab_served.main(["a.yaml", "b.yaml", "--b-property", "number_of_netty_threads"])
+    assert "'number_of_netty_threads': want KEY=VALUE" in capsys.readouterr().err
 
 
 def test_a_revisions_build_finds_this_checkouts_llama_cpp_converter(tmp_path, monkeypatch):
