@@ -21,6 +21,8 @@ LLAMACPP = "torchserve-llamacpp"
 #: The served variants' short names in the ``paired-peer/<label>`` rows.
 VARIANT_LABELS = {SERVED: "micro", CONTINUOUS: "continuous", LLAMACPP: "llamacpp"}
 INPROCESS = "inprocess"
+#: The llamacpp backend's back-to-back pairs with llama-server (on one GGUF): both bracketed by bandwidth samples.
+LLAMACPP_PAIRS = f"paired-peer/{VARIANT_LABELS[LLAMACPP]}"
 PEER_NAMES = ("llama.cpp", "llama.cpp-q8_0", "vllm")
 #: Peer ratio goals (served / peer output tok/s) by concurrency: llama.cpp in the dtype served.
 LLAMA_CPP_GOALS = {8: 1.0, 1: 0.8}
@@ -161,12 +163,20 @@ def llamacpp_engine_ratios(runs, results: dict) -> dict:
     rate = peer and peer.get("decode_tokens_per_s_per_stream")
     if rate:
         bound = results["decode_bound"]
-        out["batch1_decode_efficiency_llama.cpp"] = _ratio(
+        against_best = _ratio(
             rate * bound["weight_bytes_per_token"] / (bound["bandwidth_gb_per_s"] * 1e9), "report", None,
             "llama.cpp batch-1 decode tok/s (its sweep) x weight bytes per token / the best memory bandwidth of the "
             "run: the engine the llamacpp backend runs, on the same GGUF, with no TorchServe in front",
             decode_tokens_per_s=rate)
-    pair = find(runs, LLAMACPP, f"paired-peer/{VARIANT_LABELS[LLAMACPP]}", concurrency=1)
+        own = find(runs, "llama.cpp", LLAMACPP_PAIRS, concurrency=1)
+        bracketed = _ratio(
+            own["decode_efficiency_median"], "report", None,
+            "llama.cpp batch-1 decode tok/s x weight bytes per token / the memory bandwidth measured right before and "
+            f"after it (median of {len(own['decode_efficiency_rounds'])} rounds paired with the llamacpp backend's)",
+            rounds=own["decode_efficiency_rounds"], bandwidth_gb_per_s_samples=own["bandwidth_gb_per_s_rounds"]
+        ) if own and own.get("decode_efficiency_median") else None
+        out.update(_bracketed_or_best("batch1_decode_efficiency_llama.cpp", bracketed, against_best))
+    pair = find(runs, LLAMACPP, LLAMACPP_PAIRS, concurrency=1)
     if pair and pair.get("served_over_peer_median"):
         out["llamacpp_vs_llama.cpp_1_stream"] = _ratio(
             pair["served_over_peer_median"], "report", None,
@@ -260,7 +270,8 @@ def ratios(results: dict) -> dict:
             input_tokens=run and run["input_tokens"], output_tokens=run and run["output_tokens"])
         if system == LLAMACPP and not run:
             continue
-        pair = find(runs, system, "paired", concurrency=1)
+        # the llamacpp backend's bracketed rounds are its back-to-back pairs with llama-server
+        pair = find(runs, system, "paired" if system != LLAMACPP else LLAMACPP_PAIRS, concurrency=1)
         bracketed = _ratio(
             pair["decode_efficiency_median"], ">= 0.50", lambda v: v >= 0.50,
             f"{system} batch-1 decode tok/s x weight bytes per token / the memory bandwidth measured right before "
@@ -1039,7 +1050,7 @@ ahead of micro-batching on the Poisson load at all: `.venv/bin/python -m scripts
   cores and the in-process rows ran slower than the served ones (2-vCPU AVX2 EPYC: serving overhead
   1.09 at 8 streams, 0.99 under the servers' waits, `--systems inprocess,torchserve` runs minutes apart). Batch-1 decode efficiency:
   decode tok/s × weight bytes per token / bandwidth, where each paired 1-stream round (in-process and
-  served) sits between two bandwidth samples and is held to their mean, the median over the rounds
+  served; the llamacpp backend's with llama-server) sits between two bandwidth samples and is held to their mean, the median over the rounds
   (`_vs_best_bandwidth`: the 1-stream sweep against the run's best sample, reported). TTFT growth:
   TTFT(768) / TTFT(256) from the probes' p50, with its split into a fixed cost and a cost per prompt
   token (the line through the two points). Prefill bound (`scripts/bench/gemm.py`, sampled beside the
@@ -1053,7 +1064,7 @@ ahead of micro-batching on the Poisson load at all: `.venv/bin/python -m scripts
   memory, on the faster kernel; `batch1_decode_efficiency_at_products_bound` is the efficiency of a
   step that did only that, `batch1_decode_vs_products` the in-process decode against it (the rest of a
   step: norms, attention, rotary, sampling). `batch1_decode_efficiency_llama.cpp` is llama-server's own
-  1-stream sweep held to the same bound, beside the llamacpp backend's (the engine it runs), and
+  1-stream rounds held alike, beside the llamacpp backend's (the engine it runs), and
   `llamacpp_vs_llama.cpp_1_stream` the backend's speed over llama-server's in the 1-stream pairs.
   Peer ratio: served / peer output tok/s at 8 streams.
 * Continuous batching against the schedule's ideal: `scripts.bench.continuous_bound` replays the

@@ -722,10 +722,13 @@ class BenchRun:
             return
         t = time.perf_counter()
         for variant, (_, served) in self.kept.items():
+            # llama.cpp in both, on one GGUF: both held to the bandwidth around their waves, as the torch rows are
+            same_engine = variant == report.LLAMACPP and name == "llama.cpp"
+            bracket = (self._bandwidth_now, self.results["decode_bound"]["weight_bytes_per_token"]) if same_engine else None
             paired((name, lambda ps, n: run_wave(adapter, ps, n, self.timeout)),
                    (variant, lambda ps, n, a=served: run_wave(a, ps, n, self.timeout)),
                    self.prompts, plan, self.runs, self.monitor, scenario=f"paired-peer/{report.VARIANT_LABELS[variant]}",
-                   ratio="served_over_peer")
+                   ratio="served_over_peer", efficiency=bracket)
         self.phases[f"paired_{name}_s"] = time.perf_counter() - t
 
     # -- ratios and outputs ------------------------------------------------------------------------

@@ -80,6 +80,25 @@ def test_the_llamacpp_backends_batch1_is_reported_beside_its_engines_own():
     assert kept["value"] == 0.93 and kept["met"] is None and kept["inputs"]["pairs"] == [0.9, 0.96, 0.93]
 
 
+def test_the_llamacpp_backend_and_llama_server_are_held_to_the_bandwidth_around_their_pairs():
+    """As the torch rows are: the llamacpp backend's 1-stream pairs with llama-server, each round between
+    two bandwidth samples, give both engines a bracketed figure; the sweep against the best stays beside."""
+    bracket = dict(bandwidth_gb_per_s_rounds=[6.0, 7.0, 8.0])
+    runs = [_run("llama.cpp", "concurrency", 10.0, concurrency=1), _run("torchserve-llamacpp", "concurrency", 10.0, concurrency=1),
+            _run("llama.cpp", "paired-peer/llamacpp", 1.0, concurrency=1, served_over_peer=[0.9, 0.95],
+                 served_over_peer_median=0.925, decode_efficiency_rounds=[0.6, 0.62], decode_efficiency_median=0.61, **bracket),
+            _run("torchserve-llamacpp", "paired-peer/llamacpp", 1.0, concurrency=1, served_over_peer=[0.9, 0.95],
+                 served_over_peer_median=0.925, decode_efficiency_rounds=[0.52, 0.56], decode_efficiency_median=0.54,
+                 **bracket)]
+    rs = report.ratios(_results(runs))
+    backend, engine = rs["batch1_decode_efficiency_llamacpp"], rs["batch1_decode_efficiency_llama.cpp"]
+    assert backend["value"] == 0.54 and backend["met"] is True and backend["inputs"]["rounds"] == [0.52, 0.56]
+    assert rs["batch1_decode_efficiency_llamacpp_vs_best_bandwidth"]["value"] == round(10 * 4e8 / 10e9, 4) == 0.4
+    assert rs["batch1_decode_efficiency_llamacpp_vs_best_bandwidth"]["met"] is None
+    assert engine["value"] == 0.61 and engine["met"] is None and engine["inputs"]["bandwidth_gb_per_s_samples"] == [6.0, 7.0, 8.0]
+    assert rs["batch1_decode_efficiency_llama.cpp_vs_best_bandwidth"]["value"] == 0.4
+
+
 @pytest.mark.parametrize("native_bf16, sixteen_bit", [(True, "bf16"), (False, "f16")])
 def test_derived_configs_set_the_gguf_type_for_llamacpp_and_the_dtype_otherwise(tmp_path, monkeypatch, native_bf16,
                                                                                 sixteen_bit):
