@@ -322,10 +322,10 @@ def main(argv=None) -> int:
 
     from scripts.bench.model import ensure_bench_models
     from scripts.bench.prompts import PromptFactory
+    from scripts.bench.report import cpu_label
 
     torch.set_num_threads(args.threads)
     host = machine.machine_info()
-    label = host["cpu_class"] + (f" (emulated on {host['emulated_on']})" if "emulated_on" in host else "")
     cache = host["last_level_cache_bytes"]
     spec = model_spec(args, cache or UNKNOWN_CACHE_BYTES)
     args.root = args.root.resolve()
@@ -334,7 +334,7 @@ def main(argv=None) -> int:
     weights = spec.num_hidden_layers * layer_bytes(spec.hidden_size, spec.intermediate_size)
     where = f"{cache / 2**20:.0f} MiB" if cache else f"not reported (taken as {UNKNOWN_CACHE_BYTES >> 20} MiB)"
     print(f"model: {spec.num_hidden_layers} layers of hidden {spec.hidden_size}, {weights / 1e9:.2f} GB of bf16 "
-          f"linear weights; last-level cache {where}; CPU class {label}", flush=True)
+          f"linear weights; last-level cache {where}; CPU class {cpu_label(host)}", flush=True)
     with tempfile.TemporaryDirectory(prefix="beyond-cache-") as work:
         loaded = {}
         try:
