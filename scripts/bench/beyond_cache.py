@@ -11,6 +11,8 @@ deterministically, and decodes one stream, then eight at once (``--streams``), o
   where llama-cpp-python is installed);
 * ``torchserve``: the handler on the torch backend, built into an archive and served by
   TorchServe with micro-batching, as the bench's ``torchserve`` row;
+* ``torchserve-llamacpp``: the handler on the llamacpp backend over that GGUF, continuous
+  batching, as the bench's row of that name (where llama-cpp-python is installed);
 * ``llama-server``: llama.cpp's own server on that GGUF (where ``make bench-peers`` built it;
   under ``--cpu-class``, its build for that class).
 
@@ -48,8 +50,10 @@ UNKNOWN_CACHE_BYTES = 64 << 20
 #: The bench configs' ``handler.max_length`` (and the model's positions).
 MAX_LENGTH = 1024
 BACKEND_CONFIGS = {"torch": "model-config/bench-llama.yaml", "llamacpp": "model-config/bench-llama-llamacpp.yaml"}
-#: What ``--backends`` takes: the two backends in this process, the handler served, and llama.cpp's own server.
-BACKENDS = (*BACKEND_CONFIGS, "torchserve", "llama-server")
+#: What ``--backends`` takes: the two backends in this process, the handler served on each, and llama.cpp's own server.
+BACKENDS = (*BACKEND_CONFIGS, "torchserve", "torchserve-llamacpp", "llama-server")
+#: The systems that run llama-cpp-python (built for this host: no ``--cpu-class`` narrows it).
+ON_LLAMA_CPP_PYTHON = ("llamacpp", "torchserve-llamacpp")
 
 
 def layer_bytes(hidden: int, intermediate: int, width: int = 2) -> int:
@@ -126,13 +130,14 @@ class LlamaServer(Server):
 
 
 class TorchServeModel(Server):
-    """The handler served by TorchServe on the torch backend (``config``, as the bench's ``torchserve`` row:
-    micro-batching), built into an archive of the checkpoint as ``make build`` builds one."""
+    """The handler served by TorchServe (``config``: the bench's ``torchserve`` row, the torch backend with
+    micro-batching, or its ``torchserve-llamacpp`` row, llama.cpp with continuous batching), built into an
+    archive of the checkpoint as ``make build`` builds one."""
 
-    def __init__(self, config: Path, checkpoint: Path, work: Path):
+    def __init__(self, name: str, config: Path, checkpoint: Path, work: Path):
         from scripts.bench.systems import TorchServeSystem
 
-        self.system = TorchServeSystem(work / "torchserve", config, checkpoint, model_name="beyond-cache")
+        self.system = TorchServeSystem(work / name, config, checkpoint, model_name=f"beyond-cache-{name}")
         self.system.build()
         self.adapter = self.system.start(900)
         self.load_s = self.system.timings["start_to_ready_s"]
@@ -147,14 +152,14 @@ def load_backends(args, checkpoint: Path, work: Path, loaded: dict) -> dict:
     dtype = auto_dtype("cpu")
     for name in args.backends:
         source, overrides = checkpoint, {"max_new_tokens": args.tokens}
-        if name == "llamacpp" and args.cpu_class:
-            print(f"llamacpp: skipped, llama-cpp-python is built for this host's instruction set, which no variable "
+        if name in ON_LLAMA_CPP_PYTHON and args.cpu_class:
+            print(f"{name}: skipped, llama-cpp-python is built for this host's instruction set, which no variable "
                   f"narrows to class {args.cpu_class}'s", flush=True)
             continue
-        if name == "llamacpp" and importlib.util.find_spec("llama_cpp") is None:
-            print("llamacpp: llama-cpp-python is not installed (make llamacpp); skipped", flush=True)
+        if name in ON_LLAMA_CPP_PYTHON and importlib.util.find_spec("llama_cpp") is None:
+            print(f"{name}: llama-cpp-python is not installed (make llamacpp); skipped", flush=True)
             continue
-        if name in ("llamacpp", "llama-server"):
+        if name in ("llamacpp", "torchserve-llamacpp", "llama-server"):
             source, outtype = gguf_copy(checkpoint, args.root / "gguf")
             weight_dtype = gguf_weight_dtype(outtype)
         if name == "llama-server":
@@ -170,8 +175,13 @@ def load_backends(args, checkpoint: Path, work: Path, loaded: dict) -> dict:
         elif name == "torchserve":
             config, handler = bench_config("torch", name, dtype, args, work, overrides)
             weight_dtype = bench_model.served_weight_dtype(handler, checkpoint)
-            engine = TorchServeModel(config, checkpoint, work)
+            engine = TorchServeModel(name, config, checkpoint, work)
             what = f"TorchServe, the torch backend, micro-batching, {dtype} arithmetic over {weight_dtype} weights"
+        elif name == "torchserve-llamacpp":
+            # its build converts the checkpoint to the GGUF type the in-process row and llama-server read
+            config = bench_config("llamacpp", name, dtype, args, work, {**overrides, "gguf_type": outtype})[0]
+            engine = TorchServeModel(name, config, checkpoint, work)
+            what = f"TorchServe, the llamacpp backend, continuous batching, over a {outtype} GGUF"
         else:
             engine, handler = in_process(name, dtype, args, work, source, overrides)
             weight_dtype = bench_model.served_weight_dtype(handler, checkpoint)

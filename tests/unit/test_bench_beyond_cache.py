@@ -23,7 +23,7 @@ def test_a_layer_of_the_default_shape_and_the_layers_for_four_times_the_cache():
 def test_unknown_backends_and_too_long_waves_are_refused(capsys):
     with pytest.raises(SystemExit):
         beyond_cache.parse_args(["--backends", "torch,onnx"])
-    assert "--backends: unknown onnx (torch, llamacpp, torchserve, llama-server)" in capsys.readouterr().err
+    assert "--backends: unknown onnx (torch, llamacpp, torchserve, torchserve-llamacpp, llama-server)" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         beyond_cache.parse_args(["--prompt", "1000", "--tokens", "48"])
     assert "max_length (1024)" in capsys.readouterr().err
@@ -48,7 +48,8 @@ def test_a_run_measures_each_backend_on_the_model_it_built(tiny_model_dir, tmp_p
     streamed = layers * (4 * hidden * hidden + 3 * hidden * intermediate + 2 * hidden) + hidden + config["vocab_size"] * hidden
     served = "llama-server" in figures["backends"]
     assert served or "llama-server: skipped, not installed" in run.stdout
-    assert set(figures["backends"]) == {"torch", "llamacpp", "torchserve"} | ({"llama-server"} if served else set())
+    assert set(figures["backends"]) == {"torch", "llamacpp", "torchserve", "torchserve-llamacpp"} | (
+        {"llama-server"} if served else set())
     for name, got in figures["backends"].items():
         assert got["weight_bytes_per_token"] == 2 * (streamed + hidden), name  # bf16 weights, f16 GGUF: 2 bytes
         assert set(got["streams"]) == {"1", "3"}
@@ -65,6 +66,9 @@ def test_a_run_measures_each_backend_on_the_model_it_built(tiny_model_dir, tmp_p
     assert figures["backends"]["llamacpp"]["runs"].startswith("llama.cpp in-process over a ")
     assert list((tmp_path / "model").glob("gguf-*/model.gguf"))
     assert figures["backends"]["torchserve"]["runs"].startswith("TorchServe, the torch backend, micro-batching")
+    gguf = figures["backends"]["llamacpp"]["runs"].split()[-2]  # "llama.cpp in-process over a f16 GGUF"
+    assert figures["backends"]["torchserve-llamacpp"]["runs"] == \
+        f"TorchServe, the llamacpp backend, continuous batching, over a {gguf} GGUF"
     if served:
         assert "torchserve / llama-server, 3 stream(s): decode" in run.stdout
 
@@ -95,7 +99,8 @@ def test_a_run_as_an_avx2_cpu_computes_as_one_and_files_its_figures_apart(tiny_m
     assert f"CPU class avx2{f' (emulated on {host})' if emulated else ''}" in run.stdout
     if emulated:
         assert figures["machine"]["emulation_env"]["ATEN_CPU_CAPABILITY"].lower() == "avx2"
-        assert "llamacpp: skipped, llama-cpp-python is built for this host's instruction set" in run.stdout
+        for system in ("llamacpp", "torchserve-llamacpp"):
+            assert f"{system}: skipped, llama-cpp-python is built for this host's instruction set" in run.stdout
     for system in ("torch", "torchserve"):
         assert "float32 arithmetic over bfloat16 weights" in figures["backends"][system]["runs"], system
     peer = figures["backends"].get("llama-server")
