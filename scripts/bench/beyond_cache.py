@@ -135,12 +135,17 @@ class TorchServeModel(Server):
     archive of the checkpoint as ``make build`` builds one."""
 
     def __init__(self, name: str, config: Path, checkpoint: Path, work: Path):
+        from scripts.bench.choices import choices_in_log
         from scripts.bench.systems import TorchServeSystem
 
         self.system = TorchServeSystem(work / name, config, checkpoint, model_name=f"beyond-cache-{name}")
         self.system.build()
         self.adapter = self.system.start(900)
         self.load_s = self.system.timings["start_to_ready_s"]
+        #: what the worker chose at load (llamacpp: its decode threads), as the bench logs it
+        self.choices = choices_in_log(self.system.server.model_log())
+        for line in self.choices:
+            print(f"{name} chose at load: {line}", flush=True)
 
 
 def load_backends(args, checkpoint: Path, work: Path, loaded: dict) -> dict:
@@ -250,8 +255,10 @@ def summary(loaded: dict, rounds: dict, streams: list) -> dict:
     """Each system's medians at each stream count; efficiency = decode steps/s x weight bytes a token /
     bandwidth (at one stream, tokens/s; at N, a step of N rows reads the weights once)."""
     out = {}
-    for name, (_, nbytes, what) in loaded.items():
+    for name, (engine, nbytes, what) in loaded.items():
         out[name] = {"runs": what, "weight_bytes_per_token": nbytes, "streams": {}}
+        if getattr(engine, "choices", None) is not None:
+            out[name]["load_choices"] = engine.choices
         for n in streams:
             got = rounds[name, n]
             best = max(bw for r in got for bw in r["bandwidth_gb_per_s"])

@@ -67,6 +67,11 @@ def test_a_run_measures_each_backend_on_the_model_it_built(tiny_model_dir, tmp_p
     assert list((tmp_path / "model").glob("gguf-*/model.gguf"))
     assert figures["backends"]["torchserve"]["runs"].startswith("TorchServe, the torch backend, micro-batching")
     gguf = figures["backends"]["llamacpp"]["runs"].split()[-2]  # "llama.cpp in-process over a f16 GGUF"
+    # the served llamacpp worker's thread choice is in the figures and printed (it decides a one-stream step)
+    choice = [c for c in figures["backends"]["torchserve-llamacpp"]["load_choices"] if c.startswith("decode_threads")]
+    assert len(choice) == 1 and f"torchserve-llamacpp chose at load: {choice[0]}" in run.stdout
+    assert isinstance(figures["backends"]["torchserve"]["load_choices"], list)
+    assert "load_choices" not in figures["backends"]["torch"]
     assert figures["backends"]["torchserve-llamacpp"]["runs"] == \
         f"TorchServe, the llamacpp backend, continuous batching, over a {gguf} GGUF"
     if served:
