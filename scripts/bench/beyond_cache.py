@@ -54,6 +54,8 @@ BACKEND_CONFIGS = {"torch": "model-config/bench-llama.yaml", "llamacpp": "model-
 BACKENDS = (*BACKEND_CONFIGS, "torchserve", "torchserve-llamacpp", "llama-server")
 #: The systems that run llama-cpp-python (built for this host: no ``--cpu-class`` narrows it).
 ON_LLAMA_CPP_PYTHON = ("llamacpp", "torchserve-llamacpp")
+#: The systems that read the checkpoint's GGUF.
+ON_GGUF = (*ON_LLAMA_CPP_PYTHON, "llama-server")
 
 
 def layer_bytes(hidden: int, intermediate: int, width: int = 2) -> int:
@@ -155,6 +157,7 @@ def load_backends(args, checkpoint: Path, work: Path, loaded: dict) -> dict:
     from scripts.bench import model as bench_model
 
     dtype = auto_dtype("cpu")
+    gguf = None  # (its directory, its type): converted (or found) once for every system that reads it
     for name in args.backends:
         source, overrides = checkpoint, {"max_new_tokens": args.tokens}
         if name in ON_LLAMA_CPP_PYTHON and args.cpu_class:
@@ -164,8 +167,9 @@ def load_backends(args, checkpoint: Path, work: Path, loaded: dict) -> dict:
         if name in ON_LLAMA_CPP_PYTHON and importlib.util.find_spec("llama_cpp") is None:
             print(f"{name}: llama-cpp-python is not installed (make llamacpp); skipped", flush=True)
             continue
-        if name in ("llamacpp", "torchserve-llamacpp", "llama-server"):
-            source, outtype = gguf_copy(checkpoint, args.root / "gguf")
+        if name in ON_GGUF:
+            gguf = gguf or gguf_copy(checkpoint, args.root / "gguf")
+            source, outtype = gguf
             weight_dtype = gguf_weight_dtype(outtype)
         if name == "llama-server":
             engine = LlamaServer(source / "model.gguf", work, args.threads, max(args.streams), args.cpu_class)
@@ -257,7 +261,7 @@ def summary(loaded: dict, rounds: dict, streams: list) -> dict:
     out = {}
     for name, (engine, nbytes, what) in loaded.items():
         out[name] = {"runs": what, "weight_bytes_per_token": nbytes, "streams": {}}
-        if getattr(engine, "choices", None) is not None:
+        if getattr(engine, "choices", None) is not None:  # a TorchServe worker's
             out[name]["load_choices"] = engine.choices
         for n in streams:
             got = rounds[name, n]

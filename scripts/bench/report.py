@@ -168,13 +168,8 @@ def llamacpp_engine_ratios(runs, results: dict) -> dict:
             "llama.cpp batch-1 decode tok/s (its sweep) x weight bytes per token / the best memory bandwidth of the "
             "run: the engine the llamacpp backend runs, on the same GGUF, with no TorchServe in front",
             decode_tokens_per_s=rate)
-        own = find(runs, "llama.cpp", LLAMACPP_PAIRS, concurrency=1)
-        bracketed = _ratio(
-            own["decode_efficiency_median"], "report", None,
-            "llama.cpp batch-1 decode tok/s x weight bytes per token / the memory bandwidth measured right before and "
-            f"after it (median of {len(own['decode_efficiency_rounds'])} rounds paired with the llamacpp backend's)",
-            rounds=own["decode_efficiency_rounds"], bandwidth_gb_per_s_samples=own["bandwidth_gb_per_s_rounds"]
-        ) if own and own.get("decode_efficiency_median") else None
+        bracketed = _bracketed_efficiency(find(runs, "llama.cpp", LLAMACPP_PAIRS, concurrency=1), "llama.cpp",
+                                          "report", None, "rounds paired with the llamacpp backend's")
         out.update(_bracketed_or_best("batch1_decode_efficiency_llama.cpp", bracketed, against_best))
     pair = find(runs, LLAMACPP, LLAMACPP_PAIRS, concurrency=1)
     if pair and pair.get("served_over_peer_median"):
@@ -184,6 +179,19 @@ def llamacpp_engine_ratios(runs, results: dict) -> dict:
             f"{len(pair['served_over_peer'])} back-to-back A/B pairs of the same wave (what the engine and "
             "TorchServe keep of llama.cpp's own speed)", pairs=pair["served_over_peer"])
     return out
+
+
+def _bracketed_efficiency(pair: Optional[dict], system: str, goal_text: str, test, rounds_text: str,
+                          **inputs) -> Optional[dict]:
+    """``system``'s batch-1 efficiency from a paired row whose 1-stream rounds sat between bandwidth
+    samples (:func:`scripts.bench.scenarios.paired`'s ``efficiency``); None where the row has none."""
+    if not pair or not pair.get("decode_efficiency_median"):
+        return None
+    return _ratio(
+        pair["decode_efficiency_median"], goal_text, test,
+        f"{system} batch-1 decode tok/s x weight bytes per token / the memory bandwidth measured right before and "
+        f"after it (median of {len(pair['decode_efficiency_rounds'])} {rounds_text})",
+        rounds=pair["decode_efficiency_rounds"], bandwidth_gb_per_s_samples=pair["bandwidth_gb_per_s_rounds"], **inputs)
 
 
 def _bracketed_or_best(key: str, bracketed: Optional[dict], against_best: dict) -> dict:
@@ -257,8 +265,10 @@ def ratios(results: dict) -> dict:
 
     bw = results["decode_bound"]["bandwidth_gb_per_s"] * 1e9
     nbytes = results["decode_bound"]["weight_bytes_per_token"]
-    for key, system in (("batch1_decode_efficiency", INPROCESS), ("batch1_decode_efficiency_served", SERVED),
-                        ("batch1_decode_efficiency_llamacpp", LLAMACPP)):
+    # each system's bracketed rounds: the torch rows' pairs with each other, the llamacpp backend's with llama-server
+    for key, system, pairs in (("batch1_decode_efficiency", INPROCESS, "paired"),
+                               ("batch1_decode_efficiency_served", SERVED, "paired"),
+                               ("batch1_decode_efficiency_llamacpp", LLAMACPP, LLAMACPP_PAIRS)):
         run = _batch1_run(runs, system)
         rate = run and run.get("decode_tokens_per_s_per_stream")
         against_best = _ratio(
@@ -270,15 +280,10 @@ def ratios(results: dict) -> dict:
             input_tokens=run and run["input_tokens"], output_tokens=run and run["output_tokens"])
         if system == LLAMACPP and not run:
             continue
-        # the llamacpp backend's bracketed rounds are its back-to-back pairs with llama-server
-        pair = find(runs, system, "paired" if system != LLAMACPP else LLAMACPP_PAIRS, concurrency=1)
-        bracketed = _ratio(
-            pair["decode_efficiency_median"], ">= 0.50", lambda v: v >= 0.50,
-            f"{system} batch-1 decode tok/s x weight bytes per token / the memory bandwidth measured right before "
-            f"and after it (median of {len(pair['decode_efficiency_rounds'])} paired rounds, "
-            f"{results['decode_bound']['threads']} threads)",
-            rounds=pair["decode_efficiency_rounds"], bandwidth_gb_per_s_samples=pair["bandwidth_gb_per_s_rounds"],
-            weight_bytes_per_token=nbytes) if pair and pair.get("decode_efficiency_median") else None
+        bracketed = _bracketed_efficiency(find(runs, system, pairs, concurrency=1), system, ">= 0.50",
+                                          lambda v: v >= 0.50,
+                                          f"paired rounds, {results['decode_bound']['threads']} threads",
+                                          weight_bytes_per_token=nbytes)
         out.update(_bracketed_or_best(key, bracketed, against_best))
     out.update(llamacpp_engine_ratios(runs, results))
     out.update(decode_floor_ratios(runs, results))
