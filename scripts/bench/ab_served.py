@@ -171,7 +171,7 @@ def main(argv=None) -> int:
     ratios = {n: [] for n in streams}
     for order in orders:
         print(f"== servers started {' then '.join(names[i][0] for i in order)}", flush=True)
-        rates = run_rounds(systems, order, streams, args, prompts)
+        rates = run_rounds(systems, order, streams, args, prompts, names)
         for n in streams:
             for name, rate in zip(names, rates[n]):
                 print(f"{n} stream(s), {name}: median {statistics.median(rate):.1f} output tok/s, "
@@ -186,9 +186,9 @@ def main(argv=None) -> int:
     return 0
 
 
-def run_rounds(systems, order, streams, args, prompts) -> dict:
+def run_rounds(systems, order, streams, args, prompts, names) -> dict:
     """Start ``systems`` in ``order``, warm them up alike, run the alternated rounds at each stream count and stop
-    them; returns each count's ``[A's rates, B's rates]``."""
+    them, printing what each TorchServe worker chose; returns each count's ``[A's rates, B's rates]``."""
     from scripts.bench.stats import summarize
     from scripts.streaming_client import run_wave
 
@@ -207,8 +207,22 @@ def run_rounds(systems, order, streams, args, prompts) -> dict:
                     rates[n][i].append(summarize(run_wave(adapters[i], wave, args.output, 600))["output_tokens_per_s"])
         return rates
     finally:
-        for system in systems:
+        for name, system in zip(names, systems):
+            print_choices(name, system)
             system.stop()
+
+
+def print_choices(name: str, system) -> None:
+    """What a served variant's worker chose at load and while serving (a llama-server variant has no such log)."""
+    from scripts.bench.choices import choices_in_log
+
+    server = getattr(system, "server", None)
+    if server is None:
+        return
+    log = server.model_log()
+    for when, serving in (("at load", False), ("while serving", True)):
+        for line in choices_in_log(log, serving=serving):
+            print(f"{name} chose {when}: {line}", flush=True)
 
 
 if __name__ == "__main__":

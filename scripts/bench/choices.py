@@ -14,6 +14,9 @@ from typing import List
 #: The start of each decision line of ``llama_engine``'s loggers.
 DECISIONS = ("bf16 prompt products,", "bf16 weights in pair panels,", "float32 linears,", "prompt attention,",
              "native linear, one row", "bf16 linears on AMX tiles,", "flash_attn auto:", "decode_threads auto:")
+#: Those of the decisions made while serving, not at load: the llamacpp backend's thread count for
+#: steps of one row (``llama_engine.backends.step_threads``).
+SERVING_DECISIONS = ("decode_threads auto: one-row steps",)
 #: What TorchServe puts before each line a worker logs.
 WORKER_PREFIX = "MODEL_LOG - "
 
@@ -22,10 +25,11 @@ def is_decision(message: str) -> bool:
     return message.startswith(DECISIONS)
 
 
-def choices_in_log(text: str) -> List[str]:
-    """The decision lines of a worker's ``model_log.log``, in order, without TorchServe's prefixes."""
+def choices_in_log(text: str, serving: bool = False) -> List[str]:
+    """The decision lines of a worker's ``model_log.log``, in order, without TorchServe's prefixes: those
+    made at load, or (``serving``) those made while serving."""
     lines = (line.split(WORKER_PREFIX, 1)[-1].strip() for line in text.splitlines())
-    return [line for line in lines if is_decision(line)]
+    return [line for line in lines if is_decision(line) and line.startswith(SERVING_DECISIONS) == serving]
 
 
 class ChoiceRecorder(logging.Handler):

@@ -702,15 +702,26 @@ Plots: {', '.join(f'`{p}`' for p in plots)}.
 
 
 def load_choices_text(results: dict) -> str:
-    """Each process's load-time choices (``extra.load_choices``, :mod:`scripts.bench.choices`), the bench process first."""
+    """Each process's load-time choices (``extra.load_choices``, :mod:`scripts.bench.choices`), the bench
+    process first, and under each served worker what it chose while serving (``extra.serving_choices``)."""
     choices = results.get("extra", {}).get("load_choices")
     if not choices:
         return ""
+    serving = results["extra"].get("serving_choices", {})
     processes = sorted(choices, key=lambda process: process != "bench process")
     return ("\nWhat each process chose at load (the backend times its kernels against each other as it loads; each "
-            "process decides for itself):\n\n" + "\n".join(
+            "process decides for itself), and while serving:\n\n" + "\n".join(
                 f"* {process}:" + ("".join(f"\n  * `{line}`" for line in choices[process]) or " nothing timed")
+                + serving_choices_text(serving.get(process, []))
                 for process in processes) + "\n")
+
+
+def serving_choices_text(lines: List[str], shown: int = 3) -> str:
+    """A worker's decisions while serving, the last ``shown`` of them, as the list under its load-time ones."""
+    if not lines:
+        return ""
+    which = f"the last {shown} of {len(lines)}" if len(lines) > shown else f"{len(lines)}"
+    return f"\n  * while serving ({which}):" + "".join(f"\n    * `{line}`" for line in lines[-shown:])
 
 
 def openmp_text(machine: dict) -> str:
@@ -1094,10 +1105,13 @@ ahead of micro-batching on the Poisson load at all: `.venv/bin/python -m scripts
   values, 88 MB at ~37 GB/s), ~0.6 ms the rest. Before those kernels (torch's oneDNN products, SDPA
   over a float32 cache, ~30 torch ops a layer) the same steps took ~8.4 and ~17.6 ms; on the AMX Xeon
   (2026-11-25) 14-15 ms at 1 row, of which ~9.7 ms the oneDNN products.
-* The llamacpp variant's `decode_threads: auto` decides at load, from a timed probe, whether one stream
-  decodes on one thread; on the 2-vCPU Zen 4 EPYC the probe gave 8.6 against 7.7 ms (one thread) and,
-  an hour later, 11.0 against 7.1 (both), and its 1-stream figure moves with that choice. The model
-  log's `decode_threads auto:` line says what a run took.
+* The llamacpp variant's `decode_threads: auto` learns while serving whether one stream's
+  one-row steps run on every thread or one fewer: it alternates the two in blocks and keeps the
+  one whose steps came faster, start to start (`llama_engine/backends/step_threads.py`). A
+  load-time probe used to decide: on a 2-vCPU Zen 5 EPYC it read one thread 1.20-1.45x slower
+  from load to load, around its 1.3 threshold, and the 1-stream figure moved with its choice
+  (0.78x llama-server on one thread, 0.85x on two). Each worker's choices while serving are
+  listed below the results.
 * TorchServe batches statically: a frontend batch of up to 8 requests runs to its end before the next
   batch starts, so at 16 streams the second 8 wait for the first, and under Poisson arrivals a request
   that arrives during a batch waits for it.

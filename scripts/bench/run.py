@@ -429,6 +429,13 @@ class BenchRun:
         for line in lines:
             log(f"{process} chose at load: {line}")
 
+    def serving_choices(self, name: str, system) -> None:
+        """Record what ``name``'s worker chose while serving (the llamacpp backend's decode threads)."""
+        lines = choices_in_log(system.server.model_log(), serving=True)
+        if lines:
+            self.results["extra"].setdefault("serving_choices", {})[name] = lines
+            log(f"{name} chose while serving ({len(lines)}): {lines[-1]}")
+
     def served(self, name: str, make_system, describe, after=None) -> None:
         """Build, start, warm up and sweep one served variant; ``after(system, adapter)`` runs while it is up.
 
@@ -467,6 +474,7 @@ class BenchRun:
             status.update(status="failed", detail=f"{type(exc).__name__}: {exc}"[:2000])
         finally:
             if system is not None and name not in self.kept:
+                self.serving_choices(name, system)
                 system.stop()
                 status["timings"] = system.timings
         self.phases[f"{name.replace('-', '_')}_s"] = time.perf_counter() - t
@@ -616,6 +624,7 @@ class BenchRun:
 
     def stop_variants(self) -> None:
         for name, (system, _) in self.kept.items():
+            self.serving_choices(name, system)
             system.stop()
             self.results["systems"][name]["timings"] = system.timings
 

@@ -126,3 +126,30 @@ def test_upload_and_deploy_take_one_model(target):
     result = make(target, "MODEL=tiny-llama,tiny-llama-continuous", "S3_URI=s3://bucket/prefix/")
     assert result.returncode != 0
     assert "this target takes one MODEL, got: tiny-llama,tiny-llama-continuous" in result.stderr
+
+
+def test_the_llamacpp_worker_learns_its_one_row_thread_count_while_serving(served):
+    """``decode_threads: auto``: where the model's threads take every CPU, a stream's steps try both
+    counts as served, and the worker log says which it kept; elsewhere every step takes them all."""
+    from llama_engine.cpu_limits import usable_cpus
+
+    _, workdir, _ = served
+    url = read_properties(workdir / "config.properties")["inference_address"]
+    headers = {"Authorization": f"Bearer {read_key(workdir)}"}
+    log = workdir / "logs" / "model_log.log"
+    decision = "decode_threads auto: one-row steps as served came every"
+    for _ in range(4):  # 3 rounds of 6 one-row steps on each count; a request of n tokens gives n - 2
+        r = requests.post(f"{url}/predictions/tiny-llama-llamacpp", headers=headers, timeout=120,
+                          json={"inputs": "Once upon a time", "stream": False,
+                                "parameters": {"max_new_tokens": 64, "details": True}})
+        assert r.status_code == 200, r.text
+        if decision in log.read_text(errors="replace"):
+            break
+    text = log.read_text(errors="replace")
+    if usable_cpus().count <= 2:  # the config's torch_threads: 2
+        assert "decode_threads auto: 2 threads to start; steps of one row as served choose between 2 and 1" in text
+        kept = text[text.index(decision):].splitlines()[0]
+        assert " ms on 2 threads, " in kept and " ms on 1 thread (medians of 18); " in kept
+        assert kept.endswith(("; 1 for one token", "; 2 for one token")), kept
+    else:
+        assert "decode_threads auto" not in text

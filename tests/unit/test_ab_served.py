@@ -42,8 +42,10 @@ class _FakeServer:
 
     started = []
 
-    def __init__(self, rate: float):
+    def __init__(self, rate: float, model_log: str = None):
         self.rate = rate
+        if model_log is not None:  # a TorchServe variant: its worker's log
+            self.server = type("Server", (), {"model_log": lambda _: model_log})()
 
     def start(self, timeout):
         _FakeServer.started.append(self)
@@ -58,7 +60,10 @@ class _FakeServer:
 
 
 def test_both_start_orders_cancel_the_bias_of_the_server_started_second(tiny_model_dir, monkeypatch, capsys):
-    servers = [_FakeServer(100.0), _FakeServer(120.0)]
+    log = ("x MODEL_LOG - decode_threads auto: 2 threads to start; steps of one row as served choose between 2 and 1\n"
+           "x MODEL_LOG - decode_threads auto: one-row steps as served came every 8.00 ms on 2 threads, 9.00 ms on 1 "
+           "thread (medians of 18); 2 for one token\n")
+    servers = [_FakeServer(100.0), _FakeServer(120.0, log)]
     monkeypatch.setattr(ab_served, "make_system", lambda variant, index, *args: servers[index])
     monkeypatch.setattr("scripts.bench.model.model_dir", lambda checkpoint: tiny_model_dir)
     monkeypatch.setattr("scripts.streaming_client.run_wave", lambda server, prompts, tokens, timeout: server.speed())
@@ -68,6 +73,10 @@ def test_both_start_orders_cancel_the_bias_of_the_server_started_second(tiny_mod
     assert "B/A median of the rounds' ratios 1.320" in out and "B/A median of the rounds' ratios 1.091" in out
     assert "B/A over both start orders 1.200 (the server started second ran 1.100x as fast as the first)" in out
     assert not _FakeServer.started  # both stopped after each order
+    # what B's worker chose, printed as each start order stops it; A (as llama-server) has no worker log
+    assert out.count("B b.yaml chose at load: decode_threads auto: 2 threads to start") == 2
+    assert out.count("B b.yaml chose while serving: decode_threads auto: one-row steps as served came every 8.00") == 2
+    assert "A a.yaml chose" not in out
     assert ab_served.main(["a.yaml", "b.yaml", "--streams", "1", "--rounds", "2", "--dtype", "bfloat16",
                            "--one-order", "--b-property", "number_of_netty_threads=1"]) == 0
     out = capsys.readouterr().out

@@ -27,6 +27,26 @@ def test_a_workers_decisions_are_read_from_its_log_without_torchserves_prefixes(
     assert choices_in_log("") == []
 
 
+SERVED_LLAMACPP_LOG = "".join(
+    f"2026-12-03T23:{minute:02d}:00,000 [INFO ] W-9001-bench_1.0-stdout MODEL_LOG - {line}\n" for minute, line in enumerate([
+        "flash_attn auto: a request of 256 prompt tokens and 128 new ones alone took 900 ms with flash attention "
+        "on, 950 ms off; on",
+        "decode_threads auto: 2 threads to start; steps of one row as served choose between 2 and 1",
+        "llama.cpp backend: model.gguf, 8 slots x 1024 positions, 2 threads (2 for one token)",
+        "decode_threads auto: one-row steps as served came every 8.50 ms on 2 threads, 9.60 ms on 1 thread "
+        "(medians of 18); 2 for one token"]))
+
+
+def test_decisions_made_while_serving_are_told_apart_from_those_made_at_load():
+    assert choices_in_log(SERVED_LLAMACPP_LOG) == [
+        "flash_attn auto: a request of 256 prompt tokens and 128 new ones alone took 900 ms with flash attention "
+        "on, 950 ms off; on",
+        "decode_threads auto: 2 threads to start; steps of one row as served choose between 2 and 1"]
+    assert choices_in_log(SERVED_LLAMACPP_LOG, serving=True) == [
+        "decode_threads auto: one-row steps as served came every 8.50 ms on 2 threads, 9.60 ms on 1 thread "
+        "(medians of 18); 2 for one token"]
+
+
 def test_this_process_keeps_the_engines_decisions_while_recording_and_leaves_its_logger_as_it_was():
     engine = logging.getLogger("llama_engine")
     before = engine.level
@@ -57,3 +77,16 @@ def test_the_page_lists_each_processes_choices_the_bench_process_first():
     assert "\n  * `bf16 prompt products, 2 threads -> native`" in text
     assert "(medians of 5 rounds) -> float32`" in text and "* torchserve-llamacpp: nothing timed" in text
     assert report.load_choices_text({"extra": {}}) == ""
+
+
+def test_the_page_lists_a_workers_choices_while_serving_under_its_load_time_ones_the_last_three():
+    decisions = [f"decode_threads auto: one-row steps as served came every ...; {n} for one token" for n in (2, 1, 2, 2)]
+    results = {"extra": {"load_choices": {"torchserve-llamacpp": choices_in_log(SERVED_LLAMACPP_LOG), "torchserve": []},
+                         "serving_choices": {"torchserve-llamacpp": decisions}}}
+    text = report.load_choices_text(results)
+    worker = text[text.index("* torchserve-llamacpp:"):]
+    assert worker.index("`decode_threads auto: 2 threads to start") < worker.index("* while serving (the last 3 of 4):")
+    assert "\n    * `decode_threads auto: one-row steps as served came every ...; 1 for one token`" in worker
+    assert worker.count("one-row steps as served") == 3 and "* torchserve: nothing timed" in text
+    results["extra"]["serving_choices"]["torchserve-llamacpp"] = decisions[:1]
+    assert "* while serving (1):" in report.load_choices_text(results)

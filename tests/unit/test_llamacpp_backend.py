@@ -168,44 +168,68 @@ def test_engine_generates_through_llama_cpp_as_through_torch(tiny_gguf, tiny_mod
     assert greedy(llama) == greedy(torch_engine)
 
 
-@pytest.mark.parametrize("cpus,allowance,expected", [
-    (2, 1e9, 1),  # the model's threads take every CPU and one thread is "fast enough": 1
-    (2, -1e9, 2),  # one thread is slower than the allowance: both
-    (8, 1e9, 2),  # CPUs are left for the frontend: no probe, both
-])
-def test_decode_threads_auto_takes_one_thread_only_where_it_frees_a_core(tiny_gguf, monkeypatch, caplog,
-                                                                        cpus, allowance, expected):
+@pytest.mark.parametrize("cpus", [2, 8])
+def test_decode_threads_auto_tunes_one_row_steps_only_where_the_model_takes_every_cpu(tiny_gguf, monkeypatch,
+                                                                                    caplog, cpus):
     import logging
 
     from llama_engine.backends import llamacpp_backend
 
     monkeypatch.setattr(llamacpp_backend, "usable_cpus", lambda: UsableCpus(cpus, "affinity"))
-    monkeypatch.setattr(llamacpp_backend, "ONE_THREAD_ALLOWANCE_S", allowance)
-    monkeypatch.setattr(llamacpp_backend, "ONE_THREAD_MAX_SLOWDOWN", 1e9 if allowance > 0 else 1.0)
     with caplog.at_level(logging.INFO, logger=llamacpp_backend.logger.name):
         made = LlamaCppSlotBackend(str(tiny_gguf), 2, MAX_LENGTH, threads=2, decode_threads="auto")
     try:
-        assert made.decode_threads == expected
-        assert made.lib.llama_n_threads(made.ctx) == expected and made.lib.llama_n_threads_batch(made.ctx) == 2
-        assert ("decode_threads auto:" in caplog.text) == (cpus == 2)
-        assert made.slot_length(0) == 0, "the probe left its tokens in a slot"
-        made.reserve_slots(3)  # a new context keeps the choice
-        assert made.lib.llama_n_threads(made.ctx) == expected
+        assert made.decode_threads == 2 and made.lib.llama_n_threads(made.ctx) == 2
+        if cpus == 2:  # no CPU left for the frontend: steps of one row try 2 and 1 while serving
+            assert made.step_threads.candidates == (2, 1)
+            assert "decode_threads auto: 2 threads to start; steps of one row as served choose between 2 and 1" \
+                in caplog.text
+        else:
+            assert made.step_threads is None and "decode_threads auto:" not in caplog.text
     finally:
         made.close()
 
 
-@pytest.mark.parametrize("one_ms,many_ms,suffices", [
-    (8.6, 7.7, True),  # Zen 4: 1.12x slower, and one thread served one stream faster
-    (10.32, 8.62, True),  # Zen 4 again: 1.20x
-    (7.67, 5.62, False),  # Zen 5: 1.36x, inside the 3 ms, and both threads served it 1.09x faster
-    (23.07, 13.20, False),  # AMX Xeon: 1.75x
-    (44.0, 40.0, False),  # a large model: 1.1x, but 4 ms a token
-])
-def test_one_decode_thread_only_where_its_step_is_close_in_time_and_in_ratio(one_ms, many_ms, suffices):
-    from llama_engine.backends.llamacpp_backend import one_thread_suffices
+class _StepClock:
+    """A clock whose step of one row lasts ``costs[threads]`` for the backend's thread count of that step."""
 
-    assert one_thread_suffices(one_ms / 1e3, many_ms / 1e3) is suffices
+    def __init__(self, backend, costs):
+        self.backend, self.costs, self.now = backend, costs, 0.0
+
+    def __call__(self):
+        self.now += self.costs[self.backend.decode_threads]  # still the count of the step that just ran
+        return self.now
+
+
+@pytest.mark.parametrize("faster", [1, 2])
+def test_one_row_steps_keep_the_thread_count_that_served_them_faster(tiny_gguf, monkeypatch, faster):
+    from llama_engine.backends import llamacpp_backend
+
+    monkeypatch.setattr(llamacpp_backend, "usable_cpus", lambda: UsableCpus(2, "affinity"))
+    made = LlamaCppSlotBackend(str(tiny_gguf), 2, MAX_LENGTH, threads=2, decode_threads="auto")
+    fixed = LlamaCppSlotBackend(str(tiny_gguf), 2, MAX_LENGTH, threads=2, decode_threads=2)
+    try:
+        tuner = made.step_threads
+        tuner.clock = _StepClock(made, {faster: 8e-3, 3 - faster: 10e-3})
+        trial = tuner.block * tuner.rounds * 2
+        picks, expected, seen = [], [], []
+        for backend, out in ((made, picks), (fixed, expected)):
+            token = int(backend.prefill_slot(0, [1, 5, 9, 3]).argmax())
+            backend.prefill_slot(1, [2, 4])
+            backend.decode_slots([0, 1], [token, 7])  # two rows: not timed, and all threads
+            for _ in range(trial + 3):
+                token = int(backend.decode_slots([0], [token]).argmax())
+                out.append(token)
+                seen.append(backend.lib.llama_n_threads(backend.ctx))
+        assert not tuner.trying and made.decode_threads == faster
+        assert made.lib.llama_n_threads(made.ctx) == faster and made.lib.llama_n_threads_batch(made.ctx) == 2
+        assert set(seen[:trial]) == {1, 2}, "the trial ran both counts"
+        assert tuner.decisions[0][0] == faster
+        assert tuner.decisions[0][1] == pytest.approx({faster: 8e-3, 3 - faster: 10e-3})
+        assert picks == expected, "the thread count changed what a step computes"
+    finally:
+        made.close()
+        fixed.close()
 
 
 def test_decode_threads_set_is_kept_and_capped_at_the_threads(tiny_gguf):

@@ -29,26 +29,9 @@ import torch
 
 from ..cpu_limits import usable_cpus
 from .base import OnePassSlotBackend, PrefillChunk, SlotBatchBackend
+from .step_threads import OneRowThreadTuner
 
 logger = logging.getLogger(__name__)
-
-#: ``decode_threads: auto`` takes one thread when its one-token step is at most this many seconds
-#: slower: about what serving costs a token when the model's threads take every core (the 2-vCPU
-#: EPYC: one stream's served step 12.5 ms against 9.5 in-process). An absolute allowance, so that
-#: a large model, whose step takes far longer than the frontend's share, keeps every thread.
-ONE_THREAD_ALLOWANCE_S = 0.003
-#: ... and at most this factor slower. On a Zen 4 EPYC one thread 1.1-1.3x slower served one stream
-#: faster; on a Zen 5 EPYC a step 1.36x slower (7.67 against 5.62 ms, inside the allowance) served it
-#: 0.92x as fast as both threads (bench model, ``scripts.bench.ab_served``, both start orders):
-#: where one core draws less of the bandwidth, the core it frees is not worth the step it costs.
-ONE_THREAD_MAX_SLOWDOWN = 1.3
-
-
-def one_thread_suffices(one: float, many: float) -> bool:
-    """Whether a one-token step of ``one`` seconds on one thread is close enough to ``many`` on all of
-    them to leave the other cores to TorchServe's frontend (``decode_threads: auto``)."""
-    return one <= many + ONE_THREAD_ALLOWANCE_S and one <= many * ONE_THREAD_MAX_SLOWDOWN
-
 
 #: ``flash_attn`` as llama.cpp's ``flash_attn_type`` (llama.h); ``auto`` is llama.cpp's own choice.
 FLASH_ATTN_TYPES = {"auto": -1, "off": 0, "on": 1}
@@ -111,8 +94,8 @@ class LlamaCppSlotBackend(OnePassSlotBackend):
             self.batch = self.lib.llama_batch_init(self.max_batch_tokens, 0, 1)  # the probe's; replaced below
             self.flash_attn = self._pick_flash_attn()
         self._open_context(max_slots)
-        if decode_threads == "auto":
-            self.decode_threads = self._pick_decode_threads()
+        #: ``decode_threads: auto`` where the model's threads take every CPU: learns it while serving
+        self.step_threads = self._step_threads_tuner() if decode_threads == "auto" else None
         logger.info("llama.cpp backend: %s, %d slots x %d positions, %d threads (%d for one token), flash "
                     "attention %s (%s)", os.path.basename(gguf_path), max_slots, max_length, self.threads,
                     self.decode_threads, self.flash_attn, self.lib.llama_print_system_info().decode().strip())
@@ -213,39 +196,15 @@ class LlamaCppSlotBackend(OnePassSlotBackend):
                           for wave in waves)
                 for name in contexts}
 
-    def _pick_decode_threads(self) -> int:
-        """``decode_threads: auto``: 1 where that frees a core at a small cost, else ``threads``.
-
-        A step of one token streams the weights once; on some CPUs one core draws most of the
-        memory bandwidth. When the model's threads take every CPU, TorchServe's frontend and the
-        client share those cores, and any slice they take from one of the lockstep threads stalls
-        both. On a 2-vCPU Zen 4 EPYC one thread decoded the bench model 1.1-1.3x slower in-process,
-        yet served one stream faster (67.4 -> 83.9 tokens/s with the continuous scheduler in its
-        own thread), while llama-server with one decode thread lost (79.1 against 86.2). So: 1
-        thread where the model's threads take every CPU and one thread's step is close to theirs
-        (:func:`one_thread_suffices`), timed here on a scratch slot (alternated blocks, medians).
-        """
-        if self.threads < 2 or self.threads < usable_cpus().count or self.max_length < 64:
-            return self.threads
-        times = {self.threads: [], 1: []}
-        self._step([], [], [PrefillChunk(0, list(range(1, 33)))])
-        try:
-            self._step([0], [1], [])
-            for _ in range(3):
-                for threads in times:
-                    self.lib.llama_set_n_threads(self.ctx, threads, self.threads)
-                    for _ in range(4):
-                        started = time.perf_counter()
-                        self._step([0], [1], [])
-                        times[threads].append(time.perf_counter() - started)
-        finally:
-            self.free_slot(0)
-        one, many = statistics.median(times[1]), statistics.median(times[self.threads])
-        choice = 1 if one_thread_suffices(one, many) else self.threads
-        self.lib.llama_set_n_threads(self.ctx, choice, self.threads)
-        logger.info("decode_threads auto: a one-token step took %.2f ms on 1 thread, %.2f ms on %d; %d for one token",
-                    1e3 * one, 1e3 * many, self.threads, choice)
-        return choice
+    def _step_threads_tuner(self) -> Optional[OneRowThreadTuner]:
+        """``decode_threads: auto``: where the model's threads take every CPU, steps of one row try
+        those threads and one fewer while serving and keep the faster (:mod:`.step_threads`); else
+        every step takes them all."""
+        if self.threads < 2 or self.threads < usable_cpus().count:
+            return None
+        logger.info("decode_threads auto: %d threads to start; steps of one row as served choose between %d and %d",
+                    self.threads, self.threads, self.threads - 1)
+        return OneRowThreadTuner((self.threads, self.threads - 1))
 
     def close(self) -> None:
         """Free the context, the batch and the model (also at garbage collection)."""
@@ -292,6 +251,8 @@ class LlamaCppSlotBackend(OnePassSlotBackend):
         order, so each sequence's positions stay consecutive. On a failure the slots touched
         are rolled back to their lengths before the step.
         """
+        if self.step_threads is not None:
+            self._set_decode_threads(self.step_threads.threads_for_step(len(slots) == 1 and not chunks))
         entries = [(int(token), self._lengths[slot], slot, True) for slot, token in zip(slots, tokens)]
         for chunk in chunks:
             last = len(chunk.token_ids) - 1
@@ -309,6 +270,11 @@ class LlamaCppSlotBackend(OnePassSlotBackend):
             self._lengths[chunk.slot] = chunk.start + len(chunk.token_ids)
         decode = logits[:len(slots)] if slots else None
         return decode, list(logits[len(slots):])
+
+    def _set_decode_threads(self, threads: int) -> None:
+        if threads != self.decode_threads:
+            self.lib.llama_set_n_threads(self.ctx, threads, self.threads)
+            self.decode_threads = threads
 
     def _decode_in_calls(self, entries, ctx=None) -> torch.Tensor:
         """``entries`` over as many ``llama_decode`` calls of ``max_batch_tokens`` as they need, in order;
