@@ -791,28 +791,68 @@ def update_by_cpu(results: dict, path: Path) -> dict:
     return every column's."""
     table = _read_by_cpu(path)
     m = results["machine"]
-    table[cpu_column(m, table)] = {
+    column = cpu_column(m, table)
+    entry = {
         "timestamp": results["timestamp"], "mode": results["mode"], "cpu": m["cpu"], "logical_cpus": m["logical_cpus"],
         "dtype": dtype_label(results["model"]), "git": results["versions"].get("git"),
         "ratios": {name: r["value"] for name, r in results["ratios"].items()},
         "goals": {name: r["goal"] for name, r in results["ratios"].items()},
     }
+    carried = _carried(table.get(column), entry)
+    if carried:
+        entry["carried"] = carried
+    table[column] = entry
     path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
     return table
 
 
+#: Ratios a run has only when an optional system ran in it: a peer (llama.cpp, vLLM) or the llamacpp
+#: backend, each built by its own make target.
+_OPTIONAL_SYSTEM_RATIO = re.compile(r"vllm|llama\.?cpp")
+
+
+def _carried(previous: Optional[dict], entry: dict) -> dict:
+    """The ratios of an optional system that the same CPU's previous run of this mode measured and
+    this run did not (vLLM not built on the host this time, say), each with its goal and the run it
+    came from, so that a column keeps every figure it had until a run measures it again."""
+    if not previous or previous.get("mode") != entry["mode"] or previous.get("cpu") != entry["cpu"]:
+        return {}
+    origin = {"timestamp": previous["timestamp"], "git": previous.get("git")}
+    kept = {name: {"value": value, "goal": previous.get("goals", {}).get(name), **origin}
+            for name, value in previous.get("ratios", {}).items() if value is not None}
+    kept.update(previous.get("carried", {}))
+    return {name: c for name, c in sorted(kept.items())
+            if name not in entry["ratios"] and _OPTIONAL_SYSTEM_RATIO.search(name)}
+
+
 def by_cpu_table(table: dict) -> str:
     classes = sorted(table)
-    names = list(dict.fromkeys(name for c in classes for name in table[c]["ratios"]))
-    goals = {name: g for c in classes for name, g in table[c].get("goals", {}).items()}
+    names = list(dict.fromkeys(name for c in classes for name in [*table[c]["ratios"], *table[c].get("carried", {})]))
+    goals = {name: c["goal"] for column in classes for name, c in table[column].get("carried", {}).items()}
+    goals.update({name: g for c in classes for name, g in table[c].get("goals", {}).items()})
     head = ["| ratio | goal | " + " | ".join(f"`{c}`" for c in classes) + " |",
             "|---|---|" + "---:|" * len(classes),
             "| (run) | | " + " | ".join(f"{table[c]['cpu']}, {table[c]['logical_cpus']} CPUs, {table[c]['dtype']}, "
                                         f"{table[c]['mode']} {table[c]['timestamp']}" for c in classes) + " |"]
-    rows = [f"| {name} | {goals.get(name, '')} | " + " | ".join(_f(table[c]["ratios"].get(name), 3) for c in classes)
+    rows = [f"| {name} | {goals.get(name, '')} | " + " | ".join(_by_cpu_cell(table[c], name) for c in classes)
             + " |" for name in names]
     notes = [f"\n`{c}`: {table[c]['note']}" for c in classes if table[c].get("note")]
+    notes += [f"\n`{c}`: {_carried_note(table[c]['carried'])}" for c in classes if table[c].get("carried")]
     return "\n".join(head + rows) + "\n" + "\n".join(notes) + ("\n" if notes else "")
+
+
+def _by_cpu_cell(column: dict, name: str) -> str:
+    carried = column.get("carried", {}).get(name)
+    return f"{_f(carried['value'], 3)}†" if carried else _f(column["ratios"].get(name), 3)
+
+
+def _carried_note(carried: dict) -> str:
+    """Which run each † figure of a column came from."""
+    by_run: dict = {}
+    for name, c in carried.items():
+        by_run.setdefault((c["timestamp"], c.get("git")), []).append(name)
+    return "; ".join(f"† from its run at {timestamp}" + (f" ({git})" if git else "") + ", which measured what the latest "
+                     f"did not: {', '.join(names)}" for (timestamp, git), names in sorted(by_run.items()))
 
 
 def server_metrics_text(results: dict) -> str:

@@ -194,6 +194,37 @@ def test_each_cpu_class_keeps_its_latest_ratios(tmp_path):
     assert "| peer_ratio_llama.cpp | >= 1.0 | 1.000 | 2.500 |" in text
 
 
+def test_a_rerun_without_a_peer_keeps_that_peers_figures_marked_with_their_run(tmp_path):
+    """vLLM not built on the host this time: the column keeps its last vLLM ratio, marked, and says
+    which run it came from, until a run measures it again; other ratios come from the latest run only."""
+    path = tmp_path / "by-cpu.json"
+
+    def run(timestamp, git, peers, cpu="AMD EPYC (family 25, model 17)"):
+        runs = [_run("torchserve", "concurrency", 100.0, concurrency=8)] + [
+            _run(name, "concurrency", tps, concurrency=8) for name, tps in peers.items()]
+        results = _results(runs, "avx512-bf16")
+        results["machine"]["cpu"] = cpu
+        results.update(timestamp=timestamp, versions={"git": git})
+        results["ratios"] = report.ratios(results)
+        return results
+
+    report.update_by_cpu(run("T1", "aaa", {"llama.cpp": 50.0, "vllm": 40.0}), path)
+    table = report.update_by_cpu(run("T2", "bbb", {"llama.cpp": 25.0}), path)
+    column = table["avx512-bf16"]
+    assert column["ratios"]["peer_ratio_llama.cpp"] == 4.0 and "peer_ratio_vllm" not in column["ratios"]
+    assert column["carried"]["peer_ratio_vllm"] == {"value": 2.5, "goal": "report", "timestamp": "T1", "git": "aaa"}
+    assert set(column["carried"]) == {"peer_ratio_vllm"}
+    text = report.by_cpu_table(table)
+    assert "| peer_ratio_vllm | report | 2.500† |" in text and "| peer_ratio_llama.cpp | >= 1.0 | 4.000 |" in text
+    assert "`avx512-bf16`: † from its run at T1 (aaa), which measured what the latest did not: peer_ratio_vllm" in text
+    carried_on = report.update_by_cpu(run("T3", "ccc", {"llama.cpp": 50.0}), path)["avx512-bf16"]["carried"]
+    assert carried_on["peer_ratio_vllm"]["timestamp"] == "T1"
+    measured_again = report.update_by_cpu(run("T4", "ddd", {"llama.cpp": 50.0, "vllm": 20.0}), path)["avx512-bf16"]
+    assert measured_again["ratios"]["peer_ratio_vllm"] == 5.0 and "carried" not in measured_again
+    other_cpu = report.update_by_cpu(run("T5", "eee", {"llama.cpp": 50.0}, cpu="AMD EPYC (family 25, model 1)"), path)
+    assert "carried" not in other_cpu["avx512-bf16 on AMD 25/1"]
+
+
 def test_two_cpus_of_one_class_each_keep_their_latest_run_and_page(tmp_path, monkeypatch):
     """An Intel Xeon without AMX and a Zen 4 are both avx512-bf16: the second CPU measured gets a
     column and a page of its own, and each CPU's rerun replaces only its own."""
