@@ -815,14 +815,17 @@ def _carried(previous: Optional[dict], entry: dict) -> dict:
     """The ratios of an optional system that the same CPU's previous run of this mode measured and
     this run did not (vLLM not built on the host this time, say), each with its goal and the run it
     came from, so that a column keeps every figure it had until a run measures it again."""
-    if not previous or previous.get("mode") != entry["mode"] or previous.get("cpu") != entry["cpu"]:
+    if not previous or previous.get("mode") != entry["mode"] or not _same_cpu(previous.get("cpu", ""), entry["cpu"]):
         return {}
+
+    def lost(name: str) -> bool:
+        return name not in entry["ratios"] and bool(_OPTIONAL_SYSTEM_RATIO.search(name))
+
     origin = {"timestamp": previous["timestamp"], "git": previous.get("git")}
-    kept = {name: {"value": value, "goal": previous.get("goals", {}).get(name), **origin}
-            for name, value in previous.get("ratios", {}).items() if value is not None}
-    kept.update(previous.get("carried", {}))
-    return {name: c for name, c in sorted(kept.items())
-            if name not in entry["ratios"] and _OPTIONAL_SYSTEM_RATIO.search(name)}
+    carried = {name: c for name, c in previous.get("carried", {}).items() if lost(name)}
+    carried.update({name: {"value": value, "goal": previous.get("goals", {}).get(name), **origin}
+                    for name, value in previous.get("ratios", {}).items() if value is not None and lost(name)})
+    return dict(sorted(carried.items()))
 
 
 def by_cpu_table(table: dict) -> str:
