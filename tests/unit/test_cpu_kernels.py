@@ -126,6 +126,15 @@ def test_the_prefetch_distance_chosen_is_the_fastest_only_where_it_clearly_beats
     assert cpu_kernels.choose_prefetch({default: [10.0, 10.0], 2048: [9.0, 9.0], 1024: [8.0, 8.0]}) == 1024
 
 
+def test_a_sides_score_is_the_mean_of_its_two_fastest_passes_and_decides():
+    """The figures the load-time choices log are these scores: a side with the single fastest pass can lose."""
+    passes = {"native": [1.21e-3, 1.40e-3, 1.50e-3], "torch": [1.25e-3, 1.26e-3, 1.60e-3]}
+    scores = cpu_kernels.pass_scores(passes)
+    assert scores["native"] == pytest.approx(1.305e-3) and scores["torch"] == pytest.approx(1.255e-3)
+    assert cpu_kernels.choose_fastest(passes, "native", margin=0.0) == "torch"
+    assert cpu_kernels.pass_scores({"one": [2.0]}) == {"one": 2.0}
+
+
 @pytest.mark.parametrize("kernels", ISAS, indirect=True)
 def test_the_one_row_prefetch_is_measured_once_per_dtype_pair_unless_the_environment_sets_it(kernels, monkeypatch):
     weights = [torch.randn(64, 256).to(torch.bfloat16) for _ in range(3)]

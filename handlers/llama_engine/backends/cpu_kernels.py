@@ -607,10 +607,15 @@ def alternate_passes(runs: Dict[Hashable, Callable[[], object]], rounds: int) ->
     return passes
 
 
+def pass_scores(passes: Dict[Hashable, Sequence[float]]) -> Dict[Hashable, float]:
+    """Each side's score, in seconds: the mean of its two fastest passes (a busy machine slows every
+    side; the fastest keep what each can do, and two of them damp one lucky pass)."""
+    return {side: sum(sorted(times)[:2]) / min(2, len(times)) for side, times in passes.items()}
+
+
 def choose_fastest(passes: Dict[Hashable, Sequence[float]], default: Hashable, margin: float) -> Hashable:
-    """The side whose passes were fastest, scored as the sum of its two fastest (a busy machine slows
-    every side; the minimum keeps what each can do), where it beats ``default``'s by ``margin``."""
-    score = {side: sum(sorted(times)[:2]) for side, times in passes.items()}
+    """The side with the lowest :func:`pass_scores` score, where it beats ``default``'s by ``margin``."""
+    score = pass_scores(passes)
     fastest = min(score, key=score.get)
     return fastest if score[fastest] < (1 - margin) * score.get(default, float("inf")) else default
 
@@ -651,9 +656,10 @@ def tune_one_row_prefetch(kernels: CpuKernels, weights: Sequence[torch.Tensor], 
 
     passes = alternate_passes({d: (lambda d=d: one_pass(d)) for d in PREFETCH_CANDIDATES}, rounds)
     chosen = kernels.one_row_prefetch[key] = choose_prefetch(passes)
-    logger.info("native linear, one row of %s over %s weights, %d threads, %.0f MB: best pass %s ms at %s bytes "
-                "ahead -> %d", x_dtype, weights[0].dtype, torch.get_num_threads(), size / 1e6,
-                " / ".join(f"{1e3 * min(passes[d]):.2f}" for d in PREFETCH_CANDIDATES),
+    scores = pass_scores(passes)
+    logger.info("native linear, one row of %s over %s weights, %d threads, %.0f MB: a pass %s ms at %s bytes "
+                "ahead (each the mean of its two fastest) -> %d", x_dtype, weights[0].dtype, torch.get_num_threads(),
+                size / 1e6, " / ".join(f"{1e3 * scores[d]:.2f}" for d in PREFETCH_CANDIDATES),
                 " / ".join(map(str, PREFETCH_CANDIDATES)), chosen)
     return chosen
 
