@@ -38,6 +38,21 @@ def test_keeps_the_count_whose_steps_came_faster(costs, kept, caplog):
             f"{1e3 * costs[1]:.2f} ms on 1 thread (medians of 6); {kept} for one token") in caplog.text
 
 
+def test_a_count_clearly_slower_after_one_block_each_ends_the_trial_early(caplog):
+    serving = Serving({2: 8e-3, 1: 14e-3}, block=3, rounds=3)  # one thread 1.75x as long a step
+    with caplog.at_level(logging.INFO, logger="llama_engine"):
+        for _ in range(7):  # 6 intervals: one block on each count
+            serving.step()
+    assert not serving.tuner.trying and serving.tuner.current == 2
+    assert serving.ran == [2, 2, 2, 1, 1, 1, 2], "after one block each, not the 3 rounds planned"
+    assert serving.tuner.decisions == [(2, {2: pytest.approx(8e-3), 1: pytest.approx(14e-3)})]
+    assert "(medians of 3); 2 for one token" in caplog.text
+    close = Serving({2: 8e-3, 1: 11e-3}, block=3, rounds=3)  # 1.375x: under clear_ratio, every round runs
+    for _ in range(19):
+        close.step()
+    assert close.ran[:18] == [2, 2, 2, 1, 1, 1] * 3 and close.tuner.decisions[0][0] == 2
+
+
 def test_only_a_one_row_step_followed_by_another_counts():
     serving = Serving({2: 5e-3, 1: 6e-3}, block=2, rounds=1)
     serving.step()
@@ -73,6 +88,7 @@ def test_compares_again_after_recheck_after_steps_starting_with_the_count_it_kep
     ((2,), {}, "candidates: need two different thread counts"),
     ((2, 2), {}, "candidates: need two different thread counts"),
     ((2, 1), {"block": 0}, "must be >= 1"),
+    ((2, 1), {"clear_ratio": 1.0}, "clear_ratio must be > 1"),
 ])
 def test_bad_arguments_say_which(candidates, args, message):
     with pytest.raises(ValueError, match=message):
