@@ -8,6 +8,7 @@ directory, so a developer's own `make serve` on 8080 is neither needed nor distu
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -149,7 +150,8 @@ def test_the_llamacpp_worker_learns_its_one_row_thread_count_while_serving(serve
     if usable_cpus().count <= 2:  # the config's torch_threads: 2
         assert "decode_threads auto: 2 threads to start; steps of one row as served choose between 2 and 1" in text
         kept = text[text.index(decision):].splitlines()[0]
-        assert " ms on 2 threads, " in kept and " ms on 1 thread (medians of 18); " in kept
+        # 3 rounds of 6 steps on each count, or fewer where one count's steps came 1.5x as far apart
+        assert " ms on 2 threads, " in kept and re.search(r" ms on 1 thread \(medians of (6|12|18)\); ", kept), kept
         assert kept.endswith(("; 1 for one token", "; 2 for one token")), kept
     else:
         assert "decode_threads auto" not in text

@@ -53,6 +53,20 @@ def test_a_count_clearly_slower_after_one_block_each_ends_the_trial_early(caplog
     assert close.ran[:18] == [2, 2, 2, 1, 1, 1] * 3 and close.tuner.decisions[0][0] == 2
 
 
+def test_the_trial_ends_early_only_at_the_end_of_a_round():
+    """Every count has had as many blocks when it stops, so each median is of as many steps."""
+    serving = Serving({2: 10e-3, 1: 8e-3}, block=3, rounds=3)  # 1.25x: no early stop after round 1
+    for _ in range(6):
+        serving.step()
+    serving.costs = {2: 30e-3, 1: 8e-3}  # round 2's block on 2 threads: its median 2.5x the other's
+    for _ in range(6):
+        serving.step()
+    assert serving.tuner.trying, "not in the middle of round 2"
+    serving.step()
+    assert not serving.tuner.trying and serving.ran == [2, 2, 2, 1, 1, 1] * 2 + [1]
+    assert {t: len(times) for t, times in serving.tuner._samples.items()} == {2: 6, 1: 6}
+
+
 def test_only_a_one_row_step_followed_by_another_counts():
     serving = Serving({2: 5e-3, 1: 6e-3}, block=2, rounds=1)
     serving.step()

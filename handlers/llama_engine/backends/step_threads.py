@@ -97,9 +97,12 @@ class OneRowThreadTuner:
         return {threads: statistics.median(times) for threads, times in self._samples.items() if times}
 
     def _clear_winner(self) -> bool:
-        """Whether every count has had a block and one's median is ``clear_ratio`` times another's."""
+        """At the end of a round (every count has had as many blocks), whether one count's median is
+        ``clear_ratio`` times another's."""
+        if len(self._plan) % len(self.candidates):
+            return False
         medians = self._medians()
-        return len(medians) == len(self.candidates) and max(medians.values()) >= self.clear_ratio * min(medians.values())
+        return max(medians.values()) >= self.clear_ratio * min(medians.values())
 
     def _decide(self) -> None:
         medians = self._medians()
