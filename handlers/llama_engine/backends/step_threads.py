@@ -94,7 +94,7 @@ class OneRowThreadTuner:
             self._decide()
 
     def _medians(self) -> Dict[int, float]:
-        return {threads: statistics.median(times) for threads, times in self._samples.items() if times}
+        return {threads: statistics.median(times) for threads, times in self._samples.items()}
 
     def _clear_winner(self) -> bool:
         """At the end of a round (every count has had as many blocks), whether one count's median is
