@@ -66,7 +66,7 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt pyproject.toml | check
 # cmake and a C++ compiler; ~6 minutes on 2 cores, once.
 LLAMACPP_STAMP := $(VENV)/.llamacpp
 llamacpp: $(LLAMACPP_STAMP)  ## build llama-cpp-python for this CPU into the venv (backend llamacpp; ~6 min once)
-$(LLAMACPP_STAMP): scripts/build_peers.sh | $(VENV)/.installed
+$(LLAMACPP_STAMP): scripts/build_peers.sh scripts/patch_ggml.py | $(VENV)/.installed
 	PY=$(abspath $(BIN))/python bash scripts/build_peers.sh backend
 	touch $@
 

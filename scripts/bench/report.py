@@ -166,7 +166,8 @@ def llamacpp_engine_ratios(runs, results: dict) -> dict:
         against_best = _ratio(
             rate * bound["weight_bytes_per_token"] / (bound["bandwidth_gb_per_s"] * 1e9), "report", None,
             "llama.cpp batch-1 decode tok/s (its sweep) x weight bytes per token / the best memory bandwidth of the "
-            "run: the engine the llamacpp backend runs, on the same GGUF, with no TorchServe in front",
+            "run: upstream's build of the engine the llamacpp backend runs (whose build adds scripts/patch_ggml.py's "
+            "weight prefetch), on the same GGUF, with no TorchServe in front",
             decode_tokens_per_s=rate)
         bracketed = _bracketed_efficiency(find(runs, "llama.cpp", LLAMACPP_PAIRS, concurrency=1), "llama.cpp",
                                           "report", None, "rounds paired with the llamacpp backend's")
@@ -176,8 +177,9 @@ def llamacpp_engine_ratios(runs, results: dict) -> dict:
         out["llamacpp_vs_llama.cpp_1_stream"] = _ratio(
             pair["served_over_peer_median"], "report", None,
             f"{LLAMACPP} output tok/s / llama.cpp's at 1 stream, the same GGUF: median of "
-            f"{len(pair['served_over_peer'])} back-to-back A/B pairs of the same wave (what the engine and "
-            "TorchServe keep of llama.cpp's own speed)", pairs=pair["served_over_peer"])
+            f"{len(pair['served_over_peer'])} back-to-back A/B pairs of the same wave (the backend's llama.cpp "
+            "with scripts/patch_ggml.py's weight prefetch, behind the engine and TorchServe, against upstream's)",
+            pairs=pair["served_over_peer"])
     return out
 
 
@@ -1123,8 +1125,9 @@ ahead of micro-batching on the Poisson load at all: `.venv/bin/python -m scripts
   memory, on the faster kernel; `batch1_decode_efficiency_at_products_bound` is the efficiency of a
   step that did only that, `batch1_decode_vs_products` the in-process decode against it (the rest of a
   step: norms, attention, rotary, sampling). `batch1_decode_efficiency_llama.cpp` is llama-server's own
-  1-stream rounds held alike, beside the llamacpp backend's (the engine it runs), and
-  `llamacpp_vs_llama.cpp_1_stream` the backend's speed over llama-server's in the 1-stream pairs.
+  1-stream rounds held alike, beside the llamacpp backend's (the engine it runs, which the backend's build
+  patches with `scripts/patch_ggml.py`'s weight prefetch), and `llamacpp_vs_llama.cpp_1_stream` the
+  backend's speed over llama-server's in the 1-stream pairs.
   Peer ratio: served / peer output tok/s at 8 streams.
 * Continuous batching against the schedule's ideal: `scripts.bench.continuous_bound` replays the
   scheduler's policy on the same arrivals with no scheduling, streaming or serving cost. Its step
