@@ -26,6 +26,7 @@ MARK = "llama-torchserve: weight prefetch"
 #: How far ahead of its reads a dot product fetches its weight row (the next rows follow in memory).
 AHEAD_BYTES = 2048
 VEC_SOURCE = Path("ggml/src/ggml-cpu/vec.cpp")
+BRACE = re.compile(r"[{}]")
 
 #: The loops over a weight row in each function, and the bytes one iteration reads of it.
 LOOPS = {
@@ -52,7 +53,7 @@ def _function_body(source: str, name: str) -> tuple:
         raise PatchError(f"no definition of {name} in {VEC_SOURCE}")
     depth, pos = 1, match.end()
     while depth:
-        brace = re.compile(r"[{}]").search(source, pos)
+        brace = BRACE.search(source, pos)
         if brace is None:
             raise PatchError(f"{name}'s body in {VEC_SOURCE} does not close")
         depth += 1 if brace.group() == "{" else -1
