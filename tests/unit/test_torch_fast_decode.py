@@ -20,7 +20,13 @@ from transformers import AutoModelForCausalLM, DynamicCache
 from llama_engine import cpu as cpu_info
 from llama_engine.backends import cpu_kernels, fast_linear, torch_backend
 from llama_engine.backends.base import PrefillChunk, SlotBatchBackend, take_greedy_picks
-from llama_engine.backends.fast_linear import NativeLinear, PackedLinear, pack_linears, packing_supported
+from llama_engine.backends.fast_linear import (
+    FusedLlamaProjections,
+    NativeLinear,
+    PackedLinear,
+    pack_linears,
+    packing_supported,
+)
 from llama_engine.backends.torch_backend import (
     TorchBackend,
     TorchSlotBackend,
@@ -908,6 +914,38 @@ def test_a_bf16_checkpoint_under_float32_keeps_bf16_weights_and_the_float32_mode
             token = [int(want.argmax())]
             got, want = kept.decode_slots([0], token)[0], widened.decode_slots([0], token)[0]
             torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@needs_native
+def test_a_bf16_checkpoint_under_float32_widens_one_layer_at_a_time_to_the_same_logits(bf16_checkpoint, monkeypatch):
+    """Loaded as stored and widened layer by layer as its linears go back to bf16 (never the whole model in
+    float32, twice the checkpoint's bytes), the backend computes what the model loaded in float32 does."""
+    models, plain_float32 = [], []
+    widen, of = torch_backend.widen_all_but_layers, FusedLlamaProjections.of
+    monkeypatch.setattr(torch_backend, "widen_all_but_layers", lambda model, dtype: models.append(model) or
+                        widen(model, dtype))
+
+    def spy(layer, weight_dtype=None):
+        plain_float32.append(sum(any(type(m) is torch.nn.Linear and m.weight.dtype == torch.float32
+                                     for m in each.modules()) for each in models[0].model.layers))
+        return of(layer, weight_dtype)
+
+    monkeypatch.setattr(FusedLlamaProjections, "of", staticmethod(spy))
+    new = TorchSlotBackend.from_pretrained(str(bf16_checkpoint), 2, 64, "float32", "cpu", kv_cache_dtype="float32")
+    monkeypatch.undo()
+    layers = new.model.config.num_hidden_layers
+    assert plain_float32 == [1] * layers  # the layer being packed, and no other
+    assert new.dtype == torch.float32 and new.weight_dtype == torch.bfloat16
+    assert not any(type(m) is torch.nn.Linear for m in new.model.modules())
+    assert all(p.dtype == torch.float32 for p in new.model.parameters())
+    old = TorchSlotBackend(torch_backend.load_model(str(bf16_checkpoint), "float32", "cpu", 64), 2, 64,
+                           owns_model=True, kv_cache_dtype="float32", weight_dtype=torch.bfloat16)
+    with torch.inference_mode():
+        prompt = [1] + list(range(10, 40))
+        got, want = new.prefill_slot(0, prompt), old.prefill_slot(0, prompt)
+        assert torch.equal(got, want)
+        token = [int(want.argmax())]
+        assert torch.equal(new.decode_slots([0], token)[0], old.decode_slots([0], token)[0])
 
 
 @needs_native

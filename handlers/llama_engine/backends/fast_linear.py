@@ -54,7 +54,7 @@ from typing import Callable, Dict, FrozenSet, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from ..cpu import cpu_class, cpu_flags, huge_page_empty, is_amx
+from ..cpu import cpu_class, cpu_flags, huge_page_empty, is_amx, release_freed_memory
 from . import cpu_kernels
 
 logger = logging.getLogger(__name__)
@@ -360,32 +360,32 @@ def pack_linears(model: nn.Module, batch_hint: Optional[int] = None, weight_dtyp
                if type(child) is nn.Linear]
     if not targets:
         return 0
-    weight = targets[0][2].weight
-    if weight_dtype not in (None, weight.dtype):
-        kernels = bf16_weight_kernels(weight.dtype, weight_dtype, weight.device)
+    dtype, device = targets[0][2].weight.dtype, targets[0][2].weight.device
+    if weight_dtype not in (None, dtype):
+        kernels = bf16_weight_kernels(dtype, weight_dtype, device)
         if kernels is None:
-            raise ValueError(f"{weight_dtype} linear weights under {weight.dtype} arithmetic need the native CPU "
+            raise ValueError(f"{weight_dtype} linear weights under {dtype} arithmetic need the native CPU "
                              "kernels with float32 arithmetic over bfloat16 weights (an x86 CPU with AVX2 and FMA)")
-        return _swap_native(targets, weight.dtype, kernels, native_max_rows(kernels, BF16_WEIGHT_MAX_ROWS, weight_dtype),
+        return _swap_native(targets, dtype, kernels, native_max_rows(kernels, BF16_WEIGHT_MAX_ROWS, weight_dtype),
                             weight_dtype)
-    if not packing_supported(weight.dtype, weight.device):
+    if not packing_supported(dtype, device):
         return 0
-    kernels = native_kernels_for(weight.dtype, weight.device)
+    kernels = native_kernels_for(dtype, device)
     if kernels is not None:
-        if weight.dtype == torch.bfloat16 and amx_tiles(kernels) and prompt_products_setting() in ("auto", "native"):
+        if dtype == torch.bfloat16 and amx_tiles(kernels) and prompt_products_setting() in ("auto", "native"):
             _log_amx_tiles(kernels)
-            return _swap_native(targets, weight.dtype, kernels, sys.maxsize, pairs=True)
-        prompts = _bf16_prompt_products(targets, kernels) if weight.dtype == torch.bfloat16 else None
+            return _swap_native(targets, dtype, kernels, sys.maxsize, pairs=True)
+        prompts = _bf16_prompt_products(targets, kernels) if dtype == torch.bfloat16 else None
         max_rows = sys.maxsize if prompts == "native" else native_max_rows(kernels)
-        return _swap_native(targets, weight.dtype, kernels, max_rows, wide_in_float32=prompts == "float32")
-    fp32 = weight.dtype == torch.float32
+        return _swap_native(targets, dtype, kernels, max_rows, wide_in_float32=prompts == "float32")
+    fp32 = dtype == torch.float32
     if fp32:
-        kind, kernels = _float32_kind(setting, [t[2] for t in targets], weight.device)
+        kind, kernels = _float32_kind(setting, [t[2] for t in targets], device)
         if kind == "plain":
             return 0
         if kind == "native":
-            return _swap_native(targets, weight.dtype, kernels, native_max_rows(kernels))
-    return _swap(targets, weight.dtype,
+            return _swap_native(targets, dtype, kernels, native_max_rows(kernels))
+    return _swap(targets, dtype,
                  lambda linear: PackedLinear(linear, batch_hint or (FP32_BATCH_HINT if fp32 else ONEDNN_BATCH_HINT)),
                  "onednn", check=fp32)
 
@@ -468,7 +468,8 @@ def gather_weights(linears: Sequence["NativeLinear"]) -> Optional[torch.Tensor]:
     with torch.no_grad():
         for linear, place in zip(linears, places):
             place.copy_(linear.weight)
-            linear.weight = place  # the loaded weight is freed here, not after the loop
+            linear.weight = place  # the loaded weight is freed here, not after the loop,
+            release_freed_memory()  # and handed back: the block is a mapping of its own, which no free block serves
     logger.info("gathered %d weights (%.0f MB, %s) into one block in decode order, %s", len(linears),
                 block.numel() * block.element_size() / 1e6, dtype,
                 "on transparent huge pages" if huge else "on the kernel's pages")
@@ -488,11 +489,16 @@ def tune_native_prefetch(modules: Sequence[Optional[nn.Module]]) -> Optional[int
                                              layers[0].compute_dtype)
 
 
-def _swap(targets, dtype: torch.dtype, make, kind: str, check: bool = False) -> int:
+def _swap(targets: list, dtype: torch.dtype, make, kind: str, check: bool = False) -> int:
     """Replace each ``(parent, name, linear)`` of ``dtype`` on the CPU by ``make(linear)``; with ``check``,
-    stop at the first replacement that does not compute the linear's product (:func:`_agrees`)."""
+    stop at the first replacement that does not compute the linear's product (:func:`_agrees`).
+
+    Empties ``targets`` as it goes, so that each replaced linear (and its weight, where nothing else holds
+    it) is freed before the next one is made: memory holds one weight twice at most, not the model."""
     swapped = 0
-    for parent, name, child in targets:
+    targets.reverse()
+    while targets:
+        parent, name, child = targets.pop()
         if child.weight.dtype != dtype or child.weight.device.type != "cpu":
             continue
         replacement = make(child)

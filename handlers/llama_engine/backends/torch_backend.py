@@ -20,6 +20,7 @@ from .fast_linear import (
     switch_setting,
     tune_native_prefetch,
 )
+from .weight_memory import settle_loaded_weights
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +53,20 @@ def load_model(model_path: str, dtype: str, device: str, max_length: int):
         keep_freed_memory()
     check_max_length(model.config, max_length)
     return model
+
+
+def widen_all_but_layers(model, dtype: torch.dtype) -> None:
+    """``model`` in ``dtype`` but for its decoder layers, which :class:`TorchSlotBackend` widens one by one.
+
+    A bf16 checkpoint under float32 arithmetic keeps its linears' weights in bf16 (:func:`weight_dtype_for`).
+    Loaded in float32 at once, the model was whole in float32 before its linears were packed back to bf16:
+    twice the checkpoint's bytes at the peak of the load."""
+    layers = model.model.layers
+    model.model.layers = torch.nn.ModuleList()
+    try:
+        model.to(dtype)
+    finally:
+        model.model.layers = layers
 
 
 def checkpoint_dtype(model_path: str) -> Optional[str]:
@@ -334,13 +349,20 @@ class TorchSlotBackend(OnePassSlotBackend):
     """
 
     def __init__(self, model, max_slots: int, max_length: int, owns_model: bool = False, fuse: bool = True,
-                 kv_cache_dtype: str = "auto", weight_dtype: Optional[torch.dtype] = None):
+                 kv_cache_dtype: str = "auto", weight_dtype: Optional[torch.dtype] = None,
+                 widen_layers: Optional[torch.dtype] = None):
         """``owns_model``: the model serves only this backend, so its separate projections are
         freed once fused and its remaining linears packed; otherwise they stay as they are
         (the fused copies are extra memory) for the model's other users. ``fuse=False`` keeps
         the separate projections (an A/B baseline). ``kv_cache_dtype``: see :func:`kv_cache_dtype_for`.
         ``weight_dtype``: the linears' weights in this dtype where it differs from the model's (see
-        :func:`weight_dtype_for`; only with ``owns_model``)."""
+        :func:`weight_dtype_for`; only with ``owns_model``). ``widen_layers``: the decoder layers are
+        still in the checkpoint's dtype and the rest of the model in this one (:func:`widen_all_but_layers`):
+        each layer is widened as its linears are packed, so that the model is never whole in it."""
+        if widen_layers is not None and not (owns_model and fuse):
+            for layer in model.model.layers:
+                layer.to(widen_layers)
+            widen_layers = None
         self.model = model.eval()
         cfg = model.config
         check_max_length(cfg, max_length)
@@ -366,7 +388,9 @@ class TorchSlotBackend(OnePassSlotBackend):
         self._kernels = kernels if native_attention(self.kv_dtype) else None
         self._allocate_cache()
         self._cos, self._signed_sin = self._rope_tables()
-        self._fused = self._fuse_projections(owns_model) if fuse else [None] * cfg.num_hidden_layers
+        self._fused = self._fuse_projections(owns_model, widen_layers) if fuse else [None] * cfg.num_hidden_layers
+        if owns_model and self.device.type == "cpu":
+            settle_loaded_weights(self.model)  # before the native calls below take views of the norms
         #: Passes run :meth:`_fused_forward`: the native kernels' fused small ops, where they serve this model.
         self._fused_ops = self._kernels is not None and self._fuses_small_ops()
         #: Prompt chunks attend by :class:`_PromptAttention` (see :func:`prompts_attend_by_blocks`).
@@ -415,8 +439,14 @@ class TorchSlotBackend(OnePassSlotBackend):
     def from_pretrained(cls, model_path: str, max_slots: int, max_length: int = 512, dtype: str = "float32",
                         device: str = "auto", kv_cache_dtype: str = "auto",
                         weight_dtype: str = "auto") -> "TorchSlotBackend":
+        arithmetic, stored = DTYPES[resolve_dtype(dtype, device)], checkpoint_dtype(model_path)
+        weights = weight_dtype_for(weight_dtype, arithmetic, resolve_device(device), stored)
+        if weights == DTYPES.get(stored) != arithmetic:
+            model = load_model(model_path, stored, device, max_length)
+            widen_all_but_layers(model, arithmetic)
+            return cls(model, max_slots, max_length, owns_model=True, kv_cache_dtype=kv_cache_dtype,
+                       weight_dtype=weights, widen_layers=arithmetic)
         model = load_model(model_path, dtype, device, max_length)
-        weights = weight_dtype_for(weight_dtype, model.dtype, model.device, checkpoint_dtype(model_path))
         return cls(model, max_slots, max_length, owns_model=True, kv_cache_dtype=kv_cache_dtype, weight_dtype=weights)
 
     def _fuses_small_ops(self) -> bool:
@@ -476,13 +506,19 @@ class TorchSlotBackend(OnePassSlotBackend):
             return None
         return norm.weight.detach(), head.weight
 
-    def _fuse_projections(self, owns_model: bool) -> List[Optional[FusedLlamaProjections]]:
-        """Each layer's q/k/v and gate/up as two products (None for a layer that cannot be fused)."""
+    def _fuse_projections(self, owns_model: bool, widen: Optional[torch.dtype] = None
+                          ) -> List[Optional[FusedLlamaProjections]]:
+        """Each layer's q/k/v and gate/up as two products (None for a layer that cannot be fused); with
+        ``widen``, each layer first widened to it and its other linears packed before the next one widens."""
         fused = []
         for layer in self.model.model.layers:
+            if widen is not None:
+                layer.to(widen)
             fused.append(FusedLlamaProjections.of(layer, self.weight_dtype))
             if owns_model and fused[-1] is not None:
                 FusedLlamaProjections.drop_originals(layer)
+            if widen is not None:
+                pack_linears(layer, weight_dtype=self.weight_dtype)
         if owns_model:
             pack_linears(self.model, weight_dtype=self.weight_dtype)
             gather_weights(self._step_products(fused) or [])

@@ -1,0 +1,173 @@
+"""A loaded model holds its weights once: repacked copies replace what was loaded, and nothing keeps
+the checkpoint's file mapping or the freed loaded copies resident (backends/weight_memory.py,
+fast_linear's ``_swap`` and ``gather_weights``)."""
+import gc
+import json
+import subprocess
+import sys
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from llama_engine.backends import fast_linear
+from llama_engine.backends.weight_memory import copy_out_of_mappings
+from llama_engine.cpu import file_mapped_ranges
+
+HANDLERS = Path(__file__).resolve().parents[2] / "handlers"
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/maps and glibc's malloc")
+
+
+def mappings_of(path: Path) -> int:
+    return sum(str(path) in line for line in Path("/proc/self/maps").read_text().splitlines())
+
+
+def module_from(path: Path, names) -> nn.Module:
+    tensors = load_file(str(path))
+    module = nn.Module()
+    for name in names:
+        module.register_parameter(name, nn.Parameter(tensors[name], requires_grad=False))
+    return module
+
+
+@pytest.fixture
+def checkpoint(tmp_path) -> Path:
+    path = tmp_path / "weights.safetensors"
+    save_file({"big": torch.arange(1 << 20, dtype=torch.float32), "small": torch.arange(64, dtype=torch.float32)},
+              str(path))
+    return path
+
+
+@linux_only
+def test_a_mapping_that_only_small_tensors_still_read_is_let_go(checkpoint):
+    module = module_from(checkpoint, ["small"])
+    gc.collect()
+    assert mappings_of(checkpoint) == 1
+    assert copy_out_of_mappings(module) == 64 * 4
+    gc.collect()
+    assert mappings_of(checkpoint) == 0
+    assert torch.equal(module.small, torch.arange(64, dtype=torch.float32))
+    assert copy_out_of_mappings(module) == 0  # nothing maps a file any more
+
+
+@linux_only
+def test_a_mapping_whose_tensors_are_most_of_it_is_kept(checkpoint):
+    module = module_from(checkpoint, ["big", "small"])
+    address = module.big.untyped_storage().data_ptr()
+    assert copy_out_of_mappings(module) == 0
+    assert module.big.untyped_storage().data_ptr() == address
+    assert mappings_of(checkpoint) == 1
+
+
+@linux_only
+def test_a_tied_tensor_is_copied_once_and_stays_tied(checkpoint):
+    module = module_from(checkpoint, ["small"])
+    module.other = nn.Module()
+    module.other.tied = module.small
+    assert copy_out_of_mappings(module) == 64 * 4
+    assert module.other.tied is module.small
+
+
+def test_swap_frees_each_replaced_linear_before_making_the_next():
+    linears = nn.Sequential(*(nn.Linear(16, 16, bias=False) for _ in range(4)))
+    targets = [(linears, name, child) for name, child in linears.named_children()]
+    alive = [weakref.ref(child.weight) for _, _, child in targets]
+    seen = []
+
+    def make(linear):
+        seen.append([ref() is not None for ref in alive])
+        return nn.Identity()
+
+    targets_left = list(targets)
+    del targets
+    assert fast_linear._swap(targets_left, torch.float32, make, "test") == 4
+    assert targets_left == []
+    # when the k-th replacement is made, the linears replaced before it are gone
+    assert seen == [[True, True, True, True], [False, True, True, True], [False, False, True, True],
+                    [False, False, False, True]]
+
+
+GATHER_CHILD = f"""
+import sys, torch
+sys.path.insert(0, {str(HANDLERS)!r})
+from llama_engine.cpu import keep_freed_memory, process_memory
+from llama_engine.backends.fast_linear import gather_weights
+from torch import nn
+
+class Product(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("weight", torch.ones(1024, 2048, dtype=torch.bfloat16))  # 4 MiB, from the heap
+
+keep_freed_memory()
+products = [Product() for _ in range(64)]
+before = process_memory()["anon"]
+block = gather_weights(products)
+after = process_memory()["anon"]
+assert all(p.weight.untyped_storage().data_ptr() == block.untyped_storage().data_ptr() for p in products)
+print(before, after, block.numel() * block.element_size())
+"""
+
+
+@linux_only
+def test_gathering_weights_leaves_them_resident_once():
+    """The loaded copies, freed into the heap as the block fills, go back to the kernel: without that the
+    process held the weights twice (kept by :func:`.cpu.keep_freed_memory`, not reused by the block)."""
+    out = subprocess.run([sys.executable, "-c", GATHER_CHILD], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    before, after, block = map(int, out.stdout.split())
+    assert block == 64 << 22
+    assert after - before < block // 4, out.stdout
+
+
+LOAD_CHILD = """
+import json, sys, torch
+sys.path.insert(0, {handlers!r})
+from llama_engine.backends.torch_backend import TorchSlotBackend
+from llama_engine.cpu import file_mapped_ranges
+backend = TorchSlotBackend.from_pretrained({model_dir!r}, 2, 64, {dtype!r}, "cpu")
+plain = [name for name, m in backend.model.named_modules() if type(m) is torch.nn.Linear]
+mapped = sum({model_dir!r} + "/model.safetensors" in line for line in open("/proc/self/maps"))
+print(json.dumps({{"plain": plain, "mapped": mapped}}))
+"""
+
+
+@linux_only
+@pytest.mark.parametrize("dtype", ["float32", "auto"])
+def test_a_loaded_backend_lets_the_checkpoint_mapping_go_once_its_linears_are_repacked(tiny_model_dir, dtype):
+    code = LOAD_CHILD.format(handlers=str(HANDLERS), model_dir=str(Path(tiny_model_dir).resolve()), dtype=dtype)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.splitlines()[-1])
+    if result["plain"]:  # linears left as loaded still read the file: its pages stay the model's
+        assert result["mapped"] >= 1, result
+    else:
+        assert result["mapped"] == 0, result
+
+
+def test_file_mapped_ranges_reads_only_file_mappings(tmp_path):
+    maps = tmp_path / "maps"
+    maps.write_text("\n".join([
+        "7f0000000000-7f0000001000 rw-p 00000000 fe:00 1234  /models/model.safetensors",
+        "7f0000002000-7f0000003000 rw-p 00000000 00:00 0 ",
+        "7f0000004000-7f0000005000 rw-p 00000000 00:00 0  [heap]",
+        "7f0000006000-7f0000008000 r-xp 00000000 fe:00 99  /usr/lib/libc.so.6",
+    ]))
+    assert file_mapped_ranges(str(maps)) == [(0x7F0000000000, 0x7F0000001000), (0x7F0000006000, 0x7F0000008000)]
+    assert file_mapped_ranges(str(tmp_path / "absent")) == []
+
+
+@linux_only
+def test_the_load_memory_bench_prints_the_loads_memory_beside_the_weights_and_cache(tiny_model_dir):
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-m", "scripts.bench.load_memory", "--model", str(tiny_model_dir),
+                          "--slots", "2", "--max-length", "64"], cwd=root, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.splitlines()[-1])
+    assert result["checkpoint_mib"] == round((Path(tiny_model_dir) / "model.safetensors").stat().st_size / 2**20)
+    assert result["kv_cache_mib"] >= 0 and result["load_s"] > 0
+    assert result["peak_anon_mib"] >= result["loaded_anon_mib"] > result["kv_cache_mib"]
