@@ -8,6 +8,12 @@ process's resident memory every 10 ms, and prints one JSON line: the process's o
 (``anon``) and mapped files' pages (``file``, which the kernel can drop and read again) at their
 peaks and once loaded, the checkpoint's bytes and the KV cache's. Run it once per setting (the
 peak is the process's): ``LLAMA_CPU_CLASS=avx2`` loads as an AVX2-only CPU would.
+
+    python -m scripts.bench.load_memory --model build/llama-7b-shape --random-checkpoint
+
+first writes a random-weight bf16 checkpoint of Llama-2-7B's shape there (32 layers of hidden 4096,
+MLP 11008, 32 heads; 13.0 GB in 4 shards, as real checkpoints come; the bench model's tokenizer), one
+tensor at a time, so that it builds in less memory than it holds.
 """
 from __future__ import annotations
 
@@ -24,6 +30,53 @@ sys.path.insert(0, str(ROOT / "handlers"))
 from llama_engine.cpu import cpu_class, cpu_flags, process_memory  # noqa: E402
 
 MIB = 2**20
+#: ``--random-checkpoint``'s shape: Llama-2-7B's but for the vocabulary (the bench model's tokenizer).
+SHAPE = {"hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32,
+         "num_key_value_heads": 32}
+SHARDS = 4
+
+
+def write_random_checkpoint(out: Path, tokenizer: Path, shape: dict = SHAPE, shards: int = SHARDS) -> None:
+    """A bf16 Llama checkpoint of ``shape`` with random weights (seeded), in ``shards`` safetensors files and
+    their index, written one shard at a time; nothing if ``out`` has its index already."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer, LlamaConfig
+
+    index_file = out / "model.safetensors.index.json"
+    if index_file.exists():
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer_files = AutoTokenizer.from_pretrained(tokenizer)
+    config = LlamaConfig(vocab_size=len(tokenizer_files), max_position_embeddings=4096, tie_word_embeddings=False,
+                         bos_token_id=1, eos_token_id=None, pad_token_id=0, torch_dtype="bfloat16", **shape)
+    hidden, inter, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
+    per_layer = {"self_attn.q_proj.weight": (hidden, hidden), "self_attn.k_proj.weight": (hidden, hidden),
+                 "self_attn.v_proj.weight": (hidden, hidden), "self_attn.o_proj.weight": (hidden, hidden),
+                 "mlp.gate_proj.weight": (inter, hidden), "mlp.up_proj.weight": (inter, hidden),
+                 "mlp.down_proj.weight": (hidden, inter), "input_layernorm.weight": (hidden,),
+                 "post_attention_layernorm.weight": (hidden,)}
+    groups = [[f"model.layers.{i}.{name}" for i in range(layers)[k::shards] for name in per_layer]
+              for k in range(shards)]
+    groups[0] = ["model.embed_tokens.weight", *groups[0]]
+    groups[-1] += ["model.norm.weight", "lm_head.weight"]
+    shapes = {"model.embed_tokens.weight": (config.vocab_size, hidden), "model.norm.weight": (hidden,),
+              "lm_head.weight": (config.vocab_size, hidden)}
+    generator, weight_map = torch.Generator().manual_seed(0), {}
+    for k, names in enumerate(groups):
+        shard = f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
+        tensors = {}
+        for name in names:
+            size = shapes.get(name) or per_layer[name.split(".", 3)[3]]
+            tensors[name] = (torch.ones(size) if len(size) == 1 else
+                             torch.randn(size, generator=generator) * 0.02).to(torch.bfloat16)
+            weight_map[name] = shard
+        save_file(tensors, str(out / shard), metadata={"format": "pt"})
+        del tensors
+    config.save_pretrained(out)
+    tokenizer_files.save_pretrained(out)
+    total = sum((out / f).stat().st_size for f in set(weight_map.values()))
+    index_file.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
 
 
 class PeakSampler(threading.Thread):
@@ -56,7 +109,13 @@ def main(argv=None) -> int:
     p.add_argument("--slots", type=int, default=8)
     p.add_argument("--max-length", type=int, default=1024)
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--random-checkpoint", action="store_true",
+                   help="first write a random bf16 checkpoint of Llama-2-7B's shape at --model (unless there)")
+    p.add_argument("--tokenizer", type=Path, default=ROOT / "build" / "tiny-llama",
+                   help="the tokenizer --random-checkpoint copies (default build/tiny-llama)")
     args = p.parse_args(argv)
+    if args.random_checkpoint:
+        write_random_checkpoint(Path(args.model), args.tokenizer)
     if not process_memory():
         print("no /proc/self/status here: nothing to measure", file=sys.stderr)
         return 2

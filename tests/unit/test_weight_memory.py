@@ -171,3 +171,40 @@ def test_the_load_memory_bench_prints_the_loads_memory_beside_the_weights_and_ca
     assert result["checkpoint_mib"] == round((Path(tiny_model_dir) / "model.safetensors").stat().st_size / 2**20)
     assert result["kv_cache_mib"] >= 0 and result["load_s"] > 0
     assert result["peak_anon_mib"] >= result["loaded_anon_mib"] > result["kv_cache_mib"]
+
+
+SHARDED_CHILD = """
+import json, sys
+sys.path.insert(0, {handlers!r})
+sys.path.insert(0, {root!r})
+from pathlib import Path
+from scripts.bench.load_memory import write_random_checkpoint
+from llama_engine.backends.torch_backend import TorchSlotBackend
+out = Path({out!r})
+write_random_checkpoint(out, Path({tokenizer!r}), shape={shape!r}, shards=2)
+backend = TorchSlotBackend.from_pretrained(str(out), 1, 32, "float32", "cpu")
+logits = backend.prefill_slot(0, [1, 5, 9])
+mapped = sum(str(out) in line for line in open("/proc/self/maps"))
+print(json.dumps({{"mapped": mapped, "vocab": logits.shape[-1], "finite": bool(logits.isfinite().all())}}))
+"""
+
+
+@linux_only
+def test_a_sharded_random_checkpoint_loads_and_lets_every_shards_mapping_go(tiny_model_dir, tmp_path):
+    """``load_memory --random-checkpoint`` (at a small shape): shards and an index that transformers loads; the
+    backend repacks its bf16 weights under float32 arithmetic, and no shard stays mapped."""
+    shape = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4,
+             "num_key_value_heads": 4}
+    out = tmp_path / "sharded"
+    root = Path(__file__).resolve().parents[2]
+    code = SHARDED_CHILD.format(handlers=str(HANDLERS), root=str(root), out=str(out), tokenizer=str(tiny_model_dir),
+                                shape=shape)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.splitlines()[-1])
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert sorted(set(index["weight_map"].values())) == ["model-00001-of-00002.safetensors",
+                                                        "model-00002-of-00002.safetensors"]
+    assert len(index["weight_map"]) == 3 * 9 + 3
+    assert result["finite"] and result["vocab"] > 0
+    assert result["mapped"] == 0, result

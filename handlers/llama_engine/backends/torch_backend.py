@@ -8,7 +8,7 @@ from typing import Dict, FrozenSet, List, Optional, Sequence, Union
 
 import torch
 
-from ..cpu import auto_dtype, is_amx, keep_freed_memory
+from ..cpu import auto_dtype, is_amx, keep_freed_memory, release_freed_memory
 from . import cpu_kernels
 from .base import Backend, OnePassSlotBackend, PrefillChunk, SlotBatchBackend
 from .fast_linear import (
@@ -519,6 +519,8 @@ class TorchSlotBackend(OnePassSlotBackend):
                 FusedLlamaProjections.drop_originals(layer)
             if widen is not None:
                 pack_linears(layer, weight_dtype=self.weight_dtype)
+            if owns_model:
+                release_freed_memory()  # the layer's loaded (and widened) copies, before the next layer's are made
         if owns_model:
             pack_linears(self.model, weight_dtype=self.weight_dtype)
             gather_weights(self._step_products(fused) or [])
