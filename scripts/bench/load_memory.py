@@ -72,6 +72,7 @@ def write_random_checkpoint(out: Path, tokenizer: Path, shape: dict = SHAPE, sha
                              torch.randn(size, generator=generator) * 0.02).to(torch.bfloat16)
             weight_map[name] = shard
         save_file(tensors, str(out / shard), metadata={"format": "pt"})
+        (out / shard).chmod(0o644)  # as a downloaded checkpoint's (safetensors writes through a private file)
         del tensors
     config.save_pretrained(out)
     tokenizer_files.save_pretrained(out)

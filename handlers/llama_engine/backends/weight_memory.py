@@ -37,7 +37,8 @@ def settle_loaded_weights(model: nn.Module) -> Dict[str, int]:
     memory = process_memory()
     if memory:
         logger.info("memory once loaded: %.0f MiB of the process's own, %.0f MiB of mapped files; at most %.0f "
-                    "MiB resident during the load (%.1f MiB copied out of the checkpoint's mapping)",
+                    "MiB resident at once so far, mapped files' pages included (%.1f MiB copied out of the "
+                    "checkpoint's mapping)",
                     memory["anon"] / 2**20, memory["file"] / 2**20, memory["peak"] / 2**20, copied / 2**20)
     return {**memory, "copied": copied}
 
