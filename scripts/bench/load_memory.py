@@ -49,7 +49,8 @@ def write_random_checkpoint(out: Path, tokenizer: Path, shape: dict = SHAPE, sha
     out.mkdir(parents=True, exist_ok=True)
     tokenizer_files = AutoTokenizer.from_pretrained(tokenizer)
     config = LlamaConfig(vocab_size=len(tokenizer_files), max_position_embeddings=4096, tie_word_embeddings=False,
-                         bos_token_id=1, eos_token_id=None, pad_token_id=0, torch_dtype="bfloat16", **shape)
+                         bos_token_id=1, eos_token_id=None, pad_token_id=0, torch_dtype="bfloat16",
+                         architectures=["LlamaForCausalLM"], **shape)
     hidden, inter, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
     per_layer = {"self_attn.q_proj.weight": (hidden, hidden), "self_attn.k_proj.weight": (hidden, hidden),
                  "self_attn.v_proj.weight": (hidden, hidden), "self_attn.o_proj.weight": (hidden, hidden),

@@ -206,5 +206,6 @@ def test_a_sharded_random_checkpoint_loads_and_lets_every_shards_mapping_go(tiny
     assert sorted(set(index["weight_map"].values())) == ["model-00001-of-00002.safetensors",
                                                         "model-00002-of-00002.safetensors"]
     assert len(index["weight_map"]) == 3 * 9 + 3
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]  # as converters need
     assert result["finite"] and result["vocab"] > 0
     assert result["mapped"] == 0, result
