@@ -219,6 +219,21 @@ def release_freed_memory() -> bool:
     return True
 
 
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def heap_free_bytes() -> Optional[int]:
+    """Bytes of glibc's free blocks in its heaps (``mallinfo2``'s ``fordblks``): what
+    :func:`release_freed_memory` could hand back. None without glibc 2.33's ``mallinfo2``."""
+    libc = _glibc()
+    if libc is None or not hasattr(libc, "mallinfo2"):
+        return None
+    libc.mallinfo2.restype = _MallInfo2
+    return int(libc.mallinfo2().fordblks)
+
+
 _libc_handle: Optional[ctypes.CDLL] = None
 
 

@@ -218,6 +218,19 @@ def test_linear_over_pair_panels_is_the_float64_product(kernels, x_dtype, rows, 
     assert kernels.linear(x[:0], packed, pairs=True).shape == (0, outer)  # no rows: nothing to do
 
 
+@pytest.mark.parametrize("kernels", ISAS, indirect=True)
+@pytest.mark.parametrize("outer, inner", [(32, 2), (32, 30), (64, 32), (64, 64), (96, 98), (32, 4096), (160, 1000)])
+def test_pair_panels_hold_each_panels_16_rows_pair_by_pair(kernels, outer, inner):
+    """The layout itself, against torch's: whole 16-word blocks (transposed in registers) and the words after."""
+    w = torch.arange(outer * inner, dtype=torch.float32).remainder(251).to(torch.bfloat16).view(outer, inner)
+    if kernels.isa not in cpu_kernels.PAIRS_ISAS:  # the avx2 build has no pair panels
+        with pytest.raises(ValueError, match="pair panels"):
+            kernels.pack_pairs(w)
+        return
+    want = w.view(outer // 16, 16, inner // 2, 2).permute(0, 2, 1, 3).reshape(outer, inner)
+    assert torch.equal(kernels.pack_pairs(w), want)
+
+
 AMX_FLAGS = frozenset({"amx_tile", "amx_bf16"})
 AMX_TILES = pytest.mark.skipif(not AMX_FLAGS | cpu_kernels.ISA_NEEDS["avx512bf16"] <= FLAGS,
                                reason="this CPU has no AMX tiles")

@@ -73,3 +73,26 @@ def test_releasing_openmp_threads_ends_the_calling_threads_workers():
         assert torch.randn(1000).sum().isfinite()  # the runtime still works after the release
     finally:
         torch.set_num_threads(threads)
+
+
+HEAP_CHILD = f"""
+import sys, torch
+sys.path.insert(0, {str(HANDLERS)!r})
+from llama_engine.cpu import heap_free_bytes, keep_freed_memory
+keep_freed_memory()
+block = torch.ones(16 << 20)  # 64 MiB, from the heap under keep_freed_memory
+before = heap_free_bytes()
+del block
+print(before, heap_free_bytes())
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallinfo2")
+def test_heap_free_bytes_counts_a_freed_block_that_the_heap_keeps():
+    """What the load's releases look at (torch_backend.RELEASE_AT): a 64 MiB block freed into the heap."""
+    out = subprocess.run([sys.executable, "-c", HEAP_CHILD], capture_output=True, text=True, timeout=120, check=True)
+    before, after = out.stdout.split()
+    if before == "None":  # glibc before 2.33 has no mallinfo2: every layer's copies are handed back
+        assert after == "None"
+        return
+    assert int(after) - int(before) >= 64 << 20, out.stdout

@@ -967,17 +967,53 @@ bool gemm512(const TX *x, long ldx, const TW *w, TX *y, long ldy, long M, long K
 // G5_MIN_ROWS rows the panels feed the GEMM instead, widened with the same two instructions.
 static constexpr long PANEL_COLS = 32;
 
-// P for the bf16 weight w [N, K] (N % PANEL_COLS == 0, K even).
+#if defined(LLK_VEC512)
+// The 16 x 16 32-bit words r[0..15] (row j in r[j]) transposed in place: r[c] holds column c.
+inline void transpose_words16(__m512i r[16]) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {  // u[i + c] lane L: rows i .. i + 3 of column 4 L + c
+        u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int c = 0; c < 4; c++) {
+        const __m512i v = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88), w = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xDD);
+        const __m512i x = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88);
+        const __m512i y = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xDD);
+        r[c] = _mm512_shuffle_i32x4(v, x, 0x88);
+        r[4 + c] = _mm512_shuffle_i32x4(w, y, 0x88);
+        r[8 + c] = _mm512_shuffle_i32x4(v, x, 0xDD);
+        r[12 + c] = _mm512_shuffle_i32x4(w, y, 0xDD);
+    }
+}
+#endif
+
+// P for the bf16 weight w [N, K] (N % PANEL_COLS == 0, K even). A pair (k, k + 1) is one 32-bit word, so
+// a panel is its 16 rows' words transposed: line k / 2 of the panel holds word k / 2 of each row. Element
+// by element, row by row, a 4096 x 11008 weight took 79 ms (1.1 GB/s) on the AMX Xeon, and the layout was
+// 62% of loading a Llama-2-7B-shaped checkpoint (32 s of 52); word by word, line by line, 40 ms.
 void pack_pairs(const bf16 *w, bf16 *P, long K, long N) {
-    for (long p = 0; p < N / 16; p++)
-        for (long j = 0; j < 16; j++) {
-            const bf16 *row = w + (p * 16 + j) * K;
-            bf16 *out = P + p * 16 * K + 2 * j;
-            for (long k = 0; k < K; k += 2) {
-                out[k * 16] = row[k];
-                out[k * 16 + 1] = row[k + 1];
-            }
+    const long words = K / 2;
+    for (long p = 0; p < N / 16; p++) {
+        const uint32_t *rows = (const uint32_t *)(w + p * 16 * K);
+        uint32_t *panel = (uint32_t *)(P + p * 16 * K);
+        long k = 0;
+#if defined(LLK_VEC512)
+        for (; k + 16 <= words; k += 16) {
+            __m512i r[16];
+            for (int j = 0; j < 16; j++) r[j] = _mm512_loadu_si512(rows + j * words + k);
+            transpose_words16(r);
+            for (int c = 0; c < 16; c++) _mm512_storeu_si512(panel + (k + c) * 16, r[c]);
         }
+#endif
+        for (; k < words; k++)
+            for (long j = 0; j < 16; j++) panel[k * 16 + j] = rows[j * words + k];
+    }
 }
 
 // The GEMM's panel (panel[k * G5_NR + j], k < kc, float32) of columns [n, n + G5_NR) from pair panels.
