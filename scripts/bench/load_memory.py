@@ -108,9 +108,9 @@ class PeakSampler(threading.Thread):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="an HF checkpoint directory with model.safetensors")
-    p.add_argument("--slots", type=int, default=8)
-    p.add_argument("--max-length", type=int, default=1024)
-    p.add_argument("--dtype", default="auto")
+    p.add_argument("--slots", type=int, default=8, help="KV cache slots, as a config's batchSize (default 8)")
+    p.add_argument("--max-length", type=int, default=1024, help="positions a slot holds (default 1024)")
+    p.add_argument("--dtype", default="auto", help="handler.dtype: auto (default), float32, bfloat16 or float16")
     p.add_argument("--random-checkpoint", action="store_true",
                    help="first write a random bf16 checkpoint of Llama-2-7B's shape at --model (unless there)")
     p.add_argument("--tokenizer", type=Path, default=ROOT / "build" / "tiny-llama",
