@@ -179,9 +179,11 @@ def kill_a_stopped_worker_holding(server, body: dict) -> tuple:
     frontend per token, and the tiny model's 400 tokens took 0.1 s on a Zen 5 (its 1000 here, some
     0.3 s): too short to catch mid-way by watching the worker's CPU. So the worker is stopped
     (SIGSTOP) first, and killed once TorchServe has counted the request and taken it off the model's
-    queue, that is, handed it to the worker, whose socket holds it unread."""
+    queue, then held it for the batch to fill (up to ``maxBatchDelay``, 1 in 7 runs killed it there and the
+    request hung) and written it to the worker, whose socket holds it unread."""
     pid = worker_pid(server)
     received = requests_received(server)
+    batch_delay = described(server)["maxBatchDelay"] / 1000
     outcome = {}
 
     def send():
@@ -198,6 +200,7 @@ def kill_a_stopped_worker_holding(server, body: dict) -> tuple:
         while requests_received(server) <= received or queued(server) > 0:
             assert time.monotonic() < deadline, f"TorchServe never handed the request to the worker\n{server.log_tail()}"
             time.sleep(0.02)
+        time.sleep(batch_delay + 0.2)
     finally:
         os.kill(pid, signal.SIGKILL)
         killed_at = time.monotonic()
