@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import mmap
 import os
@@ -230,23 +231,23 @@ def heap_free_bytes() -> Optional[int]:
     libc = _glibc()
     if libc is None or not hasattr(libc, "mallinfo2"):
         return None
-    libc.mallinfo2.restype = _MallInfo2
     return int(libc.mallinfo2().fordblks)
 
 
-_libc_handle: Optional[ctypes.CDLL] = None
-
-
+@functools.cache
 def _glibc() -> Optional[ctypes.CDLL]:
-    """The C library where it is glibc (mallopt, malloc_trim), else None."""
-    global _libc_handle
-    if _libc_handle is None and sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-            _libc_handle = libc if hasattr(libc, "mallopt") else None
-        except OSError:
-            return None
-    return _libc_handle
+    """The C library where it is glibc (mallopt, malloc_trim, mallinfo2), else None; looked up once."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+    if not hasattr(libc, "mallopt"):
+        return None
+    if hasattr(libc, "mallinfo2"):
+        libc.mallinfo2.restype = _MallInfo2
+    return libc
 
 
 def file_mapped_ranges(maps: str = "/proc/self/maps") -> List[Tuple[int, int]]:

@@ -28,30 +28,29 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "handlers"))
 
 from llama_engine.cpu import cpu_class, cpu_flags, process_memory  # noqa: E402
+from scripts.bench.model import ModelSpec, llama_config  # noqa: E402
 
 MIB = 2**20
 #: ``--random-checkpoint``'s shape: Llama-2-7B's but for the vocabulary (the bench model's tokenizer).
-SHAPE = {"hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32,
-         "num_key_value_heads": 32}
+SHAPE = ModelSpec(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                  num_key_value_heads=32, max_position_embeddings=4096)
 SHARDS = 4
 
 
-def write_random_checkpoint(out: Path, tokenizer: Path, shape: dict = SHAPE, shards: int = SHARDS) -> None:
+def write_random_checkpoint(out: Path, tokenizer: Path, shape: ModelSpec = SHAPE, shards: int = SHARDS) -> None:
     """A bf16 Llama checkpoint of ``shape`` with random weights (seeded), in ``shards`` safetensors files and
     their index, written one shard at a time; nothing if ``out`` has its index already."""
     import torch
     from safetensors.torch import save_file
-    from transformers import AutoTokenizer, LlamaConfig
+    from transformers import AutoTokenizer
 
     index_file = out / "model.safetensors.index.json"
     if index_file.exists():
         return
     out.mkdir(parents=True, exist_ok=True)
     tokenizer_files = AutoTokenizer.from_pretrained(tokenizer)
-    config = LlamaConfig(vocab_size=len(tokenizer_files), max_position_embeddings=4096, tie_word_embeddings=False,
-                         bos_token_id=1, eos_token_id=None, pad_token_id=0, torch_dtype="bfloat16",
-                         architectures=["LlamaForCausalLM"], **shape)
-    hidden, inter, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
+    config = llama_config(shape, len(tokenizer_files), "bfloat16")
+    hidden, inter, layers = shape.hidden_size, shape.intermediate_size, shape.num_hidden_layers
     per_layer = {"self_attn.q_proj.weight": (hidden, hidden), "self_attn.k_proj.weight": (hidden, hidden),
                  "self_attn.v_proj.weight": (hidden, hidden), "self_attn.o_proj.weight": (hidden, hidden),
                  "mlp.gate_proj.weight": (inter, hidden), "mlp.up_proj.weight": (inter, hidden),
@@ -63,7 +62,7 @@ def write_random_checkpoint(out: Path, tokenizer: Path, shape: dict = SHAPE, sha
     groups[-1] += ["model.norm.weight", "lm_head.weight"]
     shapes = {"model.embed_tokens.weight": (config.vocab_size, hidden), "model.norm.weight": (hidden,),
               "lm_head.weight": (config.vocab_size, hidden)}
-    generator, weight_map = torch.Generator().manual_seed(0), {}
+    generator, weight_map = torch.Generator().manual_seed(shape.seed), {}
     for k, names in enumerate(groups):
         shard = f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
         tensors = {}

@@ -69,6 +69,19 @@ def _publish(tmp: Path, out: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def llama_config(spec: ModelSpec, vocab: int, dtype: str):
+    """The ``LlamaConfig`` of a random-weight model of ``spec``: untied embeddings, BOS 1, pad 0 and no EOS
+    (so that generation runs its full length)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=vocab, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers, num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads, max_position_embeddings=spec.max_position_embeddings,
+        rope_theta=spec.rope_theta, tie_word_embeddings=False, bos_token_id=1, eos_token_id=None,
+        pad_token_id=0, torch_dtype=dtype, architectures=["LlamaForCausalLM"])
+
+
 def ensure_bench_models(dtypes=("bfloat16", "float32"), tokenizer_src: Path = TINY,
                         root: Path = ROOT / "build", spec: ModelSpec = ModelSpec(), log=print) -> Dict[str, Path]:
     """Build ``build/bench-model-{bf16,fp32}`` unless they exist with the same spec; return their paths."""
@@ -83,17 +96,11 @@ def ensure_bench_models(dtypes=("bfloat16", "float32"), tokenizer_src: Path = TI
         raise SystemExit(f"no tokenizer at {tokenizer_src}; build the tiny model first: "
                          "python scripts/build_tiny_llama.py --out build/tiny-llama (or make build)")
     import torch
-    from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoTokenizer, GenerationConfig, LlamaForCausalLM
 
     vocab = len(AutoTokenizer.from_pretrained(tokenizer_src))
     torch.manual_seed(spec.seed)
-    config = LlamaConfig(
-        vocab_size=vocab, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_hidden_layers, num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_key_value_heads, max_position_embeddings=spec.max_position_embeddings,
-        rope_theta=spec.rope_theta, tie_word_embeddings=False, bos_token_id=1, eos_token_id=None,
-        pad_token_id=0, torch_dtype="float32")
-    model = LlamaForCausalLM(config).eval()  # deterministic under the seed on one torch version
+    model = LlamaForCausalLM(llama_config(spec, vocab, "float32")).eval()  # deterministic under the seed on one torch version
     n_params = sum(p.numel() for p in model.parameters())
     log(f"bench model: {n_params / 1e6:.1f}M parameters, random weights (seed {spec.seed}), vocab {vocab}")
     for dtype in sorted(missing, key=lambda d: d != "float32"):  # float32 first: .to() converts in place

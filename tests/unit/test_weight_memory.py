@@ -179,9 +179,10 @@ sys.path.insert(0, {handlers!r})
 sys.path.insert(0, {root!r})
 from pathlib import Path
 from scripts.bench.load_memory import write_random_checkpoint
+from scripts.bench.model import ModelSpec
 from llama_engine.backends.torch_backend import TorchSlotBackend
 out = Path({out!r})
-write_random_checkpoint(out, Path({tokenizer!r}), shape={shape!r}, shards=2)
+write_random_checkpoint(out, Path({tokenizer!r}), shape=ModelSpec(**{shape!r}), shards=2)
 backend = TorchSlotBackend.from_pretrained(str(out), 1, 32, "float32", "cpu")
 logits = backend.prefill_slot(0, [1, 5, 9])
 mapped = sum(str(out) in line for line in open("/proc/self/maps"))

@@ -62,11 +62,9 @@ def _views_by_mapping(model: nn.Module, ranges: List[Tuple[int, int]]) -> Dict[T
     if not ranges:
         return {}
     views: Dict[Tuple[int, int], List[torch.Tensor]] = {}
-    seen = set()
-    for tensor in chain(model.parameters(), model.buffers()):
-        if tensor.device.type != "cpu" or tensor.layout != torch.strided or id(tensor) in seen:
+    for tensor in chain(model.parameters(), model.buffers()):  # each shared tensor once
+        if tensor.device.type != "cpu" or tensor.layout != torch.strided:
             continue
-        seen.add(id(tensor))
         address = tensor.untyped_storage().data_ptr()
         mapping = next(((start, end) for start, end in ranges if start <= address < end), None)
         if mapping is not None:
