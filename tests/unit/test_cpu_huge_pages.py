@@ -87,3 +87,44 @@ def test_weights_of_two_dtypes_or_the_switch_off_stay_where_they_were(monkeypatc
     pointers = [linear.weight.data_ptr() for linear in same]
     assert gather_weights(same) is None and [linear.weight.data_ptr() for linear in same] == pointers
     assert gather_weights([]) is None
+
+
+def test_a_planned_block_keeps_the_weights_laid_out_at_their_places_and_copies_in_the_rest(caplog):
+    """``GatheredBlock``: a weight made at its place (``NativeLinear``'s ``place``, converted to the kept dtype
+    as it is written there) stays there; the others are copied to theirs."""
+    linears = native_linears([(96, 64), (64, 96), (200, 64)])
+    planned = fast_linear.GatheredBlock.plan([linear.weight.shape for linear in linears], torch.bfloat16)
+    assert planned.holds([linear.weight for linear in linears])
+    wide = nn.Linear(96, 64, bias=False)
+    linears[1] = NativeLinear(wide, kernels=None, weight_dtype=torch.bfloat16, place=planned.places[1])
+    assert linears[1].weight.data_ptr() == planned.places[1].data_ptr()
+    before = [linear.weight.clone() for linear in linears]
+    assert torch.equal(before[1], wide.weight.detach().to(torch.bfloat16))
+    with caplog.at_level("INFO", logger=fast_linear.__name__):
+        block = gather_weights(linears, planned)
+    assert block.data_ptr() == planned.block.data_ptr() and "(1 laid out there, 2 copied in)" in caplog.text
+    assert [linear.weight.data_ptr() for linear in linears] == [place.data_ptr() for place in planned.places]
+    assert all(torch.equal(linear.weight, weight) for linear, weight in zip(linears, before))
+
+
+def test_a_place_of_another_shape_or_dtype_is_not_taken():
+    """A weight goes where it would have gone without the place; a plan for other weights is not used."""
+    linear = nn.Linear(96, 64, bias=False).to(torch.bfloat16)
+    for place in (torch.empty(64, 96), torch.empty(96, 64, dtype=torch.bfloat16),
+                  torch.empty(96, 64, dtype=torch.bfloat16).t()):
+        native = NativeLinear(linear, kernels=None, place=place)
+        assert native.weight.data_ptr() != place.data_ptr() and torch.equal(native.weight, linear.weight)
+    linears = native_linears([(96, 64), (64, 96)])
+    planned = fast_linear.GatheredBlock.plan([(64, 96), (64, 96)], torch.bfloat16)
+    assert not planned.holds([linear.weight for linear in linears])
+    block = gather_weights(linears, planned)
+    assert block.data_ptr() != planned.block.data_ptr()
+    assert linears[0].weight.untyped_storage().data_ptr() == block.untyped_storage().data_ptr()
+
+
+def test_no_block_is_planned_with_the_gathering_switched_off(monkeypatch):
+    monkeypatch.setenv(fast_linear.GATHER_ENV, "0")
+    assert fast_linear.GatheredBlock.plan([(64, 64)], torch.bfloat16) is None
+    monkeypatch.delenv(fast_linear.GATHER_ENV)
+    assert fast_linear.GatheredBlock.plan([], torch.bfloat16) is None
+    assert fast_linear.GatheredBlock.plan([(64, 64)], torch.bfloat16).places[0].shape == (64, 64)

@@ -231,6 +231,29 @@ def test_pair_panels_hold_each_panels_16_rows_pair_by_pair(kernels, outer, inner
     assert torch.equal(kernels.pack_pairs(w), want)
 
 
+PAIRS_BUILDS = [param for param in ISAS if param.values[0] in cpu_kernels.PAIRS_ISAS]
+
+
+@pytest.mark.parametrize("kernels", PAIRS_BUILDS, indirect=True)
+@pytest.mark.parametrize("outer, inner", [(32, 30), (96, 98), (64, 4096)])
+def test_pair_panels_are_laid_out_into_the_tensor_given_even_the_weight_itself(kernels, outer, inner):
+    """``out``: a place apart, or the weight's own memory (each panel's rows copied out first: a panel
+    rewritten straight from its rows would read words it had already overwritten)."""
+    w = torch.arange(outer * inner, dtype=torch.float32).remainder(251).to(torch.bfloat16).view(outer, inner)
+    want = w.view(outer // 16, 16, inner // 2, 2).permute(0, 2, 1, 3).reshape(outer, inner)
+    out = torch.empty_like(w)
+    assert kernels.pack_pairs(w, out=out) is out and torch.equal(out, want)
+    itself = w.clone()
+    assert kernels.pack_pairs(itself, out=itself).data_ptr() == itself.data_ptr() and torch.equal(itself, want)
+    for wrong in (torch.empty(outer, inner + 2, dtype=torch.bfloat16), torch.empty_like(w, dtype=torch.float32),
+                  torch.empty(inner, outer, dtype=torch.bfloat16).t()):
+        with pytest.raises(ValueError, match="out must be a contiguous"):
+            kernels.pack_pairs(w, out=wrong)
+    room = torch.cat([w.flatten(), torch.zeros(16 * inner, dtype=torch.bfloat16)])
+    with pytest.raises(ValueError, match="overlaps the weight"):
+        kernels.pack_pairs(room[:outer * inner].view(outer, inner), out=room[16 * inner:].view(outer, inner))
+
+
 AMX_FLAGS = frozenset({"amx_tile", "amx_bf16"})
 AMX_TILES = pytest.mark.skipif(not AMX_FLAGS | cpu_kernels.ISA_NEEDS["avx512bf16"] <= FLAGS,
                                reason="this CPU has no AMX tiles")

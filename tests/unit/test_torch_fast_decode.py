@@ -807,15 +807,18 @@ def test_on_off_switches_take_their_spellings_and_name_a_typo(monkeypatch, tiny_
         fast_linear.gather_weights([torch.nn.Linear(8, 8)])
 
 
-@needs_native
-def test_a_slot_backend_of_its_own_model_gathers_the_weights_a_decode_step_streams_in_its_order(tiny_model_dir,
-                                                                                               monkeypatch):
+@pytest.mark.parametrize("dtype, weight_dtype", [pytest.param(torch.float32, torch.bfloat16, marks=needs_native),
+                                                  pytest.param(torch.bfloat16, None, marks=needs_bf16_native)])
+def test_a_slot_backend_of_its_own_model_gathers_the_weights_a_decode_step_streams_in_its_order(
+        tiny_model_dir, monkeypatch, caplog, dtype, weight_dtype):
     """q/k/v, o, gate/up and down of every layer, one after another in one block (``gather_weights``), with
     the logits and cache of the weights where they were loaded, bit for bit; ``LLAMA_GATHER_WEIGHTS=0``
-    leaves them there. Over bf16 weights, which every native build runs (float32 ones only ``avx2``)."""
+    leaves them there. Over bf16 weights, which every native build runs (float32 ones only ``avx2``), under
+    float32 arithmetic and in a bf16 model (fused into their places, and in pair panels where they go).
+    Every layer's weights but the first's are written to their places as they are laid out."""
     def backend():
-        return TorchSlotBackend(load(tiny_model_dir, torch.float32), max_slots=2, max_length=64, owns_model=True,
-                                weight_dtype=torch.bfloat16)
+        return TorchSlotBackend(load(tiny_model_dir, dtype), max_slots=2, max_length=64, owns_model=True,
+                                weight_dtype=weight_dtype)
 
     def run(b):
         with torch.inference_mode():
@@ -823,9 +826,12 @@ def test_a_slot_backend_of_its_own_model_gathers_the_weights_a_decode_step_strea
             got += [b.decode_slots([0], [int(got[-1].argmax())])[0] for _ in range(3)]
         return torch.stack(got)
 
-    gathered = backend()
+    with caplog.at_level(logging.INFO, logger=fast_linear.__name__):
+        gathered = backend()
     products = gathered._step_products(gathered._fused)
-    assert len(products) == 4 * gathered.model.config.num_hidden_layers and gathered._decode_layers is not None
+    layers = gathered.model.config.num_hidden_layers
+    assert len(products) == 4 * layers and gathered._decode_layers is not None
+    assert f"({4 * layers - 4} laid out there, 4 copied in)" in caplog.text
     storages = {p.weight.untyped_storage().data_ptr() for p in products}
     pointers = [p.weight.data_ptr() for p in products]
     assert len(storages) == 1 and pointers == sorted(pointers)
@@ -1420,6 +1426,27 @@ def test_a_native_linear_in_pair_panels_computes_the_plain_ones_product(monkeypa
             torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
     assert not NativeLinear(torch.nn.Linear(96, 64).to(torch.bfloat16), NATIVE, 48, pairs=True).pairs
     assert not NativeLinear(torch.nn.Linear(96, 48).to(torch.bfloat16), NATIVE, sys.maxsize, pairs=True).pairs
+
+
+@PAIRED
+def test_a_native_linear_lays_its_weight_out_in_pair_panels_at_its_place_even_where_it_already_is():
+    """``place``: the pair panels written there, from the weight where it was loaded, or where the weight
+    already lies there (``concat_linears`` into it), in place; the same product either way."""
+    torch.manual_seed(0)
+    parts = [torch.nn.Linear(96, 32, bias=False).to(torch.bfloat16) for _ in range(2)]
+    plain = NativeLinear(fast_linear.concat_linears(parts), NATIVE, sys.maxsize)
+    apart = torch.empty(64, 96, dtype=torch.bfloat16)
+    paired = NativeLinear(fast_linear.concat_linears(parts), NATIVE, sys.maxsize, pairs=True, place=apart)
+    place = torch.empty(64, 96, dtype=torch.bfloat16)
+    fused = fast_linear.concat_linears(parts, out=place)
+    assert fused.weight.data_ptr() == place.data_ptr() and torch.equal(fused.weight, plain.weight)
+    in_place = NativeLinear(fused, NATIVE, sys.maxsize, pairs=True, place=place)
+    assert paired.weight.data_ptr() == apart.data_ptr() and in_place.weight.data_ptr() == place.data_ptr()
+    assert in_place.pairs and torch.equal(in_place.weight, paired.weight)
+    assert torch.equal(in_place.weight, NATIVE.pack_pairs(plain.weight))
+    x = torch.randn(5, 96, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        torch.testing.assert_close(in_place(x).float(), plain(x).float(), rtol=2e-2, atol=2e-2)
 
 
 def greedy_in_three_slots(backend, prompt, length, steps=6):

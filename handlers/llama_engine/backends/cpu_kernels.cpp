@@ -997,11 +997,15 @@ inline void transpose_words16(__m512i r[16]) {
 // a panel is its 16 rows' words transposed: line k / 2 of the panel holds word k / 2 of each row. Element
 // by element, row by row, a 4096 x 11008 weight took 79 ms (1.1 GB/s) on the AMX Xeon, and the layout was
 // 62% of loading a Llama-2-7B-shaped checkpoint (32 s of 52); word by word, line by line, 40 ms.
+// A panel fills the memory its 16 rows held, so P may be w itself: each panel's rows are then copied
+// out first (16 K elements), and the weight is laid out where it was loaded, touching no new memory.
 void pack_pairs(const bf16 *w, bf16 *P, long K, long N) {
     const long words = K / 2;
+    std::vector<uint32_t> copy(w == P ? 16 * words : 0);
     for (long p = 0; p < N / 16; p++) {
         const uint32_t *rows = (const uint32_t *)(w + p * 16 * K);
         uint32_t *panel = (uint32_t *)(P + p * 16 * K);
+        if (!copy.empty()) rows = (const uint32_t *)memcpy(copy.data(), rows, 16 * words * sizeof(uint32_t));
         long k = 0;
 #if defined(LLK_VEC512)
         for (; k + 16 <= words; k += 16) {
@@ -2279,8 +2283,8 @@ LLK_API int llk_amx_usable(void) {
 #endif
 }
 
-// The pair panels (see pack_pairs) of the bf16 weight w [N, K] into P (N K elements), where this build
-// has them: 0, or -1 (another build, K odd, or N not a multiple of the panels' columns).
+// The pair panels (see pack_pairs) of the bf16 weight w [N, K] into P (N K elements: w itself, or apart from
+// it), where this build has them: 0, or -1 (another build, K odd, or N not a multiple of the panels' columns).
 LLK_API int llk_pack_pairs(const void *w, void *P, long K, long N) {
 #if defined(LLK_VEC512)
     if (K % 2 == 0 && N % PANEL_COLS == 0 && K > 0 && N > 0) {

@@ -256,16 +256,22 @@ class CpuKernels:
                              f"weight{layout}) or shape on {self.isa}")
         return out
 
-    def pack_pairs(self, weight: torch.Tensor) -> torch.Tensor:
+    def pack_pairs(self, weight: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """A bf16 ``weight`` ``[N, K]`` laid out in pair panels (``pack_pairs`` in the source): a tensor of the
         same shape and dtype whose memory holds 16 outputs at a time, K-major, each k beside k + 1. Only where
-        :meth:`takes_pairs` (the AVX-512 builds)."""
+        :meth:`takes_pairs` (the AVX-512 builds). ``out``: where to lay them out (returned), a contiguous tensor
+        of the weight's shape and dtype, apart from ``weight`` or ``weight`` itself (then rewritten in place)."""
         if not self.takes_pairs(weight):
             raise ValueError(f"pair panels: need a bfloat16 [N, K] weight with K even and N a multiple of "
                              f"{PAIRS_COLUMNS} on an AVX-512 build (got {weight.dtype} {tuple(weight.shape)} on "
                              f"{self.isa})")
         weight = weight.contiguous()
-        packed = torch.empty_like(weight)
+        packed = torch.empty_like(weight) if out is None else out
+        if packed.shape != weight.shape or packed.dtype != weight.dtype or not packed.is_contiguous():
+            raise ValueError(f"pair panels: out must be a contiguous {weight.dtype} {tuple(weight.shape)} tensor "
+                             f"(got {packed.dtype} {tuple(packed.shape)})")
+        if packed.data_ptr() != weight.data_ptr() and _overlap(packed, weight):
+            raise ValueError("pair panels: out overlaps the weight without being it")
         if self._pack_pairs(weight.data_ptr(), packed.data_ptr(), weight.shape[1], weight.shape[0]):
             raise ValueError(f"pair panels: the {self.isa} build refused a {tuple(weight.shape)} weight")
         return packed
@@ -579,6 +585,12 @@ class DecodeLayers:
             raise ValueError(f"native decode layers: unsupported head size {self.head_dim} or heads "
                              f"({self.heads} over {self.kv_heads}){layout}")
         return delta if logits is None else with_greedy_picks(logits, list(best), list(logprobs))
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the memory of two contiguous tensors overlaps."""
+    a_end = a.data_ptr() + a.numel() * a.element_size()
+    return a.data_ptr() < b.data_ptr() + b.numel() * b.element_size() and b.data_ptr() < a_end
 
 
 def leading_bytes(weights: Sequence[torch.Tensor], limit: int) -> tuple:

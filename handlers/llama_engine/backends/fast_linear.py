@@ -49,7 +49,7 @@ import math
 import os
 import statistics
 import sys
-from typing import Callable, Dict, FrozenSet, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -180,10 +180,15 @@ class NativeLinear(nn.Module):
 
     ``pairs``: lay a bf16 weight out in the native kernels' pair panels (:meth:`.CpuKernels.pack_pairs`)
     where they take it and every row count runs natively (``max_rows`` unbounded: oneDNN never reads
-    it); ``self.pairs`` says whether it was. ``weight`` then keeps its shape, not its layout."""
+    it); ``self.pairs`` says whether it was. ``weight`` then keeps its shape, not its layout.
+
+    ``place``: where to keep the weight (a tensor of its shape and kept dtype, e.g. its place in a
+    :class:`GatheredBlock`; another is ignored). The weight is written there as it is laid out, once; a
+    linear whose weight is already there (:func:`concat_linears` into it) is laid out in place."""
 
     def __init__(self, linear: nn.Linear, kernels, max_rows: Optional[int] = None,
-                 weight_dtype: Optional[torch.dtype] = None, wide_in_float32: bool = False, pairs: bool = False):
+                 weight_dtype: Optional[torch.dtype] = None, wide_in_float32: bool = False, pairs: bool = False,
+                 place: Optional[torch.Tensor] = None):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.kernels, self.max_rows = kernels, NATIVE_MAX_ROWS if max_rows is None else max_rows
@@ -192,11 +197,18 @@ class NativeLinear(nn.Module):
         self.wide_in_float32 = wide_in_float32
         weight = linear.weight.detach()
         self.compute_dtype = weight.dtype
-        stored = weight.to(weight_dtype or weight.dtype).contiguous()
+        source = weight.to(weight_dtype or weight.dtype)
+        if place is not None and (place.shape != source.shape or place.dtype != source.dtype
+                                  or not place.is_contiguous()):
+            place = None
         self.pairs = bool(pairs and kernels is not None and self.max_rows == sys.maxsize
-                          and kernels.takes_pairs(stored))
+                          and kernels.takes_pairs(source))
         if self.pairs:
-            stored = kernels.pack_pairs(stored)
+            stored = kernels.pack_pairs(source, out=place)
+        elif place is None:
+            stored = source.contiguous()
+        else:
+            stored = place if place.data_ptr() == source.data_ptr() else place.copy_(source)
         self.register_buffer("weight", stored, persistent=False)
         bias = None if linear.bias is None else linear.bias.detach().clone()
         self.register_buffer("bias", bias, persistent=False)
@@ -343,9 +355,10 @@ def native_max_rows(kernels, limit: int = NATIVE_MAX_ROWS, weight_dtype: Optiona
     return limit
 
 
-def pack_linears(model: nn.Module, batch_hint: Optional[int] = None, weight_dtype: Optional[torch.dtype] = None) -> int:
+def pack_linears(model: nn.Module, batch_hint: Optional[int] = None, weight_dtype: Optional[torch.dtype] = None,
+                 places: Optional[Mapping[nn.Module, torch.Tensor]] = None) -> int:
     """Swap every CPU ``nn.Linear`` of ``model`` for a :class:`NativeLinear` or a :class:`PackedLinear`
-    where that pays.
+    where that pays; a :class:`NativeLinear` keeps its weight at ``places[linear]`` where given.
 
     ``weight_dtype`` bfloat16 for a float32 model keeps the linears' weights in bf16 on the native
     kernels (:func:`bf16_weight_kernels`): half the memory, and a decode step streams half the
@@ -367,24 +380,24 @@ def pack_linears(model: nn.Module, batch_hint: Optional[int] = None, weight_dtyp
             raise ValueError(f"{weight_dtype} linear weights under {dtype} arithmetic need the native CPU "
                              "kernels with float32 arithmetic over bfloat16 weights (an x86 CPU with AVX2 and FMA)")
         return _swap_native(targets, dtype, kernels, native_max_rows(kernels, BF16_WEIGHT_MAX_ROWS, weight_dtype),
-                            weight_dtype)
+                            weight_dtype, places=places)
     if not packing_supported(dtype, device):
         return 0
     kernels = native_kernels_for(dtype, device)
     if kernels is not None:
         if dtype == torch.bfloat16 and amx_tiles(kernels) and prompt_products_setting() in ("auto", "native"):
             _log_amx_tiles(kernels)
-            return _swap_native(targets, dtype, kernels, sys.maxsize, pairs=True)
+            return _swap_native(targets, dtype, kernels, sys.maxsize, pairs=True, places=places)
         prompts = _bf16_prompt_products(targets, kernels) if dtype == torch.bfloat16 else None
         max_rows = sys.maxsize if prompts == "native" else native_max_rows(kernels)
-        return _swap_native(targets, dtype, kernels, max_rows, wide_in_float32=prompts == "float32")
+        return _swap_native(targets, dtype, kernels, max_rows, wide_in_float32=prompts == "float32", places=places)
     fp32 = dtype == torch.float32
     if fp32:
         kind, kernels = _float32_kind(setting, [t[2] for t in targets], device)
         if kind == "plain":
             return 0
         if kind == "native":
-            return _swap_native(targets, dtype, kernels, native_max_rows(kernels))
+            return _swap_native(targets, dtype, kernels, native_max_rows(kernels), places=places)
     return _swap(targets, dtype,
                  lambda linear: PackedLinear(linear, batch_hint or (FP32_BATCH_HINT if fp32 else ONEDNN_BATCH_HINT)),
                  "onednn", check=fp32)
@@ -414,10 +427,12 @@ def _bf16_prompt_products(targets, kernels) -> str:
 
 
 def _swap_native(targets, dtype: torch.dtype, kernels, max_rows: int, weight_dtype: Optional[torch.dtype] = None,
-                 wide_in_float32: bool = False, pairs: Optional[bool] = None) -> int:
-    """:func:`_swap` for :class:`NativeLinear` (its weights kept in ``weight_dtype`` when given). bf16 weights
-    whose every row count runs natively go to pair panels where ``pairs`` is true, or (None) where
-    :func:`weight_pairs` says so, and they fit."""
+                 wide_in_float32: bool = False, pairs: Optional[bool] = None,
+                 places: Optional[Mapping[nn.Module, torch.Tensor]] = None) -> int:
+    """:func:`_swap` for :class:`NativeLinear` (its weights kept in ``weight_dtype`` when given, at ``places``
+    where given). bf16 weights whose every row count runs natively go to pair panels where ``pairs`` is
+    true, or (None) where :func:`weight_pairs` says so, and they fit."""
+    places = places or {}
     kept = weight_dtype or dtype
     if pairs is None:
         pairs = max_rows == sys.maxsize and kept == torch.bfloat16 and weight_pairs([t[2] for t in targets], kernels,
@@ -428,7 +443,8 @@ def _swap_native(targets, dtype: torch.dtype, kernels, max_rows: int, weight_dty
     if pairs and amx_tiles(kernels):
         layout += f", AMX tiles from {kernels.amx_min_rows()} row(s)"
     return _swap(targets, dtype,
-                 lambda linear: NativeLinear(linear, kernels, max_rows, weight_dtype, wide_in_float32, pairs),
+                 lambda linear: NativeLinear(linear, kernels, max_rows, weight_dtype, wide_in_float32, pairs,
+                                             places.get(linear)),
                  f"{stored}native up to {max_rows} rows{wide}{layout}, {kernels.isa}")
 
 
@@ -447,10 +463,38 @@ def gathered_block(tensors: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, List[
     return block, places, huge
 
 
-def gather_weights(linears: Sequence["NativeLinear"]) -> Optional[torch.Tensor]:
+class GatheredBlock:
+    """A place for each weight of a decode step, one after another in one block (:func:`gathered_block`),
+    planned from the weights' shapes before they are laid out: each is then written to its place once, as
+    :class:`NativeLinear` packs it, instead of packed apart and copied in by :func:`gather_weights`.
+
+    Loading a Llama-2-7B-shaped bf16 checkpoint on AMX, each weight was written three times: fused by
+    ``torch.cat``, laid out in pair panels, and copied into the block, each time into memory first touched
+    then (a page fault per 4 KiB, while the checkpoint's pages are evicted to make room). A place no weight
+    is written to takes no memory."""
+
+    def __init__(self, shapes: Sequence[Tuple[int, ...]], dtype: torch.dtype):
+        self.dtype = dtype
+        self.block, self.places, self.huge = gathered_block(
+            [torch.empty(shape, dtype=dtype, device="meta") for shape in shapes])
+
+    @classmethod
+    def plan(cls, shapes: Sequence[Tuple[int, ...]], dtype: torch.dtype) -> Optional["GatheredBlock"]:
+        """The block for weights of ``shapes`` and ``dtype``; None where ``LLAMA_GATHER_WEIGHTS`` is 0."""
+        return cls(shapes, dtype) if shapes and switch_setting(GATHER_ENV, "auto", "auto") != "off" else None
+
+    def holds(self, weights: Sequence[torch.Tensor]) -> bool:
+        """Whether the places are for ``weights``: as many, of their shapes and dtype."""
+        return len(weights) == len(self.places) and all(
+            w.shape == place.shape and w.dtype == place.dtype for w, place in zip(weights, self.places))
+
+
+def gather_weights(linears: Sequence["NativeLinear"], planned: Optional[GatheredBlock] = None
+                   ) -> Optional[torch.Tensor]:
     """Move the weights of ``linears`` into one block, one after another in this order (a decode step's), on
     transparent huge pages where the kernel gives them (:func:`gathered_block`); returns the block (None where
-    ``LLAMA_GATHER_WEIGHTS`` is 0, or the weights are not all of one dtype).
+    ``LLAMA_GATHER_WEIGHTS`` is 0, or the weights are not all of one dtype). ``planned``: the block, where it
+    :meth:`~GatheredBlock.holds` these weights; those already at their places stay there.
 
     A decode step streams every weight once. As loaded, each weight sat apart on 4 KiB pages: every
     product's stream started cold (its first lines not prefetched), and took a TLB miss every 4 KiB.
@@ -464,15 +508,24 @@ def gather_weights(linears: Sequence["NativeLinear"]) -> Optional[torch.Tensor]:
     dtype = linears[0].weight.dtype
     if any(linear.weight.dtype != dtype or linear.weight.device.type != "cpu" for linear in linears):
         return None
-    block, places, huge = gathered_block([linear.weight for linear in linears])
+    weights = [linear.weight for linear in linears]
+    if planned is not None and planned.holds(weights):
+        block, places, huge = planned.block, planned.places, planned.huge
+    else:
+        block, places, huge = gathered_block(weights)
+    del weights
+    moved = 0
     with torch.no_grad():
         for linear, place in zip(linears, places):
+            if linear.weight.data_ptr() == place.data_ptr():
+                continue
             place.copy_(linear.weight)
             linear.weight = place  # the loaded weight is freed here, not after the loop,
             release_freed_memory()  # and handed back: the block is a mapping of its own, which no free block serves
-    logger.info("gathered %d weights (%.0f MB, %s) into one block in decode order, %s", len(linears),
-                block.numel() * block.element_size() / 1e6, dtype,
-                "on transparent huge pages" if huge else "on the kernel's pages")
+            moved += 1
+    logger.info("gathered %d weights (%.0f MB, %s) into one block in decode order (%d laid out there, %d copied "
+                "in), %s", len(linears), block.numel() * block.element_size() / 1e6, dtype, len(linears) - moved,
+                moved, "on transparent huge pages" if huge else "on the kernel's pages")
     return block
 
 
@@ -731,15 +784,19 @@ def _median_ratios(passes: Dict[str, list]) -> Dict[str, float]:
             for side, times in passes.items() if side != "bfloat16"}
 
 
-def concat_linears(linears) -> nn.Linear:
-    """One ``nn.Linear`` computing the outputs of ``linears`` (same input) side by side.
+def concat_linears(linears, out: Optional[torch.Tensor] = None) -> nn.Linear:
+    """One ``nn.Linear`` computing the outputs of ``linears`` (same input) side by side; its weight is
+    concatenated into ``out`` where that is a contiguous tensor of its shape and dtype.
 
     A decode step reads every weight once for a handful of rows; one larger product instead of
     three (q, k, v) or two (gate, up) saves per-call overhead: streaming the bench model's
     weights packed took 23.4 ms fused against 26.5 ms separate. The module is made on the meta
     device and given the concatenated tensors, so no random initialisation runs at load.
     """
-    weight = torch.cat([lin.weight.detach() for lin in linears])
+    parts = [lin.weight.detach() for lin in linears]
+    shape = (sum(part.shape[0] for part in parts), *parts[0].shape[1:])
+    fits = out is not None and out.shape == shape and out.dtype == parts[0].dtype and out.is_contiguous()
+    weight = torch.cat(parts, out=out) if fits else torch.cat(parts)
     has_bias = any(lin.bias is not None for lin in linears)
     fused = nn.Linear(linears[0].in_features, weight.shape[0], bias=has_bias, device="meta")
     fused.weight = nn.Parameter(weight, requires_grad=False)
@@ -761,22 +818,25 @@ class FusedLlamaProjections(nn.Module):
     PROJECTIONS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"),
                    ("mlp", "gate_proj"), ("mlp", "up_proj"))
 
-    def __init__(self, layer, weight_dtype: Optional[torch.dtype] = None):
+    def __init__(self, layer, weight_dtype: Optional[torch.dtype] = None,
+                 places: Sequence[Optional[torch.Tensor]] = (None, None)):
+        """``places``: where to keep the q/k/v and the gate/up weights (see :class:`NativeLinear`)."""
         super().__init__()
         attn, mlp = layer.self_attn, layer.mlp
         self.sizes = [attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features]
         self.intermediate = mlp.gate_proj.out_features
-        self.qkv_proj = concat_linears([attn.q_proj, attn.k_proj, attn.v_proj])
-        self.gate_up_proj = concat_linears([mlp.gate_proj, mlp.up_proj])
-        pack_linears(self, weight_dtype=weight_dtype)
+        self.qkv_proj = concat_linears([attn.q_proj, attn.k_proj, attn.v_proj], places[0])
+        self.gate_up_proj = concat_linears([mlp.gate_proj, mlp.up_proj], places[1])
+        pack_linears(self, weight_dtype=weight_dtype, places={self.qkv_proj: places[0], self.gate_up_proj: places[1]})
 
     @classmethod
-    def of(cls, layer, weight_dtype: Optional[torch.dtype] = None) -> Optional["FusedLlamaProjections"]:
+    def of(cls, layer, weight_dtype: Optional[torch.dtype] = None,
+           places: Sequence[Optional[torch.Tensor]] = (None, None)) -> Optional["FusedLlamaProjections"]:
         plain = all(type(getattr(getattr(layer, owner, None), name, None)) is nn.Linear
                     for owner, name in cls.PROJECTIONS)
         if not plain or not hasattr(layer.mlp, "act_fn") or not hasattr(layer.mlp, "down_proj"):
             return None
-        return cls(layer, weight_dtype)
+        return cls(layer, weight_dtype, places)
 
     def qkv(self, x: torch.Tensor):
         return self.qkv_proj(x).split(self.sizes, dim=-1)

@@ -13,6 +13,7 @@ from . import cpu_kernels
 from .base import Backend, OnePassSlotBackend, PrefillChunk, SlotBatchBackend
 from .fast_linear import (
     FusedLlamaProjections,
+    GatheredBlock,
     NativeLinear,
     bf16_weight_kernels,
     gather_weights,
@@ -520,23 +521,41 @@ class TorchSlotBackend(OnePassSlotBackend):
     def _fuse_projections(self, owns_model: bool, widen: Optional[torch.dtype] = None
                           ) -> List[Optional[FusedLlamaProjections]]:
         """Each layer's q/k/v and gate/up as two products (None for a layer that cannot be fused); with
-        ``widen``, each layer first widened to it and its other linears packed before the next one widens."""
-        fused = []
-        for layer in self.model.model.layers:
+        ``widen``, each layer first widened to it and its other linears packed before the next one widens.
+        With ``owns_model``, once the first layer's products come out native, every later layer's weights are
+        written straight to their places in the decode step's block (:meth:`_plan_gathered`)."""
+        fused, planned, later = [], None, {}
+        for index, layer in enumerate(self.model.model.layers):
             if widen is not None:
                 layer.to(widen)
-            fused.append(FusedLlamaProjections.of(layer, self.weight_dtype))
+            places = planned.places[4 * index:4 * index + 4] if planned else [None] * 4
+            fused.append(FusedLlamaProjections.of(layer, self.weight_dtype, (places[0], places[2])))
             if owns_model and fused[-1] is not None:
                 FusedLlamaProjections.drop_originals(layer)
+            rest = {layer.self_attn.o_proj: places[1], layer.mlp.down_proj: places[3]} if planned else {}
             if widen is not None:
-                pack_linears(layer, weight_dtype=self.weight_dtype)
+                pack_linears(layer, weight_dtype=self.weight_dtype, places=rest)
+            else:
+                later.update(rest)
+            if owns_model and index == 0:
+                planned = self._plan_gathered(fused[0], layer)
             if owns_model and _heap_holds_freed_copies():
                 release_freed_memory()
         if owns_model:
-            pack_linears(self.model, weight_dtype=self.weight_dtype)
-            gather_weights(self._step_products(fused) or [])
+            pack_linears(self.model, weight_dtype=self.weight_dtype, places=later)
+            gather_weights(self._step_products(fused) or [], planned)
         tune_native_prefetch([self.model, *fused])
         return fused
+
+    def _plan_gathered(self, first: Optional[FusedLlamaProjections], layer) -> Optional[GatheredBlock]:
+        """Places for every layer's q/k/v, o, gate/up and down weights in decode order, of the first layer's
+        shapes and kept dtype, where its fused products came out as :class:`NativeLinear` (every layer's
+        then do: one dtype, one choice); else None. A place whose weight goes elsewhere stays untouched."""
+        if first is None or not isinstance(first.qkv_proj, NativeLinear) or self.device.type != "cpu":
+            return None
+        shapes = [first.qkv_proj.weight.shape, layer.self_attn.o_proj.weight.shape,
+                  first.gate_up_proj.weight.shape, layer.mlp.down_proj.weight.shape]
+        return GatheredBlock.plan(shapes * len(self.model.model.layers), first.qkv_proj.weight.dtype)
 
     def _step_products(self, fused: List[Optional[FusedLlamaProjections]]) -> Optional[List[NativeLinear]]:
         """Every layer's q/k/v, o, gate/up and down product in the order a decode step runs them, where
