@@ -220,6 +220,20 @@ def release_freed_memory() -> bool:
     return True
 
 
+#: madvise(2)'s advice to start reading a file mapping's pages now (Linux), without waiting for them.
+MADV_WILLNEED = 3
+
+
+def read_pages_ahead(address: int, length: int) -> bool:
+    """Have the kernel start reading the pages of ``length`` bytes of a file mapping from ``address``
+    (``madvise(MADV_WILLNEED)`` over the whole pages); whether it took the advice (False off Linux)."""
+    libc = _glibc()
+    if libc is None or length <= 0:
+        return False
+    start = address - address % mmap.PAGESIZE
+    return libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(address + length - start), MADV_WILLNEED) == 0
+
+
 class _MallInfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
                                                      "fsmblks", "uordblks", "fordblks", "keepcost")]

@@ -1,10 +1,14 @@
 """A loaded model holds its weights once: repacked copies replace what was loaded, and nothing keeps
 the checkpoint's file mapping or the freed loaded copies resident (backends/weight_memory.py,
 fast_linear's ``_swap`` and ``gather_weights``)."""
+import ctypes
 import gc
 import json
+import mmap
+import os
 import subprocess
 import sys
+import time
 import weakref
 from pathlib import Path
 
@@ -13,8 +17,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from llama_engine.backends import fast_linear
-from llama_engine.backends.weight_memory import copy_out_of_mappings
+from llama_engine.backends import fast_linear, weight_memory
+from llama_engine.backends.weight_memory import copy_out_of_mappings, read_ahead
 from llama_engine.cpu import file_mapped_ranges
 
 HANDLERS = Path(__file__).resolve().parents[2] / "handlers"
@@ -39,6 +43,36 @@ def checkpoint(tmp_path) -> Path:
     save_file({"big": torch.arange(1 << 20, dtype=torch.float32), "small": torch.arange(64, dtype=torch.float32)},
               str(path))
     return path
+
+
+def cached_share(tensor: torch.Tensor) -> float:
+    """The share of the pages under ``tensor`` that the kernel holds (``mincore``): for a file mapping, the
+    file's pages in the page cache, read or not through this mapping."""
+    page = mmap.PAGESIZE
+    start = tensor.data_ptr() - tensor.data_ptr() % page
+    pages = -(-(tensor.data_ptr() + tensor.numel() * tensor.element_size() - start) // page)
+    vector = (ctypes.c_ubyte * pages)()
+    assert ctypes.CDLL(None).mincore(ctypes.c_void_p(start), ctypes.c_size_t(pages * page), vector) == 0
+    return sum(byte & 1 for byte in vector) / pages
+
+
+@linux_only
+def test_read_ahead_has_the_kernel_read_a_modules_pages_of_a_file_mapping_and_nothing_else(checkpoint):
+    module = module_from(checkpoint, ["big"])
+    module.register_buffer("own", torch.ones(1 << 16))
+    fd = os.open(checkpoint, os.O_RDONLY)  # the pages the load's reads brought in, dropped: none is mapped yet
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    assert cached_share(module.big) < 0.5  # evicted: what follows is the advice's doing
+    assert read_ahead(module, file_mapped_ranges()) == (1 << 20) * 4  # the buffer of its own is not asked for
+    deadline = time.monotonic() + 10
+    while cached_share(module.big) < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert cached_share(module.big) == 1
+    assert read_ahead(module, []) == 0
 
 
 @linux_only
@@ -146,6 +180,24 @@ def test_a_loaded_backend_lets_the_checkpoint_mapping_go_once_its_linears_are_re
         assert result["mapped"] >= 1, result
     else:
         assert result["mapped"] == 0, result
+
+
+@linux_only
+def test_a_backend_has_each_layers_pages_read_while_the_layer_before_it_is_repacked(tiny_model_dir, monkeypatch):
+    from llama_engine.backends import torch_backend
+
+    asked = []
+
+    def record(layer, ranges):
+        asked.append((layer, [t.data_ptr() for t in layer.parameters()], list(ranges)))
+        return weight_memory.read_ahead(layer, ranges)
+
+    monkeypatch.setattr(torch_backend, "read_ahead", record)
+    backend = torch_backend.TorchSlotBackend.from_pretrained(str(tiny_model_dir), 2, 64, "float32", "cpu")
+    layers = list(backend.model.model.layers)
+    assert [layer for layer, _, _ in asked] == layers[1:]
+    for _, pointers, ranges in asked:  # asked for while still as loaded: views of the checkpoint's mapping
+        assert pointers and all(any(start <= p < end for start, end in ranges) for p in pointers)
 
 
 def test_file_mapped_ranges_reads_only_file_mappings(tmp_path):

@@ -474,7 +474,6 @@ class GatheredBlock:
     is written to takes no memory."""
 
     def __init__(self, shapes: Sequence[Tuple[int, ...]], dtype: torch.dtype):
-        self.dtype = dtype
         self.block, self.places, self.huge = gathered_block(
             [torch.empty(shape, dtype=dtype, device="meta") for shape in shapes])
 

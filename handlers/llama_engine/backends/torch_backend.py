@@ -8,7 +8,7 @@ from typing import Dict, FrozenSet, List, Optional, Sequence, Union
 
 import torch
 
-from ..cpu import auto_dtype, heap_free_bytes, is_amx, keep_freed_memory, release_freed_memory
+from ..cpu import auto_dtype, file_mapped_ranges, heap_free_bytes, is_amx, keep_freed_memory, release_freed_memory
 from . import cpu_kernels
 from .base import Backend, OnePassSlotBackend, PrefillChunk, SlotBatchBackend
 from .fast_linear import (
@@ -21,7 +21,7 @@ from .fast_linear import (
     switch_setting,
     tune_native_prefetch,
 )
-from .weight_memory import settle_loaded_weights
+from .weight_memory import read_ahead, settle_loaded_weights
 
 logger = logging.getLogger(__name__)
 
@@ -523,9 +523,14 @@ class TorchSlotBackend(OnePassSlotBackend):
         """Each layer's q/k/v and gate/up as two products (None for a layer that cannot be fused); with
         ``widen``, each layer first widened to it and its other linears packed before the next one widens.
         With ``owns_model``, once the first layer's products come out native, every later layer's weights are
-        written straight to their places in the decode step's block (:meth:`_plan_gathered`)."""
+        written straight to their places in the decode step's block (:meth:`_plan_gathered`), and each layer's
+        pages of the checkpoint are read while the one before it is repacked (:func:`.weight_memory.read_ahead`)."""
         fused, planned, later = [], None, {}
-        for index, layer in enumerate(self.model.model.layers):
+        layers = self.model.model.layers
+        mapped = file_mapped_ranges() if owns_model and self.device.type == "cpu" else []
+        for index, layer in enumerate(layers):
+            if index + 1 < len(layers):
+                read_ahead(layers[index + 1], mapped)
             if widen is not None:
                 layer.to(widen)
             places = planned.places[4 * index:4 * index + 4] if planned else [None] * 4

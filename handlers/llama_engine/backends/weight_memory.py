@@ -7,17 +7,19 @@ only what was left as loaded: the norms and the embedding, a few MB. Those few p
 whole file: every page a load had read stayed resident as the file's (2.06 GB of the 2.07 GB
 beyond-cache model, AMX Xeon), beside the repacked copies. :func:`settle_loaded_weights`
 copies such leftovers out, so that the mapping goes, and hands the heap's freed blocks back.
+
+While the backend repacks one layer, :func:`read_ahead` has the kernel read the next one's pages.
 """
 from __future__ import annotations
 
 import logging
 from itertools import chain
-from typing import Dict, List, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 from torch import nn
 
-from ..cpu import file_mapped_ranges, process_memory, release_freed_memory
+from ..cpu import file_mapped_ranges, process_memory, read_pages_ahead, release_freed_memory
 
 logger = logging.getLogger(__name__)
 
@@ -70,3 +72,19 @@ def _views_by_mapping(model: nn.Module, ranges: List[Tuple[int, int]]) -> Dict[T
         if mapping is not None:
             views.setdefault(mapping, []).append(tensor)
     return views
+
+
+def read_ahead(module: nn.Module, ranges: Sequence[Tuple[int, int]]) -> int:
+    """Have the kernel start reading the file pages of ``module``'s tensors that view one of ``ranges`` (file
+    mappings, :func:`.cpu.file_mapped_ranges`), and return at once; returns the bytes it was asked for.
+
+    Read as the repacking touched them, a checkpoint whose pages were not all cached came in a fault at a
+    time: loading the Llama-2-7B-shaped checkpoint (AMX Xeon, 23.5 GiB, its 13 GB and the repacked weights
+    more than the machine holds) took 100k-620k major faults and 26-61 s; with each layer's pages asked for
+    while the one before it was repacked, 43k-141k and 23-31 s (3 alternated loads each)."""
+    asked = 0
+    for tensor in chain(module.parameters(), module.buffers()):
+        address, size = tensor.data_ptr(), tensor.numel() * tensor.element_size()
+        if tensor.device.type == "cpu" and any(start <= address < end for start, end in ranges):
+            asked += size if read_pages_ahead(address, size) else 0
+    return asked
