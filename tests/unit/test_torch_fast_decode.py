@@ -931,10 +931,10 @@ def test_a_bf16_checkpoint_under_float32_widens_one_layer_at_a_time_to_the_same_
     monkeypatch.setattr(torch_backend, "widen_all_but_layers", lambda model, dtype: models.append(model) or
                         widen(model, dtype))
 
-    def spy(layer, weight_dtype=None):
+    def spy(layer, *args):
         plain_float32.append(sum(any(type(m) is torch.nn.Linear and m.weight.dtype == torch.float32
                                      for m in each.modules()) for each in models[0].model.layers))
-        return of(layer, weight_dtype)
+        return of(layer, *args)
 
     monkeypatch.setattr(FusedLlamaProjections, "of", staticmethod(spy))
     new = TorchSlotBackend.from_pretrained(str(bf16_checkpoint), 2, 64, "float32", "cpu", kv_cache_dtype="float32")
@@ -1444,6 +1444,9 @@ def test_a_native_linear_lays_its_weight_out_in_pair_panels_at_its_place_even_wh
     assert paired.weight.data_ptr() == apart.data_ptr() and in_place.weight.data_ptr() == place.data_ptr()
     assert in_place.pairs and torch.equal(in_place.weight, paired.weight)
     assert torch.equal(in_place.weight, NATIVE.pack_pairs(plain.weight))
+    wide = fast_linear.concat_linears([part.float() for part in parts])  # converted at its place, then laid out
+    narrowed = NativeLinear(wide, NATIVE, sys.maxsize, torch.bfloat16, pairs=True, place=torch.empty_like(place))
+    assert narrowed.pairs and narrowed.compute_dtype == torch.float32 and torch.equal(narrowed.weight, paired.weight)
     x = torch.randn(5, 96, dtype=torch.bfloat16)
     with torch.inference_mode():
         torch.testing.assert_close(in_place(x).float(), plain(x).float(), rtol=2e-2, atol=2e-2)

@@ -183,8 +183,9 @@ class NativeLinear(nn.Module):
     it); ``self.pairs`` says whether it was. ``weight`` then keeps its shape, not its layout.
 
     ``place``: where to keep the weight (a tensor of its shape and kept dtype, e.g. its place in a
-    :class:`GatheredBlock`; another is ignored). The weight is written there as it is laid out, once; a
-    linear whose weight is already there (:func:`concat_linears` into it) is laid out in place."""
+    :class:`GatheredBlock`; another is ignored). The weight is written there as it is laid out, or
+    converted there and laid out in place; a linear whose weight is already there (:func:`concat_linears`
+    into it) is laid out in place."""
 
     def __init__(self, linear: nn.Linear, kernels, max_rows: Optional[int] = None,
                  weight_dtype: Optional[torch.dtype] = None, wide_in_float32: bool = False, pairs: bool = False,
@@ -197,10 +198,10 @@ class NativeLinear(nn.Module):
         self.wide_in_float32 = wide_in_float32
         weight = linear.weight.detach()
         self.compute_dtype = weight.dtype
-        source = weight.to(weight_dtype or weight.dtype)
-        if place is not None and (place.shape != source.shape or place.dtype != source.dtype
-                                  or not place.is_contiguous()):
+        kept = weight_dtype or weight.dtype
+        if place is not None and (place.shape != weight.shape or place.dtype != kept or not place.is_contiguous()):
             place = None
+        source = place.copy_(weight) if place is not None and weight.dtype != kept else weight.to(kept)
         self.pairs = bool(pairs and kernels is not None and self.max_rows == sys.maxsize
                           and kernels.takes_pairs(source))
         if self.pairs:
