@@ -924,8 +924,9 @@ def test_a_bf16_checkpoint_under_float32_keeps_bf16_weights_and_the_float32_mode
 
 @needs_native
 def test_a_bf16_checkpoint_under_float32_widens_one_layer_at_a_time_to_the_same_logits(bf16_checkpoint, monkeypatch):
-    """Loaded as stored and widened layer by layer as its linears go back to bf16 (never the whole model in
-    float32, twice the checkpoint's bytes), the backend computes what the model loaded in float32 does."""
+    """Loaded as stored and widened layer by layer but for its linears, which are fused and packed as loaded
+    (never the whole model in float32, twice the checkpoint's bytes, nor a layer's linears), the backend
+    computes what the model loaded in float32 does."""
     models, plain_float32 = [], []
     widen, of = torch_backend.widen_all_but_layers, FusedLlamaProjections.of
     monkeypatch.setattr(torch_backend, "widen_all_but_layers", lambda model, dtype: models.append(model) or
@@ -940,7 +941,7 @@ def test_a_bf16_checkpoint_under_float32_widens_one_layer_at_a_time_to_the_same_
     new = TorchSlotBackend.from_pretrained(str(bf16_checkpoint), 2, 64, "float32", "cpu", kv_cache_dtype="float32")
     monkeypatch.undo()
     layers = new.model.config.num_hidden_layers
-    assert plain_float32 == [1] * layers  # the layer being packed, and no other
+    assert plain_float32 == [0] * layers
     assert new.dtype == torch.float32 and new.weight_dtype == torch.bfloat16
     assert not any(type(m) is torch.nn.Linear for m in new.model.modules())
     assert all(p.dtype == torch.float32 for p in new.model.parameters())
@@ -952,6 +953,23 @@ def test_a_bf16_checkpoint_under_float32_widens_one_layer_at_a_time_to_the_same_
         assert torch.equal(got, want)
         token = [int(want.argmax())]
         assert torch.equal(new.decode_slots([0], token)[0], old.decode_slots([0], token)[0])
+
+
+@needs_native
+def test_a_bf16_checkpoint_under_float32_with_packing_off_widens_its_linears_to_the_same_logits(bf16_checkpoint,
+                                                                                               monkeypatch):
+    """``LLAMA_PACKED_LINEAR=off`` leaves the linears as ``nn.Linear``: those of a layer kept as loaded in bf16
+    are widened with it, and compute what the model loaded in float32 does."""
+    monkeypatch.setenv(fast_linear.ENV, "off")
+    new = TorchSlotBackend.from_pretrained(str(bf16_checkpoint), 2, 64, "float32", "cpu", kv_cache_dtype="float32")
+    linears = [m for module in (new.model, *new._fused) if module is not None for m in module.modules()
+               if type(m) is torch.nn.Linear]
+    assert linears and all(m.weight.dtype == torch.float32 for m in linears)
+    old = TorchSlotBackend(torch_backend.load_model(str(bf16_checkpoint), "float32", "cpu", 64), 2, 64,
+                           owns_model=True, kv_cache_dtype="float32", weight_dtype=torch.bfloat16)
+    with torch.inference_mode():
+        prompt = [1] + list(range(10, 40))
+        assert torch.equal(new.prefill_slot(0, prompt), old.prefill_slot(0, prompt))
 
 
 @needs_native

@@ -182,6 +182,9 @@ class NativeLinear(nn.Module):
     where they take it and every row count runs natively (``max_rows`` unbounded: oneDNN never reads
     it); ``self.pairs`` says whether it was. ``weight`` then keeps its shape, not its layout.
 
+    ``compute_dtype``: the arithmetic's dtype where the linear's weight is already in the kept one (default:
+    the weight's dtype).
+
     ``place``: where to keep the weight (a tensor of its shape and kept dtype, e.g. its place in a
     :class:`GatheredBlock`; another is ignored). The weight is written there as it is laid out, or
     converted there and laid out in place; a linear whose weight is already there (:func:`concat_linears`
@@ -189,7 +192,7 @@ class NativeLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear, kernels, max_rows: Optional[int] = None,
                  weight_dtype: Optional[torch.dtype] = None, wide_in_float32: bool = False, pairs: bool = False,
-                 place: Optional[torch.Tensor] = None):
+                 place: Optional[torch.Tensor] = None, compute_dtype: Optional[torch.dtype] = None):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.kernels, self.max_rows = kernels, NATIVE_MAX_ROWS if max_rows is None else max_rows
@@ -197,7 +200,7 @@ class NativeLinear(nn.Module):
             self.max_rows = min(self.max_rows, NATIVE_MAX_ROWS)  # the GEMMs take whole panels only: oneDNN's
         self.wide_in_float32 = wide_in_float32
         weight = linear.weight.detach()
-        self.compute_dtype = weight.dtype
+        self.compute_dtype = compute_dtype or weight.dtype
         kept = weight_dtype or weight.dtype
         if place is not None and (place.shape != weight.shape or place.dtype != kept or not place.is_contiguous()):
             place = None
@@ -211,7 +214,7 @@ class NativeLinear(nn.Module):
         else:
             stored = place if place.data_ptr() == source.data_ptr() else place.copy_(source)
         self.register_buffer("weight", stored, persistent=False)
-        bias = None if linear.bias is None else linear.bias.detach().clone()
+        bias = None if linear.bias is None else linear.bias.detach().to(self.compute_dtype, copy=True)
         self.register_buffer("bias", bias, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -357,9 +360,12 @@ def native_max_rows(kernels, limit: int = NATIVE_MAX_ROWS, weight_dtype: Optiona
 
 
 def pack_linears(model: nn.Module, batch_hint: Optional[int] = None, weight_dtype: Optional[torch.dtype] = None,
-                 places: Optional[Mapping[nn.Module, torch.Tensor]] = None) -> int:
+                 places: Optional[Mapping[nn.Module, torch.Tensor]] = None,
+                 compute_dtype: Optional[torch.dtype] = None) -> int:
     """Swap every CPU ``nn.Linear`` of ``model`` for a :class:`NativeLinear` or a :class:`PackedLinear`
     where that pays; a :class:`NativeLinear` keeps its weight at ``places[linear]`` where given.
+    ``compute_dtype``: the arithmetic's dtype, where the linears' weights are in ``weight_dtype`` already
+    (default: their dtype).
 
     ``weight_dtype`` bfloat16 for a float32 model keeps the linears' weights in bf16 on the native
     kernels (:func:`bf16_weight_kernels`): half the memory, and a decode step streams half the
@@ -374,7 +380,7 @@ def pack_linears(model: nn.Module, batch_hint: Optional[int] = None, weight_dtyp
                if type(child) is nn.Linear]
     if not targets:
         return 0
-    dtype, device = targets[0][2].weight.dtype, targets[0][2].weight.device
+    dtype, device = compute_dtype or targets[0][2].weight.dtype, targets[0][2].weight.device
     if weight_dtype not in (None, dtype):
         kernels = bf16_weight_kernels(dtype, weight_dtype, device)
         if kernels is None:
@@ -445,8 +451,8 @@ def _swap_native(targets, dtype: torch.dtype, kernels, max_rows: int, weight_dty
         layout += f", AMX tiles from {kernels.amx_min_rows()} row(s)"
     return _swap(targets, dtype,
                  lambda linear: NativeLinear(linear, kernels, max_rows, weight_dtype, wide_in_float32, pairs,
-                                             places.get(linear)),
-                 f"{stored}native up to {max_rows} rows{wide}{layout}, {kernels.isa}")
+                                             places.get(linear), dtype),
+                 f"{stored}native up to {max_rows} rows{wide}{layout}, {kernels.isa}", also=kept)
 
 
 def gathered_block(tensors: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, List[torch.Tensor], bool]:
@@ -542,9 +548,10 @@ def tune_native_prefetch(modules: Sequence[Optional[nn.Module]]) -> Optional[int
                                              layers[0].compute_dtype)
 
 
-def _swap(targets: list, dtype: torch.dtype, make, kind: str, check: bool = False) -> int:
-    """Replace each ``(parent, name, linear)`` of ``dtype`` on the CPU by ``make(linear)``; with ``check``,
-    stop at the first replacement that does not compute the linear's product (:func:`_agrees`).
+def _swap(targets: list, dtype: torch.dtype, make, kind: str, check: bool = False,
+          also: Optional[torch.dtype] = None) -> int:
+    """Replace each ``(parent, name, linear)`` of ``dtype`` (or ``also``) on the CPU by ``make(linear)``; with
+    ``check``, stop at the first replacement that does not compute the linear's product (:func:`_agrees`).
 
     Empties ``targets`` as it goes, so that each replaced linear (and its weight, where nothing else holds
     it) is freed before the next one is made: memory holds one weight twice at most, not the model."""
@@ -552,7 +559,7 @@ def _swap(targets: list, dtype: torch.dtype, make, kind: str, check: bool = Fals
     targets.reverse()
     while targets:
         parent, name, child = targets.pop()
-        if child.weight.dtype != dtype or child.weight.device.type != "cpu":
+        if child.weight.dtype not in (dtype, also) or child.weight.device.type != "cpu":
             continue
         replacement = make(child)
         if check and not _agrees(child, replacement):
@@ -819,24 +826,25 @@ class FusedLlamaProjections(nn.Module):
                    ("mlp", "gate_proj"), ("mlp", "up_proj"))
 
     def __init__(self, layer, weight_dtype: Optional[torch.dtype] = None,
-                 places: Sequence[Optional[torch.Tensor]] = (None, None)):
-        """``places``: where to keep the q/k/v and the gate/up weights (see :class:`NativeLinear`)."""
+                 places: Sequence[Optional[torch.Tensor]] = (None, None), compute_dtype: Optional[torch.dtype] = None):
+        """``places``: where to keep the q/k/v and the gate/up weights; ``compute_dtype``: see :func:`pack_linears`."""
         super().__init__()
         attn, mlp = layer.self_attn, layer.mlp
         self.sizes = [attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features]
         self.intermediate = mlp.gate_proj.out_features
         self.qkv_proj = concat_linears([attn.q_proj, attn.k_proj, attn.v_proj], places[0])
         self.gate_up_proj = concat_linears([mlp.gate_proj, mlp.up_proj], places[1])
-        pack_linears(self, weight_dtype=weight_dtype, places={self.qkv_proj: places[0], self.gate_up_proj: places[1]})
+        pack_linears(self, weight_dtype=weight_dtype, places={self.qkv_proj: places[0], self.gate_up_proj: places[1]},
+                     compute_dtype=compute_dtype)
 
     @classmethod
-    def of(cls, layer, weight_dtype: Optional[torch.dtype] = None,
-           places: Sequence[Optional[torch.Tensor]] = (None, None)) -> Optional["FusedLlamaProjections"]:
+    def of(cls, layer, weight_dtype: Optional[torch.dtype] = None, places: Sequence[Optional[torch.Tensor]] = (None, None),
+           compute_dtype: Optional[torch.dtype] = None) -> Optional["FusedLlamaProjections"]:
         plain = all(type(getattr(getattr(layer, owner, None), name, None)) is nn.Linear
                     for owner, name in cls.PROJECTIONS)
         if not plain or not hasattr(layer.mlp, "act_fn") or not hasattr(layer.mlp, "down_proj"):
             return None
-        return cls(layer, weight_dtype, places)
+        return cls(layer, weight_dtype, places, compute_dtype)
 
     def qkv(self, x: torch.Tensor):
         return self.qkv_proj(x).split(self.sizes, dim=-1)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from itertools import chain
 from typing import Dict, FrozenSet, List, Optional, Sequence, Union
 
 import torch
@@ -79,6 +80,16 @@ def widen_all_but_layers(model, dtype: torch.dtype) -> None:
         model.to(dtype)
     finally:
         model.model.layers = layers
+
+
+def widen_all_but_linears(module, dtype: torch.dtype) -> None:
+    """``module``'s floating-point parameters and buffers in ``dtype``, but for its ``nn.Linear`` modules'."""
+    for sub in module.modules():
+        if type(sub) is torch.nn.Linear:
+            continue
+        for tensor in chain(sub.parameters(recurse=False), sub.buffers(recurse=False)):
+            if tensor.is_floating_point():
+                tensor.data = tensor.data.to(dtype)
 
 
 def checkpoint_dtype(model_path: str) -> Optional[str]:
@@ -521,25 +532,33 @@ class TorchSlotBackend(OnePassSlotBackend):
     def _fuse_projections(self, owns_model: bool, widen: Optional[torch.dtype] = None
                           ) -> List[Optional[FusedLlamaProjections]]:
         """Each layer's q/k/v and gate/up as two products (None for a layer that cannot be fused); with
-        ``widen``, each layer first widened to it and its other linears packed before the next one widens.
+        ``widen``, each layer first widened to it and its other linears packed before the next one widens
+        (all of it but its linears, where their weights are kept as loaded: :meth:`_linears_kept_as_loaded`).
         With ``owns_model``, once the first layer's products come out native, every later layer's weights are
         written straight to their places in the decode step's block (:meth:`_plan_gathered`), and each layer's
         pages of the checkpoint are read while the one before it is repacked (:func:`.weight_memory.read_ahead`)."""
         fused, planned, later = [], None, {}
         layers = self.model.model.layers
+        compute = widen if widen is not None and self._linears_kept_as_loaded() else None
         mapped = file_mapped_ranges() if owns_model and self.device.type == "cpu" else []
         for index, layer in enumerate(layers):
             if index + 1 < len(layers):
                 read_ahead(layers[index + 1], mapped)
-            if widen is not None:
+            if compute is not None:
+                widen_all_but_linears(layer, compute)
+            elif widen is not None:
                 layer.to(widen)
             places = planned.places[4 * index:4 * index + 4] if planned else [None] * 4
-            fused.append(FusedLlamaProjections.of(layer, self.weight_dtype, (places[0], places[2])))
+            fused.append(FusedLlamaProjections.of(layer, self.weight_dtype, (places[0], places[2]), compute))
             if owns_model and fused[-1] is not None:
                 FusedLlamaProjections.drop_originals(layer)
             rest = {layer.self_attn.o_proj: places[1], layer.mlp.down_proj: places[3]} if planned else {}
             if widen is not None:
-                pack_linears(layer, weight_dtype=self.weight_dtype, places=rest)
+                pack_linears(layer, weight_dtype=self.weight_dtype, places=rest, compute_dtype=compute)
+            if compute is not None:  # linears left unpacked (LLAMA_PACKED_LINEAR=off) compute in the widened dtype
+                for module in filter(None, (layer, fused[-1])):
+                    for linear in [m for m in module.modules() if type(m) is torch.nn.Linear]:
+                        linear.to(compute)
             else:
                 later.update(rest)
             if owns_model and index == 0:
@@ -551,6 +570,14 @@ class TorchSlotBackend(OnePassSlotBackend):
             gather_weights(self._step_products(fused) or [], planned)
         tune_native_prefetch([self.model, *fused])
         return fused
+
+    def _linears_kept_as_loaded(self) -> bool:
+        """Whether the decoder layers' linears are loaded in the dtype their weights are kept in (a bf16
+        checkpoint under float32 arithmetic): they are then fused and packed as loaded, under the arithmetic's
+        dtype, rather than widened with their layer and narrowed back (twice their bytes touched, twice)."""
+        linears = [m for m in self.model.model.layers[0].modules() if type(m) is torch.nn.Linear]
+        return self.weight_dtype is not None and bool(linears) and all(
+            m.weight.dtype == self.weight_dtype for m in linears)
 
     def _plan_gathered(self, first: Optional[FusedLlamaProjections], layer) -> Optional[GatheredBlock]:
         """Places for every layer's q/k/v, o, gate/up and down weights in decode order, of the first layer's
