@@ -544,22 +544,10 @@ class TorchSlotBackend(OnePassSlotBackend):
         for index, layer in enumerate(layers):
             if index + 1 < len(layers):
                 read_ahead(layers[index + 1], mapped)
-            if compute is not None:
-                widen_all_but_linears(layer, compute)
-            elif widen is not None:
-                layer.to(widen)
             places = planned.places[4 * index:4 * index + 4] if planned else [None] * 4
-            fused.append(FusedLlamaProjections.of(layer, self.weight_dtype, (places[0], places[2]), compute))
-            if owns_model and fused[-1] is not None:
-                FusedLlamaProjections.drop_originals(layer)
             rest = {layer.self_attn.o_proj: places[1], layer.mlp.down_proj: places[3]} if planned else {}
-            if widen is not None:
-                pack_linears(layer, weight_dtype=self.weight_dtype, places=rest, compute_dtype=compute)
-            if compute is not None:  # linears left unpacked (LLAMA_PACKED_LINEAR=off) compute in the widened dtype
-                for module in filter(None, (layer, fused[-1])):
-                    for linear in [m for m in module.modules() if type(m) is torch.nn.Linear]:
-                        linear.to(compute)
-            else:
+            fused.append(self._fuse_layer(layer, owns_model, (places[0], places[2]), widen, compute, rest))
+            if widen is None:
                 later.update(rest)
             if owns_model and index == 0:
                 planned = self._plan_gathered(fused[0], layer)
@@ -569,6 +557,26 @@ class TorchSlotBackend(OnePassSlotBackend):
             pack_linears(self.model, weight_dtype=self.weight_dtype, places=later)
             gather_weights(self._step_products(fused) or [], planned)
         tune_native_prefetch([self.model, *fused])
+        return fused
+
+    def _fuse_layer(self, layer, owns_model: bool, fused_places, widen: Optional[torch.dtype],
+                    compute: Optional[torch.dtype], rest) -> Optional[FusedLlamaProjections]:
+        """One layer's step of :meth:`_fuse_projections`: its q/k/v and gate/up fused at ``fused_places``; with
+        ``widen``, the layer widened first (but for its linears, with ``compute``) and its other linears packed
+        at their places (``rest``) after."""
+        if compute is not None:
+            widen_all_but_linears(layer, compute)
+        elif widen is not None:
+            layer.to(widen)
+        fused = FusedLlamaProjections.of(layer, self.weight_dtype, fused_places, compute)
+        if owns_model and fused is not None:
+            FusedLlamaProjections.drop_originals(layer)
+        if widen is not None:
+            pack_linears(layer, weight_dtype=self.weight_dtype, places=rest, compute_dtype=compute)
+        if compute is not None:  # linears left unpacked (LLAMA_PACKED_LINEAR=off) compute in the widened dtype
+            for module in filter(None, (layer, fused)):
+                for linear in [m for m in module.modules() if type(m) is torch.nn.Linear]:
+                    linear.to(compute)
         return fused
 
     def _linears_kept_as_loaded(self) -> bool:
