@@ -222,39 +222,16 @@ def release_freed_memory() -> bool:
 
 #: madvise(2)'s advice to start reading a file mapping's pages now (Linux), without waiting for them.
 MADV_WILLNEED = 3
-#: madvise(2)'s advice to reclaim a range's pages now (Linux 5.4): a file's clean pages leave the page cache.
-MADV_PAGEOUT = 21
 
 
 def read_pages_ahead(address: int, length: int) -> bool:
     """Have the kernel start reading the pages of ``length`` bytes of a file mapping from ``address``
     (``madvise(MADV_WILLNEED)`` over the whole pages); whether it took the advice (False off Linux)."""
-    return _advise(address, length, MADV_WILLNEED)
-
-
-def drop_file_pages(address: int, length: int) -> bool:
-    """Have the kernel reclaim the pages of ``length`` bytes of a file mapping from ``address`` now
-    (``madvise(MADV_PAGEOUT)``): read again from the file if touched again. False where it could not."""
-    return _advise(address, length, MADV_PAGEOUT)
-
-
-def _advise(address: int, length: int, advice: int) -> bool:
     libc = _glibc()
     if libc is None or length <= 0:
         return False
     start = address - address % mmap.PAGESIZE
-    return libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(address + length - start), advice) == 0
-
-
-def available_memory(meminfo: str = "/proc/meminfo") -> Optional[int]:
-    """Bytes the kernel could give without swapping (``MemAvailable``: free, and page cache it can drop);
-    None where it does not say."""
-    try:
-        text = Path(meminfo).read_text()
-    except OSError:
-        return None
-    found = next((line.split()[1] for line in text.splitlines() if line.startswith("MemAvailable:")), None)
-    return int(found) << 10 if found is not None else None
+    return libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(address + length - start), MADV_WILLNEED) == 0
 
 
 class _MallInfo2(ctypes.Structure):

@@ -18,14 +18,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from llama_engine.backends import fast_linear, weight_memory
-from llama_engine.backends.weight_memory import (
-    checkpoint_pages_crowd,
-    copy_out_of_mappings,
-    drop_pages,
-    mapped_spans,
-    read_ahead,
-)
-from llama_engine.cpu import available_memory, file_mapped_ranges
+from llama_engine.backends.weight_memory import copy_out_of_mappings, read_ahead
+from llama_engine.cpu import file_mapped_ranges
 
 HANDLERS = Path(__file__).resolve().parents[2] / "handlers"
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/maps and glibc's malloc")
@@ -186,57 +180,6 @@ def test_a_loaded_backend_lets_the_checkpoint_mapping_go_once_its_linears_are_re
         assert result["mapped"] >= 1, result
     else:
         assert result["mapped"] == 0, result
-
-
-@linux_only
-def test_drop_pages_takes_a_modules_read_pages_out_of_the_page_cache_and_a_touch_reads_them_again(checkpoint):
-    module = module_from(checkpoint, ["big", "small"])
-    fd = os.open(checkpoint, os.O_RDONLY)  # written moments ago: its pages clean once on disk
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    expected = torch.arange(1 << 20, dtype=torch.float32)
-    assert torch.equal(module.big, expected) and cached_share(module.big) == 1
-    spans = mapped_spans(module, file_mapped_ranges())
-    assert spans == {(module.big.data_ptr(), 4 << 20), (module.small.data_ptr(), 64 * 4)}
-    assert drop_pages({(module.big.data_ptr(), 4 << 20)}) == 4 << 20
-    assert cached_share(module.big) < 0.5
-    assert torch.equal(module.big, expected)
-    assert mapped_spans(module, []) == set() and drop_pages([]) == 0
-
-
-def test_checkpoint_pages_crowd_memory_that_cannot_hold_them_beside_the_repacked_weights(monkeypatch, tmp_path):
-    meminfo = tmp_path / "meminfo"
-    meminfo.write_text("MemTotal:       24000000 kB\nMemFree:         1000000 kB\nMemAvailable:   10000000 kB\n")
-    assert available_memory(str(meminfo)) == 10000000 << 10
-    assert available_memory(str(tmp_path / "absent")) is None
-    monkeypatch.setattr(weight_memory, "available_memory", lambda: 10 << 30)
-    assert checkpoint_pages_crowd(6 << 30) and not checkpoint_pages_crowd(4 << 30)
-    monkeypatch.setattr(weight_memory, "available_memory", lambda: None)
-    assert not checkpoint_pages_crowd(6 << 30)
-
-
-@linux_only
-@pytest.mark.parametrize("crowded", [True, False])
-def test_a_backend_reclaims_each_layers_checkpoint_pages_once_repacked_only_where_they_crowd(tiny_model_dir,
-                                                                                            monkeypatch, crowded):
-    """The first layer's weights may still view the mapping until they are gathered (a float32 weight kept as
-    loaded): those pages stay; every later layer's are written to their places, and all of them go."""
-    from llama_engine.backends import torch_backend
-
-    model = torch_backend.load_model(str(tiny_model_dir), "float32", "cpu", 64)
-    loaded = [{(m.weight.data_ptr(), m.weight.numel() * m.weight.element_size()) for m in layer.modules()
-               if type(m) is nn.Linear} for layer in model.model.layers]
-    dropped = []
-    monkeypatch.setattr(torch_backend, "checkpoint_pages_crowd", lambda checkpoint_bytes: crowded)
-    monkeypatch.setattr(torch_backend, "drop_pages", lambda spans: dropped.append(set(spans)) or 0)
-    torch_backend.TorchSlotBackend(model, 2, 64, owns_model=True)
-    if not crowded:
-        assert dropped == [set()] * len(loaded)
-        return
-    assert len(dropped) == len(loaded) and dropped[0] <= loaded[0]  # a weight still read as loaded stays
-    assert dropped[1:] == loaded[1:]  # repacked into their places in the block: all of each layer's go
 
 
 @linux_only

@@ -22,7 +22,7 @@ from .fast_linear import (
     switch_setting,
     tune_native_prefetch,
 )
-from .weight_memory import checkpoint_pages_crowd, drop_pages, mapped_spans, read_ahead, settle_loaded_weights
+from .weight_memory import read_ahead, settle_loaded_weights
 
 logger = logging.getLogger(__name__)
 
@@ -535,46 +535,43 @@ class TorchSlotBackend(OnePassSlotBackend):
         ``widen``, each layer first widened to it and its other linears packed before the next one widens
         (all of it but its linears, where their weights are kept as loaded: :meth:`_linears_kept_as_loaded`).
         With ``owns_model``, once the first layer's products come out native, every later layer's weights are
-        written straight to their places in the decode step's block (:meth:`_plan_gathered`), each layer's
-        pages of the checkpoint are read while the one before it is repacked (:func:`.weight_memory.read_ahead`),
-        and reclaimed once it is, where they would crowd memory (:func:`.weight_memory.checkpoint_pages_crowd`)."""
-        fused, planned = [], None
+        written straight to their places in the decode step's block (:meth:`_plan_gathered`), and each layer's
+        pages of the checkpoint are read while the one before it is repacked (:func:`.weight_memory.read_ahead`)."""
+        fused, planned, later = [], None, {}
         layers = self.model.model.layers
         compute = widen if widen is not None and self._linears_kept_as_loaded() else None
         mapped = file_mapped_ranges() if owns_model and self.device.type == "cpu" else []
-        crowded = bool(mapped) and checkpoint_pages_crowd(sum(size for layer in layers
-                                                              for _, size in mapped_spans(layer, mapped)))
         for index, layer in enumerate(layers):
             if index + 1 < len(layers):
                 read_ahead(layers[index + 1], mapped)
-            read = mapped_spans(layer, mapped) if crowded else set()
             places = planned.places[4 * index:4 * index + 4] if planned else [None] * 4
             rest = {layer.self_attn.o_proj: places[1], layer.mlp.down_proj: places[3]} if planned else {}
             fused.append(self._fuse_layer(layer, owns_model, (places[0], places[2]), widen, compute, rest))
-            drop_pages(read - mapped_spans(layer, mapped))  # what the layer still reads as loaded stays
+            if widen is None:
+                later.update(rest)
             if owns_model and index == 0:
                 planned = self._plan_gathered(fused[0], layer)
             if owns_model and _heap_holds_freed_copies():
                 release_freed_memory()
         if owns_model:
-            pack_linears(self.model, weight_dtype=self.weight_dtype)
+            pack_linears(self.model, weight_dtype=self.weight_dtype, places=later)
             gather_weights(self._step_products(fused) or [], planned)
         tune_native_prefetch([self.model, *fused])
         return fused
 
     def _fuse_layer(self, layer, owns_model: bool, fused_places, widen: Optional[torch.dtype],
                     compute: Optional[torch.dtype], rest) -> Optional[FusedLlamaProjections]:
-        """One layer's step of :meth:`_fuse_projections`: with ``widen``, the layer widened first (but for its
-        linears, with ``compute``); its q/k/v and gate/up fused at ``fused_places``; with ``owns_model``, its
-        other linears packed at their places (``rest``), so that nothing of it reads the checkpoint after."""
+        """One layer's step of :meth:`_fuse_projections`: its q/k/v and gate/up fused at ``fused_places``; with
+        ``widen``, the layer widened first (but for its linears, with ``compute``) and its other linears packed
+        at their places (``rest``) after."""
         if compute is not None:
             widen_all_but_linears(layer, compute)
         elif widen is not None:
             layer.to(widen)
         fused = FusedLlamaProjections.of(layer, self.weight_dtype, fused_places, compute)
-        if owns_model:
-            if fused is not None:
-                FusedLlamaProjections.drop_originals(layer)
+        if owns_model and fused is not None:
+            FusedLlamaProjections.drop_originals(layer)
+        if widen is not None:
             pack_linears(layer, weight_dtype=self.weight_dtype, places=rest, compute_dtype=compute)
         if compute is not None:  # linears left unpacked (LLAMA_PACKED_LINEAR=off) compute in the widened dtype
             for module in filter(None, (layer, fused)):

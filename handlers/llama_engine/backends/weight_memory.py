@@ -8,27 +8,18 @@ whole file: every page a load had read stayed resident as the file's (2.06 GB of
 beyond-cache model, AMX Xeon), beside the repacked copies. :func:`settle_loaded_weights`
 copies such leftovers out, so that the mapping goes, and hands the heap's freed blocks back.
 
-While the backend repacks one layer, :func:`read_ahead` has the kernel read the next one's pages,
-and where memory cannot hold the checkpoint's pages beside the repacked weights
-(:func:`checkpoint_pages_crowd`), :func:`drop_pages` reclaims each layer's once it is repacked.
+While the backend repacks one layer, :func:`read_ahead` has the kernel read the next one's pages.
 """
 from __future__ import annotations
 
 import logging
 from itertools import chain
-from typing import Dict, Iterable, List, Sequence, Set, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 from torch import nn
 
-from ..cpu import (
-    available_memory,
-    drop_file_pages,
-    file_mapped_ranges,
-    process_memory,
-    read_pages_ahead,
-    release_freed_memory,
-)
+from ..cpu import file_mapped_ranges, process_memory, read_pages_ahead, release_freed_memory
 
 logger = logging.getLogger(__name__)
 
@@ -92,36 +83,9 @@ def read_ahead(module: nn.Module, ranges: Sequence[Tuple[int, int]]) -> int:
     are more than the machine holds), 6 alternated loads each: 22.5-61.0 s (median 35) without, 22.9-32.9 s
     (median 31) with each layer's pages asked for while the one before it was repacked. It cuts the slow
     loads; a typical one is within the noise."""
-    return sum(size for address, size in mapped_spans(module, ranges) if read_pages_ahead(address, size))
-
-
-def mapped_spans(module: nn.Module, ranges: Sequence[Tuple[int, int]]) -> Set[Tuple[int, int]]:
-    """``(address, bytes)`` of each of ``module``'s CPU tensors that views one of ``ranges`` (file mappings)."""
-    spans = set()
-    for tensor in chain(module.parameters(), module.buffers()) if ranges else ():
-        if tensor.device.type != "cpu" or tensor.layout != torch.strided:  # oneDNN's packed weights: no pointer
-            continue
-        address = tensor.data_ptr()
-        if any(start <= address < end for start, end in ranges):
-            spans.add((address, tensor.numel() * tensor.element_size()))
-    return spans
-
-
-def checkpoint_pages_crowd(checkpoint_bytes: int) -> bool:
-    """Whether the memory the kernel could give (:func:`.cpu.available_memory`) is less than a checkpoint of
-    ``checkpoint_bytes`` read into the page cache and its weights repacked beside it: the kernel will then
-    evict the checkpoint's pages to make room for the repacked copies, under their page faults.
-
-    Under that pressure a page fault reclaimed and compacted memory for the huge pages of the weights' block.
-    Loading the Llama-2-7B-shaped checkpoint (AMX Xeon, 23.5 GiB; 3 alternated loads each) took 815-1,132
-    compaction stalls and 26.5-35.8 s under float32 arithmetic over its bf16 weights, 28.1-30.2 s in bf16;
-    with each layer's pages reclaimed once it was repacked (:func:`drop_pages`), none, and 14.8-17.4 s and
-    16.6-17.7 s. Where memory holds both, the pages stay cached for the next load."""
-    available = available_memory()
-    return available is not None and available < 2 * checkpoint_bytes
-
-
-def drop_pages(spans: Iterable[Tuple[int, int]]) -> int:
-    """Reclaim the pages under ``spans`` (``(address, bytes)`` of file mappings, :func:`mapped_spans`) now;
-    returns the bytes the kernel took the advice for. Read again from the file where touched again."""
-    return sum(size for address, size in spans if drop_file_pages(address, size))
+    asked = 0
+    for tensor in chain(module.parameters(), module.buffers()):
+        address, size = tensor.data_ptr(), tensor.numel() * tensor.element_size()
+        if tensor.device.type == "cpu" and any(start <= address < end for start, end in ranges):
+            asked += size if read_pages_ahead(address, size) else 0
+    return asked
