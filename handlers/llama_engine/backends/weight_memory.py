@@ -84,8 +84,7 @@ def read_ahead(module: nn.Module, ranges: Sequence[Tuple[int, int]]) -> int:
     (median 31) with each layer's pages asked for while the one before it was repacked. It cuts the slow
     loads; a typical one is within the noise."""
     asked = 0
-    for tensor in chain(module.parameters(), module.buffers()):
-        address, size = tensor.data_ptr(), tensor.numel() * tensor.element_size()
-        if tensor.device.type == "cpu" and any(start <= address < end for start, end in ranges):
-            asked += size if read_pages_ahead(address, size) else 0
+    for tensor in chain.from_iterable(_views_by_mapping(module, list(ranges)).values()):
+        size = tensor.numel() * tensor.element_size()
+        asked += size if read_pages_ahead(tensor.data_ptr(), size) else 0
     return asked
