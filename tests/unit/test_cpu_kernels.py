@@ -194,6 +194,25 @@ def test_linear_of_a_prompts_rows_is_the_float64_product(kernels, x_dtype, w_dty
     assert torch.equal(padded[:, outer:], torch.full((rows, 16), 7.0, dtype=x_dtype))
 
 
+@pytest.mark.parametrize("kernels, w_dtype, pairs", [
+    pytest.param(isa.values[0], w_dtype, pairs, marks=isa.marks, id=f"{isa.values[0]}-{name}")
+    for isa in ISAS for name, w_dtype, pairs in [("float32", torch.float32, False), ("bf16", torch.bfloat16, False),
+                                                 ("bf16-pair-panels", torch.bfloat16, True)]
+    if not pairs or isa.values[0] in cpu_kernels.PAIRS_ISAS], indirect=["kernels"])
+@pytest.mark.parametrize("rows", [530, 600])
+def test_a_prompts_rows_go_in_blocks_each_as_its_own_product(kernels, w_dtype, pairs, rows):
+    """The GEMMs take a long prompt's rows 264 at a time (530 = 2 x 264 + 2, a tail under the GEMM's fewest
+    rows; 600 = 2 x 264 + 72), over float32 and bf16 weights and pair panels: every row is the float64
+    product, and a block's rows are the same bits as those rows alone, 264 of them."""
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 520, generator=gen)
+    w = torch.randn(96, 520, generator=gen).to(w_dtype)
+    weight = kernels.pack_pairs(w) if pairs else w
+    out = kernels.linear(x, weight, pairs=pairs)
+    assert_product(out, x, w)
+    assert torch.equal(out[264:528], kernels.linear(x[264:528].clone(), weight, pairs=pairs))
+
+
 @pytest.mark.parametrize("kernels", ISAS, indirect=True)
 @pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("rows, inner, outer", [(1, 768, 2304), (3, 770, 64), (8, 2, 32), (12, 3072, 96),
