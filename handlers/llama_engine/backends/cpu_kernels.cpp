@@ -632,7 +632,8 @@ static constexpr int GEMM_MR = 6, GEMM_NR = 16;
 // rows, so a row's sums do not change). A Llama-2-7B-shaped down projection (K 11008, 4096 outputs) on 768
 // rows of an AMX Xeon (family 6 model 167, 2 threads, computing as each class): the avx2 build 152 GFLOP/s in
 // one block, 185 / 194 / 186 in blocks of 384 / 264 / 132; the avx512 build 277, 314 / 309 / 279; at 256 rows
-// both ran at their 768-in-blocks speed (the rows' y and x in fewer pages and lines a K block's pass).
+// both ran at their 768-in-blocks speed (our reading, not measured apart: a K block's pass over fewer rows
+// touches fewer pages and lines of x and y).
 static constexpr long GEMM_ROWS = 264;
 static constexpr long GEMM_KC = 256, GEMM_MC = 96, GEMM_COLS = 64;
 // Floats from one micro-panel of x to the next: GEMM_KC rows and room for pack_rows' spare lanes, 64-byte aligned.
@@ -1131,9 +1132,9 @@ static constexpr long AMX_KB = 256;
 static constexpr long AMX_SPLIT = 4;
 // A prompt's rows of x in blocks of AMX_MC rows by AMX_KC of K (768 KB): each block is read from L3 or memory
 // once per work item and from L2 by each of its columns. Each 32 columns read the whole of x before, so a
-// Llama-2-7B-shaped layer's products on 768 rows of an AMX Xeon (family 6 model 167, 2 threads) ran at
-// 1234-1400 GFLOP/s where 256 rows ran at ~2000; blocked, 1975-2233 (rows in blocks of 128 to 1024, K of 256
-// to 1024: within 10% of each other from 256 by 512, at 256, 768 and 2048 rows).
+// Llama-2-7B-shaped layer's four products on 768 rows of an AMX Xeon (family 6 model 167, 2 threads) ran at
+// 1293-1345 GFLOP/s, 1521-1585 on 256 rows; blocked, 2033-2056 and 1881-1936. Blocks of 128 to 1024 rows by
+// 256 to 1024 of K read within ~10% of each other at 256, 768 and 2048 rows.
 static constexpr long AMX_MC = 768, AMX_KC = 512;
 // The fewest rows the tiles take by default. From one row, each row's sums add in one order whatever rows
 // come with it: a prompt decodes the same greedy tokens alone and in a batch (with one row on the vector
@@ -1275,7 +1276,6 @@ bool amx_linear_pairs(const bf16 *x, long ldx, const bf16 *P, bf16 *y, long ldy,
         xa = ATiles{copied, K, 16, 64};
     }
     const long blocks = N / PANEL_COLS;
-    const long workers = threads > 0 ? threads : 1;
     // A decode step's few rows stream the weight, CHUNK_BYTES of it a work item; a prompt's rows take AMX_SPLIT
     // items a thread, as wide as that leaves them, so that each block of x serves as many columns as it can.
     const long most = few ? CHUNK_BYTES / (K * (long)sizeof(bf16) * PANEL_COLS) : blocks;
