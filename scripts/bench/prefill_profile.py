@@ -91,6 +91,9 @@ def table(lengths: Sequence[int], new: List[dict], old: List[dict]) -> List[str]
     def cell(runs, length):
         return "/".join(f"{run[length]:.1f}" for run in runs) or "-"
 
+    def growth(runs, long, short):
+        return "/".join(f"{run[long] / run[short]:.2f}" for run in runs) or "-"
+
     rows = [f"{'tokens':>6s} | {'base ms (each process)':>28s} | {'new ms (each process)':>28s} | speedup"]
     for length in lengths:
         ratio = (f"{statistics.median(r[length] for r in old) / statistics.median(r[length] for r in new):.2f}x"
@@ -98,10 +101,7 @@ def table(lengths: Sequence[int], new: List[dict], old: List[dict]) -> List[str]
         rows.append(f"{length:6d} | {cell(old, length):>28s} | {cell(new, length):>28s} | {ratio}")
     if len(lengths) > 1:
         short, long = min(lengths), max(lengths)
-
-        def growth(runs):
-            return "-" if not runs else "/".join(f"{run[long] / run[short]:.2f}" for run in runs)
-        rows.append(f"TTFT({long}) / TTFT({short}): base {growth(old)}, new {growth(new)}")
+        rows.append(f"TTFT({long}) / TTFT({short}): base {growth(old, long, short)}, new {growth(new, long, short)}")
     return rows
 
 

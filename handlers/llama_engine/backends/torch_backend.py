@@ -82,6 +82,11 @@ def widen_all_but_layers(model, dtype: torch.dtype) -> None:
         model.model.layers = layers
 
 
+def plain_linears(module) -> List[torch.nn.Linear]:
+    """``module``'s own ``nn.Linear`` modules (not packed ones), itself included."""
+    return [m for m in module.modules() if type(m) is torch.nn.Linear]
+
+
 def widen_all_but_linears(module, dtype: torch.dtype) -> None:
     """``module``'s floating-point parameters and buffers in ``dtype``, but for its ``nn.Linear`` modules'."""
     for sub in module.modules():
@@ -575,7 +580,7 @@ class TorchSlotBackend(OnePassSlotBackend):
             pack_linears(layer, weight_dtype=self.weight_dtype, places=rest, compute_dtype=compute)
         if compute is not None:  # linears left unpacked (LLAMA_PACKED_LINEAR=off) compute in the widened dtype
             for module in filter(None, (layer, fused)):
-                for linear in [m for m in module.modules() if type(m) is torch.nn.Linear]:
+                for linear in plain_linears(module):
                     linear.to(compute)
         return fused
 
@@ -583,7 +588,7 @@ class TorchSlotBackend(OnePassSlotBackend):
         """Whether the decoder layers' linears are loaded in the dtype their weights are kept in (a bf16
         checkpoint under float32 arithmetic): they are then fused and packed as loaded, under the arithmetic's
         dtype, rather than widened with their layer and narrowed back (twice their bytes touched, twice)."""
-        linears = [m for m in self.model.model.layers[0].modules() if type(m) is torch.nn.Linear]
+        linears = plain_linears(self.model.model.layers[0])
         return self.weight_dtype is not None and bool(linears) and all(
             m.weight.dtype == self.weight_dtype for m in linears)
 
