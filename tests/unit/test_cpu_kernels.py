@@ -347,6 +347,36 @@ def test_amx_tiles_take_the_rows_they_are_set_to_take(kernels, tiles_from):
     assert_product(vector, x, w)
 
 
+@pytest.mark.parametrize("kernels", ISAS[:2], indirect=True)
+@pytest.mark.parametrize("rows, inner, gate_width", [(3, 64, 48), (16, 96, 64), (17, 96, 48), (40, 544, 1040),
+                                                     (800, 1056, 80)])
+def test_gate_up_silu_in_one_pass_is_the_product_then_silu_mul_bit_for_bit(kernels, rows, inner, gate_width):
+    """A prompt's rows (more than 16) on AMX's tiles take a gate/up weight's gate and up panels side by side and
+    make silu(gate) * up of their sums in one pass: the numbers of the product into [gate | up] then silu_mul,
+    bit for bit. Gate widths of an odd number of 16-column panels (48, 80: the gate's last panel and the up's
+    first share a column pair of the product's); K in blocks and a tail (544, 1056), 800 rows in a block of 768
+    and a tail; strided rows. Decode rows (16 or fewer), and builds or CPUs without the tiles, take the two
+    calls."""
+    gen = torch.Generator().manual_seed(rows + inner + gate_width)
+    x = (torch.randn(rows, inner + 32, generator=gen) * 2).to(torch.bfloat16)[:, 16:16 + inner]
+    packed = kernels.pack_pairs((torch.randn(2 * gate_width, inner, generator=gen) / inner ** 0.5).to(torch.bfloat16))
+    got, one_pass = kernels.gate_up_silu(x, packed)
+    want = kernels.silu_mul(kernels.linear(x, packed, pairs=True))
+    assert torch.equal(got, want) and (want != 0).float().mean().item() > 0.9
+    assert one_pass == (rows > 16 and kernels.amx_min_rows() > 0)
+
+
+@pytest.mark.parametrize("kernels", ISAS[:2], indirect=True)
+def test_gate_up_silu_names_what_it_cannot_take(kernels):
+    x = torch.zeros(20, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"gate_up_silu.*float32 \(20, 64\)"):
+        kernels.gate_up_silu(x.float(), kernels.pack_pairs(torch.zeros(64, 64, dtype=torch.bfloat16)))
+    with pytest.raises(ValueError, match=r"gate_up_silu.*\(48, 64\)"):
+        kernels.gate_up_silu(x, torch.zeros(48, 64, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"gate_up_silu.*\(64, 32\)"):
+        kernels.gate_up_silu(x, kernels.pack_pairs(torch.zeros(64, 32, dtype=torch.bfloat16)))
+
+
 @pytest.mark.parametrize("kernels", ISAS, indirect=True)
 def test_builds_without_amx_tiles_say_so(kernels):
     """Only the avx512bf16 build, on a CPU with AMX, has tiles to set; the others answer 0 whatever is asked."""
@@ -984,7 +1014,7 @@ def test_a_decode_step_from_token_ids_is_the_call_over_their_embeddings(kernels,
 @pytest.mark.parametrize("kernels", ISAS[:2], indirect=True)
 @pytest.mark.parametrize("dtype, kv_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32),
                                              (torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)])
-@pytest.mark.parametrize("rows", [3, 14])
+@pytest.mark.parametrize("rows", [3, 14, 40])
 def test_decode_layers_over_pair_panels_compute_the_kernels_called_one_by_one_bit_for_bit(kernels, dtype, kv_dtype,
                                                                                           rows):
     """bf16 weights in pair panels through one call (``pairs=True``): the numbers of the paired products called

@@ -207,6 +207,7 @@ _FUNCTIONS = {
                           _I32),
     "_add_rmsnorm": ("llk_add_rmsnorm", [_P, _P, _P, _P, _I64, _I64, _F32, _I32, _I32], _I32),
     "_silu_mul": ("llk_silu_mul", [_P, _P, _I64, _I64, _I32, _I32], _I32),
+    "_gate_up_silu": ("llk_gate_up_silu", [_P, _I64, _P, _P, _I64, _I64, _I64, _I32], _I32),
     "_rope_store": ("llk_rope_store",
                     [_P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _I64, _I32, _I32, _I32], _I32),
     "_decode_layers": ("llk_decode_layers", [_P] * 11 + [_F32, _F32, _I32, _I32, _I32, _I32, _I64, _I64, _P, _I32,
@@ -362,6 +363,24 @@ class CpuKernels:
         if code:
             raise ValueError(f"native silu_mul: unsupported dtype {gate_up.dtype}")
         return out
+
+    def gate_up_silu(self, x: torch.Tensor, gate_up: torch.Tensor) -> Tuple[torch.Tensor, bool]:
+        """``silu(gate) * up`` of bf16 ``x`` ``[rows, K]`` (rows may be strided) times a gate/up weight ``[gate |
+        up]`` ``[2 I, K]`` in pair panels (:meth:`pack_pairs`), as the one-call decoder layers compute it; returns
+        ``[rows, I]`` and whether AMX's tiles ran it in one pass (a prompt's rows, more than 16), rather than
+        :meth:`linear` then :meth:`silu_mul`, whose numbers it gives."""
+        rows, k = x.shape
+        inner = gate_up.shape[0] // 2
+        if x.dtype != torch.bfloat16 or x.stride(1) != 1 or not self.takes_pairs(gate_up) or gate_up.shape[1] != k:
+            raise ValueError(f"native gate_up_silu: needs bfloat16 x [rows, K] and a bf16 [2 I, K] weight in pair "
+                             f"panels with 2 I a multiple of {PAIRS_COLUMNS} on an AVX-512 build (got {x.dtype} "
+                             f"{tuple(x.shape)}, {gate_up.dtype} {tuple(gate_up.shape)} on {self.isa})")
+        out = torch.empty((rows, inner), dtype=torch.bfloat16)
+        code = self._gate_up_silu(x.data_ptr(), x.stride(0), gate_up.data_ptr(), out.data_ptr(), rows, k, inner,
+                                  torch.get_num_threads())
+        if code < 0:
+            raise ValueError(f"native gate_up_silu: the {self.isa} build refused {rows} rows over {tuple(gate_up.shape)}")
+        return out, code == 1
 
     def rope_store(self, qkv: torch.Tensor, heads: int, kv_heads: int, cos: torch.Tensor, signed_sin: torch.Tensor,
                    positions: torch.Tensor, slots: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor) -> None:
