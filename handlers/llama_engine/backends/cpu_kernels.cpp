@@ -224,18 +224,22 @@ inline Vec::F rounded(Vec::F v) {
     else return v;
 }
 
-// exp(x) for x in [-87, 88] (clamped there) as 2^y, y = x log2 e: 2^f for f = y - round(y) by the Taylor
-// polynomial of degree 5 that amx_softmax_row takes, within 3e-6 of it, scaled by 2^round(y). Fine for a
-// result rounded to bf16 next (4e-3); vexp's float32 precision costs twice the instructions.
-inline Vec::F vexp_coarse(Vec::F x) {
-    x = Vec::min(Vec::max(x, Vec::set1(-87.0f)), Vec::set1(88.0f));
-    const Vec::F y = Vec::mul(x, Vec::set1(1.44269504088896341f)), n = Vec::round(y), f = Vec::sub(y, n);
+// 2^f for |f| <= 1/2 by its Taylor polynomial of degree 5, within 3e-6 of it: enough for a result rounded to bf16
+// next (4e-3), in half the instructions of vexp's degree 7.
+inline Vec::F exp2_fraction(Vec::F f) {
     Vec::F e = Vec::fma(Vec::set1(1.3333558e-3f), f, Vec::set1(9.6181291e-3f));
     e = Vec::fma(e, f, Vec::set1(5.5504109e-2f));
     e = Vec::fma(e, f, Vec::set1(2.4022651e-1f));
     e = Vec::fma(e, f, Vec::set1(6.9314718e-1f));
-    e = Vec::fma(e, f, Vec::set1(1.0f));
-    return Vec::mul(e, Vec::pow2(n));
+    return Vec::fma(e, f, Vec::set1(1.0f));
+}
+
+// exp(x) for x in [-87, 88] (clamped there) as 2^y, y = x log2 e: exp2_fraction(y - round(y)) scaled by
+// 2^round(y). For a result rounded to bf16 next.
+inline Vec::F vexp_coarse(Vec::F x) {
+    x = Vec::min(Vec::max(x, Vec::set1(-87.0f)), Vec::set1(88.0f));
+    const Vec::F y = Vec::mul(x, Vec::set1(1.44269504088896341f)), n = Vec::round(y);
+    return Vec::mul(exp2_fraction(Vec::sub(y, n)), Vec::pow2(n));
 }
 
 // silu(x) = x / (1 + e^-x) in float32, for a result rounded to T. For bf16, e^-x to bf16's precision and the
@@ -1350,6 +1354,7 @@ bool amx_pairs(const bf16 *x, long ldx, const PanelPairs &pairs, long blocks, bf
     });
     return true;
 }
+
 // y[M, N] = x[M, K] @ w^T on the tiles, for w in pair panels; false (nothing done) where they do not take it.
 bool amx_linear_pairs(const bf16 *x, long ldx, const bf16 *P, bf16 *y, long ldy, long M, long K, long N,
                       int threads) {
@@ -1846,9 +1851,9 @@ void amx_pack_kv_head(const bf16 *k, long ldk, const bf16 *v, long ldv, long L, 
 }
 
 // p[0, span) = bf16(exp(scale (s[t] - max))) for t < valid, zero after; returns 1 / their float32 sum. exp as
-// 2^y (y = (s[t] - max) scale log2 e <= 0): 2^f by its Taylor polynomial of degree 5 for f = y - round(y), within
-// 3e-6 of it (the weights are rounded to bf16, 4e-3), scaled by 2^round(y) (scalef: 0 far below, no clamping).
-// Half the instructions of vexp's, whose softmax took about a third of a 768-token prompt's attention here.
+// 2^y (y = (s[t] - max) scale log2 e <= 0): exp2_fraction(y - round(y)) (the weights are rounded to bf16)
+// scaled by 2^round(y) (scalef: 0 far below, no clamping). Half the instructions of vexp's, whose softmax took
+// about a third of a 768-token prompt's attention here.
 inline float amx_softmax_row(const float *s, long valid, long span, float scale, bf16 *p) {
     __m512 mv = _mm512_set1_ps(-INFINITY);
     long t = 0;
@@ -1857,20 +1862,11 @@ inline float amx_softmax_row(const float *s, long valid, long span, float scale,
     for (; t < valid; t++) mx = s[t] > mx ? s[t] : mx;
     const float a = scale * 1.44269504088896341f;
     const __m512 va = _mm512_set1_ps(a), vb = _mm512_set1_ps(-a * mx);
-    const __m512 c5 = _mm512_set1_ps(1.3333558e-3f), c4 = _mm512_set1_ps(9.6181291e-3f),
-                 c3 = _mm512_set1_ps(5.5504109e-2f), c2 = _mm512_set1_ps(2.4022651e-1f),
-                 c1 = _mm512_set1_ps(6.9314718e-1f), c0 = _mm512_set1_ps(1.0f);
     __m512 sum = _mm512_setzero_ps();
     for (t = 0; t < valid; t += 16) {
         const __m512 y = _mm512_fmadd_ps(_mm512_loadu_ps(s + t), va, vb);
         const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        const __m512 f = _mm512_sub_ps(y, n);
-        __m512 e = _mm512_fmadd_ps(c5, f, c4);
-        e = _mm512_fmadd_ps(e, f, c3);
-        e = _mm512_fmadd_ps(e, f, c2);
-        e = _mm512_fmadd_ps(e, f, c1);
-        e = _mm512_fmadd_ps(e, f, c0);
-        e = _mm512_scalef_ps(e, n);
+        __m512 e = _mm512_scalef_ps(exp2_fraction(_mm512_sub_ps(y, n)), n);
         if (t + 16 > valid) e = _mm512_maskz_mov_ps((__mmask16)((1u << (valid - t)) - 1), e);  // past its position
         sum = _mm512_add_ps(sum, e);
         Vec::store(p + t, e);
