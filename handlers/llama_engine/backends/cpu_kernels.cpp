@@ -1289,6 +1289,7 @@ template <int R>
 __attribute__((target("amx-tile,amx-bf16"))) void amx_columns(const ATiles &xa, long M, long Mp,
                                                                const PanelPairs &pairs, long K, long b0, long b1,
                                                                long mc, long kc, bf16 *y, long ldy, float *acc) {
+    const bool silu_up = pairs.up_cols > 0;
     for (long m0 = 0; m0 < Mp; m0 += mc) {
         const long m1 = m0 + mc < Mp ? m0 + mc : Mp;
         for (long k0 = 0; k0 < K; k0 += kc)
@@ -1297,13 +1298,14 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_columns(const ATiles &xa, 
                              acc + (b - b0) * mc * 32);
         for (long b = b0; b < b1; b++) {
             const float *sums = acc + (b - b0) * mc * 32;
+            bf16 *const yb = y + b * (silu_up ? 16 : PANEL_COLS);
             for (long m = m0; m < m1 && m < M; m++) {
                 const float *row = sums + (m - m0) * 32;
-                if (pairs.up_cols) {
+                if (silu_up) {
                     const Vec::F gate = Vec::round_bf16(Vec::load(row)), up = Vec::round_bf16(Vec::load(row + 16));
-                    Vec::store(y + m * ldy + b * 16, Vec::mul(rounded<bf16>(silu<bf16>(gate)), up));
+                    Vec::store(yb + m * ldy, Vec::mul(rounded<bf16>(silu<bf16>(gate)), up));
                 } else {
-                    for (int j = 0; j < 32; j += 16) Vec::store(y + m * ldy + b * PANEL_COLS + j, Vec::load(row + j));
+                    for (int j = 0; j < 32; j += 16) Vec::store(yb + m * ldy + j, Vec::load(row + j));
                 }
             }
         }
