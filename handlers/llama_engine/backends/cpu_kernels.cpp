@@ -2149,7 +2149,8 @@ void rope_store(T *qkv, long ldq, long tokens, long H, long Hkv, long D, const T
                 T *x = row + h * D;
                 float rotated[512];
                 for (long d = 0; d < D; d += Vec::N) {
-                    Vec::F partner = Vec::load(x + (d + half) % D);  // roll(x, D / 2)[d]
+                    // roll(x, D / 2)[d], without a division by the runtime D in the loop (11% of this op's time)
+                    Vec::F partner = Vec::load(x + (d < half ? d + half : d - half));
                     Vec::F a = rounded<T>(Vec::mul(Vec::load(x + d), Vec::load(c + d)));
                     Vec::F b = rounded<T>(Vec::mul(partner, Vec::load(sn + d)));
                     Vec::store(rotated + d, Vec::add(a, b));
