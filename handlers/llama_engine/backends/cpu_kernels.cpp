@@ -1884,10 +1884,17 @@ void amx_pack_kv_head(const bf16 *k, long ldk, const bf16 *v, long ldv, long L, 
 // scaled by 2^round(y) (scalef: 0 far below, no clamping). Half the instructions of vexp's, whose softmax took
 // about a third of a 768-token prompt's attention here.
 inline float amx_softmax_row(const float *s, long valid, long span, float scale, bf16 *p) {
-    __m512 mv = _mm512_set1_ps(-INFINITY);
+    // four maxima, not one: one waited out vmaxps's latency for every 16 scores (a third of this function's time)
+    __m512 m0 = _mm512_set1_ps(-INFINITY), m1 = m0, m2 = m0, m3 = m0;
     long t = 0;
-    for (; t + 16 <= valid; t += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(s + t));
-    float mx = _mm512_reduce_max_ps(mv);
+    for (; t + 64 <= valid; t += 64) {
+        m0 = _mm512_max_ps(m0, _mm512_loadu_ps(s + t));
+        m1 = _mm512_max_ps(m1, _mm512_loadu_ps(s + t + 16));
+        m2 = _mm512_max_ps(m2, _mm512_loadu_ps(s + t + 32));
+        m3 = _mm512_max_ps(m3, _mm512_loadu_ps(s + t + 48));
+    }
+    for (; t + 16 <= valid; t += 16) m0 = _mm512_max_ps(m0, _mm512_loadu_ps(s + t));
+    float mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(m0, m1), _mm512_max_ps(m2, m3)));
     for (; t < valid; t++) mx = s[t] > mx ? s[t] : mx;
     const float a = scale * 1.44269504088896341f;
     const __m512 va = _mm512_set1_ps(a), vb = _mm512_set1_ps(-a * mx);
