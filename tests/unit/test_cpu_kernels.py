@@ -315,8 +315,9 @@ def test_amx_tiles_compute_the_float64_product_over_pair_panels(kernels, tiles_f
 def test_amx_tiles_sum_blocks_of_rows_and_of_k_as_one_row_alone(kernels, tiles_from, rows, inner):
     """A prompt's rows go through the tiles in blocks of 768 rows and 512 of K (here 800 = 768 + a tail of 32, and
     1600 = 2 x 768 + 64; K 1056 = 2 x 512 + 32, 544 = 512 + 32), over items of several column pairs (640 outputs:
-    20 pairs, 2 a work item on 2 threads): each row is the float64 product to the rounding, and the same bits as
-    that row alone, whose sums add over the whole of K in one pass."""
+    20 pairs, 2 a work item on 2 threads, so the rows go in two halves of 416 + 384 and 800 + 800, 5 pairs an
+    item): each row is the float64 product to the rounding, and the same bits as that row alone, whose sums add
+    over the whole of K in one pass."""
     tiles_from(1)
     gen = torch.Generator().manual_seed(rows + inner)
     x = torch.randn(rows, inner, generator=gen).to(torch.bfloat16)
@@ -324,7 +325,8 @@ def test_amx_tiles_sum_blocks_of_rows_and_of_k_as_one_row_alone(kernels, tiles_f
     packed = kernels.pack_pairs(w)
     out = kernels.linear(x, packed, pairs=True)
     assert_product(out, x, w)
-    for row in (0, 31, 32, 767, 768, rows - 1):
+    half = (rows // 2 + 31) // 32 * 32
+    for row in (0, 31, 32, half - 1, half, 767, 768, rows - 1):
         assert torch.equal(out[row:row + 1], kernels.linear(x[row:row + 1], packed, pairs=True)), f"row {row}"
 
 
