@@ -1837,31 +1837,6 @@ void prompt_attention_on(const TQ *q, long ldq, const TC *k, const TC *v, const 
 // 0.37 against SDPA's 0.47-0.58 ms at 256 tokens, 1.8 against 2.7-2.9 at 768 (the float32 kernel: 0.75-0.83, 4.6-5.1).
 static constexpr long AMX_PA_ROWS = 48;
 
-// r[j] (row j, 16 32-bit words) becomes column j: r[i] word j = the old r[j] word i.
-inline void transpose_16x16_words(__m512i r[16]) {
-    __m512i t[16];
-    for (int i = 0; i < 16; i += 2) {  // words 4l + {0, 1} and 4l + {2, 3} of rows i, i + 1, per 128-bit lane l
-        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4) {  // r[i + m] lane l: word 4l + m of rows i..i + 3
-        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-    }
-    for (int m = 0; m < 4; m++) {  // the 4 x 4 lanes of r[m], r[4 + m], r[8 + m], r[12 + m], transposed
-        const __m512i v0 = _mm512_shuffle_i32x4(r[m], r[4 + m], 0x44), v1 = _mm512_shuffle_i32x4(r[m], r[4 + m], 0xee);
-        const __m512i v2 = _mm512_shuffle_i32x4(r[8 + m], r[12 + m], 0x44);
-        const __m512i v3 = _mm512_shuffle_i32x4(r[8 + m], r[12 + m], 0xee);
-        t[m] = _mm512_shuffle_i32x4(v0, v2, 0x88);
-        t[4 + m] = _mm512_shuffle_i32x4(v0, v2, 0xdd);
-        t[8 + m] = _mm512_shuffle_i32x4(v1, v3, 0x88);
-        t[12 + m] = _mm512_shuffle_i32x4(v1, v3, 0xdd);
-    }
-    for (int i = 0; i < 16; i++) r[i] = t[i];
-}
-
 // kt: panel p (positions 16p..16p+15), dimension pair r: kt[((p * D / 2 + r) * 16 + j) * 2 + t] = k[16p + j][2r + t];
 // vt: dimension block c (16 dimensions), position pair r: vt[((c * Lp / 2 + r) * 16 + e) * 2 + t] = v[2r + t][16c + e];
 // zeros for positions from L (zero, not whatever memory holds: a zero weight times a NaN is NaN).
@@ -1876,7 +1851,7 @@ void amx_pack_kv_head(const bf16 *k, long ldk, const bf16 *v, long ldv, long L, 
             __m512i r[16];
             for (long j = 0; j < 16; j++)
                 r[j] = j0 + j < L ? _mm512_loadu_si512(k + (j0 + j) * ldk + 2 * c) : _mm512_setzero_si512();
-            transpose_16x16_words(r);
+            transpose_words16(r);
             uint32_t *to = kw + j0 / 16 * 8 * D + c * 16;
             for (long i = 0; i < 16; i++) _mm512_storeu_si512(to + i * 16, r[i]);
         }
