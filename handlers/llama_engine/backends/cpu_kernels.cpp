@@ -1362,10 +1362,10 @@ bool amx_pairs(const bf16 *x, long ldx, const PanelPairs &pairs, long blocks, bf
         float *const acc = grown(sums, (size_t)(per_chunk * mc * 32));  // each K block's sums stored before read
         const long c = item % chunks, r0 = item / chunks * rows_per, rows = std::min(rows_per, Mp - r0);
         const long b0 = c * per_chunk, b1 = b0 + per_chunk < blocks ? b0 + per_chunk : blocks;
+        const ATiles xr{xa.at(r0, 0), xa.ld, xa.kstep, xa.stride};  // the item's rows (all of them in one half)
         amx_configure(few ? (int)M : 16);
-        if (few) amx_columns<16>(xa, M, Mp, pairs, K, b0, b1, mc, kc, y, ldy, acc);
-        else amx_columns<32>(ATiles{xa.at(r0, 0), xa.ld, xa.kstep, xa.stride}, std::min(rows, M - r0), rows, pairs,
-                             K, b0, b1, mc, kc, y + r0 * ldy, ldy, acc);
+        if (few) amx_columns<16>(xr, std::min(rows, M - r0), rows, pairs, K, b0, b1, mc, kc, y + r0 * ldy, ldy, acc);
+        else amx_columns<32>(xr, std::min(rows, M - r0), rows, pairs, K, b0, b1, mc, kc, y + r0 * ldy, ldy, acc);
         amx_release();
     });
     return true;
