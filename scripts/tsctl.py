@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import gzip
 import json
 import os
 import signal
@@ -106,6 +107,17 @@ OMP_WAIT_POLICY = "PASSIVE"
 GOMP_SPINCOUNT = "20000"
 
 
+def read_log(workdir: Path, name: str) -> str:
+    """The whole of TorchServe's log ``name`` (``ts_log``, ``model_log``, ...): the files log4j2.xml rolled
+    it into (``<name>.<dd-MMM>.log.gz``, at midnight or at 100 MB), oldest first, then the current one.
+    A server started before midnight has its first lines in yesterday's file."""
+    logs = Path(workdir) / "logs"
+    rolled = sorted(logs.glob(f"{name}.*.log.gz"), key=lambda p: p.stat().st_mtime)
+    text = "".join(gzip.decompress(p.read_bytes()).decode(errors="replace") for p in rolled)
+    current = logs / f"{name}.log"
+    return text + (current.read_text(errors="replace") if current.exists() else "")
+
+
 def _absolute_log_config(vmarg: str, base_dir: Path) -> str:
     """``-Dlog4j.configurationFile=PATH`` with PATH made absolute against ``base_dir`` (TorchServe
     starts in its work directory, where a path relative to the config would not resolve)."""
@@ -193,8 +205,7 @@ class TorchServe:
         return ""
 
     def model_log(self) -> str:
-        path = self.workdir / "logs" / "model_log.log"
-        return path.read_text(errors="replace") if path.exists() else ""
+        return read_log(self.workdir, "model_log")
 
     def start(self, log_name: str = "torchserve.out") -> subprocess.Popen:
         self.tmpdir.mkdir(parents=True, exist_ok=True)

@@ -8,6 +8,8 @@ import time
 import pytest
 import requests
 
+from scripts.tsctl import read_log
+
 from conftest import CONTINUOUS, burst_statuses, serve_variant
 
 MODEL = CONTINUOUS
@@ -85,13 +87,12 @@ def test_interleaved_requests_stream_exactly_their_solo_tokens(server):
 def test_a_streamed_token_leaves_no_frontend_log_line(server):
     """Here every call to the worker is one step, one token: log4j2.xml drops the frontend's lines per call
     (TorchServe's default writes three, twice each), so ts_log.log grows by the same whatever the length."""
-    log = server.workdir / "logs" / "ts_log.log"
     lengths = {}
     for n in (4, 64):
-        before = log.stat().st_size
+        before = len(read_log(server.workdir, "ts_log"))
         assert len(Stream(server, PROMPTS[0], n).start().join().ids) == n
-        lengths[n] = log.stat().st_size - before
-    text = log.read_text(errors="replace")
+        lengths[n] = len(read_log(server.workdir, "ts_log")) - before
+    text = read_log(server.workdir, "ts_log")
     for per_call in ("Flushing req.cmd", "Looping backend response", "Backend response time", "Sending response"):
         assert per_call not in text, per_call
     assert lengths[64] - lengths[4] < 8000, lengths  # not lines a token: 3 x ~130 bytes, 60 tokens more

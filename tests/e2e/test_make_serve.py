@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from scripts.tsctl import read_key, read_properties
+from scripts.tsctl import read_key, read_log, read_properties
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -137,16 +137,15 @@ def test_the_llamacpp_worker_learns_its_one_row_thread_count_while_serving(serve
     _, workdir, _ = served
     url = read_properties(workdir / "config.properties")["inference_address"]
     headers = {"Authorization": f"Bearer {read_key(workdir)}"}
-    log = workdir / "logs" / "model_log.log"
     decision = "decode_threads auto: one-row steps as served came every"
     for _ in range(4):  # 3 rounds of 6 one-row steps on each count; a request of n tokens gives n - 2
         r = requests.post(f"{url}/predictions/tiny-llama-llamacpp", headers=headers, timeout=120,
                           json={"inputs": "Once upon a time", "stream": False,
                                 "parameters": {"max_new_tokens": 64, "details": True}})
         assert r.status_code == 200, r.text
-        if decision in log.read_text(errors="replace"):
+        if decision in read_log(workdir, "model_log"):
             break
-    text = log.read_text(errors="replace")
+    text = read_log(workdir, "model_log")
     if usable_cpus().count <= 2:  # the config's torch_threads: 2
         assert "decode_threads auto: 2 threads to start; steps of one row as served choose between 2 and 1" in text
         kept = text[text.index(decision):].splitlines()[0]

@@ -9,6 +9,8 @@ import threading
 import pytest
 import requests
 
+from scripts.tsctl import read_log
+
 PROMPTS = [
     "The function returns", "If the object is", "A list of", "The default value is",
     "When the file", "This module provides", "Return the number of", "The following",
@@ -89,7 +91,7 @@ def test_streamed_tokens_leave_no_log_line_each_and_the_frontend_logs_each_line_
     streamed token, three lines for every call to the worker (a token each under continuous batching),
     and writes every frontend line to ts_log.log twice."""
     assert len(generate(client, "Once upon a time", 32)) == 32
-    log = (server.workdir / "logs" / "ts_log.log").read_text(errors="replace")
+    log = read_log(server.workdir, "ts_log")
     for per_token in ("Sending response", "Flushing req.cmd", "Looping backend response", "Backend response time"):
         assert per_token not in log, per_token
     assert "WorkerThread - Connecting to:" in log  # the worker thread's other lines are still there
@@ -122,7 +124,7 @@ def test_concurrent_requests_each_get_their_own_stream(client, references, serve
         assert [line["token"]["id"] for line in lines] == [line["token"]["id"] for line in ref], prompt
         assert lines[-1]["generated_text"] == ref[-1]["generated_text"]
         assert sum(1 for line in lines if "details" in line) == 1 and "details" in lines[-1]
-    batches = [int(n) for n in re.findall(r"batch of (\d+) requests", (server.workdir / "logs" / "model_log.log").read_text())]
+    batches = [int(n) for n in re.findall(r"batch of (\d+) requests", server.model_log())]
     assert max(batches) > 4, f"requests were never batched beyond one micro-batch: {batches}"
 
 
@@ -192,7 +194,7 @@ def test_the_worker_runs_the_native_kernels_the_artifact_ships(server, model_sto
     isa = cpu_kernels.isa_for(cpu_flags())
     if isa is None:
         pytest.skip("this CPU runs none of the native kernels' instruction sets")
-    log = (server.workdir / "logs" / "model_log.log").read_text()
+    log = server.model_log()
     loaded = re.search(r"native CPU kernels: (\S+) \((\S+)\)", log)
     assert loaded, "the worker did not log which native kernels it loaded"
     assert loaded.group(1) == isa

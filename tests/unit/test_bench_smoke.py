@@ -22,6 +22,7 @@ import pytest
 from scripts.bench.clients import LlamaServerAdapter, OpenAICompletionsAdapter
 from scripts.bench.prompts import Prompt, PromptFactory
 from scripts.streaming_client import TorchServeAdapter, run_schedule, run_wave
+from scripts.tsctl import read_log
 
 from loopback_http import loopback_server
 
@@ -409,7 +410,7 @@ def test_smoke_as_an_avx2_cpu_serves_with_that_classs_dtype_and_kernels(smoke, t
     assert not {"avx512f", "avx512_bf16", "amx_bf16"} & set(machine["cpu_flags"])
     assert results["systems"]["torchserve"]["status"] == "ok"
     assert any(r["system"] == "torchserve" and r["ok"] for r in results["runs"])
-    log = (out / "work" / "torchserve" / "logs" / "model_log.log").read_text()
+    log = read_log(out / "work" / "torchserve", "model_log")
     assert re.search(r"native CPU kernels: avx2 \(", log), "the worker did not load the avx2 build"
     if host != "avx2":
         assert machine["emulated_on"] == host

@@ -1,11 +1,14 @@
 """scripts/tsctl.py: which archive each model name is served from, and what start refuses."""
 from __future__ import annotations
 
+import gzip
+import os
+import re
 import time
 
 import pytest
 
-from scripts.tsctl import ROOT, TorchServe, load_models_value, main, settled
+from scripts.tsctl import ROOT, TorchServe, load_models_value, main, read_log, settled
 
 
 def test_each_name_is_served_from_its_directory_or_archive(tmp_path):
@@ -132,3 +135,21 @@ def test_a_load_failure_is_read_again_until_its_lines_stop_arriving():
         "Failed to load model\nreason:\nthe compiler changed")
     assert settled(lambda: "still growing" + str(time.monotonic()), "x", interval=0.01, limit=0.1).startswith(
         "still growing")
+
+
+@pytest.mark.parametrize("name", ["ts_log", "model_log"])
+def test_a_log_is_read_whole_across_the_files_log4j2_rolled_it_into(tmp_path, name):
+    """A server started before midnight has its first lines in yesterday's file (log4j2.xml rolls by
+    day), which the end-to-end tests and the bench must still read."""
+    config = (ROOT / "log4j2.xml").read_text()
+    pattern = re.search(rf'filePattern="\$\{{env:LOG_LOCATION:-logs\}}/({name}\.%d\{{dd-MMM\}}\.log\.gz)"', config)
+    assert pattern, f"log4j2.xml no longer rolls {name} as read_log expects"
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    assert read_log(tmp_path, name) == ""
+    for age, day in ((2, "05-Dec"), (1, "06-Dec")):
+        rolled = logs / pattern.group(1).replace("%d{dd-MMM}", day)
+        rolled.write_bytes(gzip.compress(f"{day} line\n".encode()))
+        os.utime(rolled, (time.time() - age * 86400,) * 2)
+    (logs / f"{name}.log").write_text("today's line\n")
+    assert read_log(tmp_path, name) == "05-Dec line\n06-Dec line\ntoday's line\n"
