@@ -113,8 +113,9 @@ NEURON_KEYS = frozenset({"tp_degree", "amp", "n_positions", "context_length_esti
                          "gqa", "visible_cores", "compilation_worker_count"})
 TORCH_KEYS = frozenset({"dtype", "device", "compile", "kv_cache_dtype", "weight_dtype"})
 #: ``handler.weight_dtype``: the linear layers' weights; another dtype than the arithmetic's only as
-#: bfloat16 weights under float32 arithmetic (the native CPU kernels widen them as they stream them).
-WEIGHT_DTYPES = ("auto", "float32", "bfloat16")
+#: bfloat16 weights under float32 arithmetic (the native CPU kernels widen them as they stream them), or as
+#: int8 with a scale per row under float32 or bfloat16 (opt-in and lossy: half a bf16 weight's bytes).
+WEIGHT_DTYPES = ("auto", "float32", "bfloat16", "int8")
 LLAMACPP_KEYS = frozenset({"gguf", "gguf_type", "decode_threads", "flash_attn"})
 #: ``handler.flash_attn`` (llamacpp): llama.cpp's flash attention on, off, or timed both ways at load.
 FLASH_ATTN = ("auto", "on", "off")
@@ -198,6 +199,9 @@ class HandlerConfig:
         _check_choice("handler.flash_attn", self.flash_attn, FLASH_ATTN)
         _check_choice("handler.kv_cache_dtype", self.kv_cache_dtype, DTYPES)
         _check_choice("handler.weight_dtype", self.weight_dtype, WEIGHT_DTYPES)
+        if self.weight_dtype == "int8" and self.dtype == "float16":
+            raise ConfigError("handler.weight_dtype int8 under dtype float16: the native CPU kernels multiply int8 "
+                              "weights under float32 or bfloat16 arithmetic; set dtype: auto, float32 or bfloat16")
         if self.weight_dtype == "bfloat16" and self.dtype == "float16":
             raise ConfigError(f"handler.weight_dtype {self.weight_dtype} under dtype {self.dtype}: weights may differ "
                               "from the arithmetic only as bfloat16 under float32; set weight_dtype: auto or "

@@ -301,20 +301,23 @@ def test_bad_kv_cache_dtype(extra, expected):
         load_model_config(data)
 
 
-def test_weight_dtype_is_auto_by_default_and_takes_float32_or_bfloat16():
+def test_weight_dtype_is_auto_by_default_and_takes_float32_bfloat16_or_int8():
     assert load_model_config(base()).handler.weight_dtype == "auto"
-    for value in ("float32", "bfloat16"):
+    for value in ("float32", "bfloat16", "int8"):
         data = base()
         data["handler"].update(dtype="float32", weight_dtype=value)
         assert load_model_config(data).handler.weight_dtype == value
 
 
 @pytest.mark.parametrize("changes,expected", [
-    ({"weight_dtype": "int8"}, r"handler\.weight_dtype: must be one of auto, float32, bfloat16, got 'int8'"),
+    ({"weight_dtype": "int4"}, r"handler\.weight_dtype: must be one of auto, float32, bfloat16, int8, got 'int4'"),
     ({"weight_dtype": "float16"}, r"handler\.weight_dtype: must be one of"),
     ({"dtype": "float16", "weight_dtype": "bfloat16"}, r"handler\.weight_dtype bfloat16 under dtype float16: .* set "
                                                        r"weight_dtype: auto or float16"),
     ({"compile": True, "weight_dtype": "bfloat16"}, r"handler\.weight_dtype: the compiled backend .* set compile: false"),
+    ({"dtype": "float16", "weight_dtype": "int8"}, r"handler\.weight_dtype int8 under dtype float16: .* set dtype: "
+                                                   r"auto, float32 or bfloat16"),
+    ({"compile": True, "weight_dtype": "int8"}, r"handler\.weight_dtype: the compiled backend .* set compile: false"),
 ])
 def test_bad_weight_dtype_names_the_key_and_the_fix(changes, expected):
     data = base()

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from llama_engine.backends import cpu_kernels
+from llama_engine.backends import cpu_kernels, int8_rows
 from llama_engine.backends.base import take_greedy_picks
 from llama_engine.cpu import _loaded_libgomps, cpu_flags
 
@@ -162,6 +162,48 @@ def test_the_one_row_prefetch_is_measured_once_per_dtype_pair_unless_the_environ
         monkeypatch.setenv(cpu_kernels.PREFETCH_ENV, bad)
         with pytest.raises(ValueError, match=f"{cpu_kernels.PREFETCH_ENV}=.*distance in bytes"):
             cpu_kernels.tune_one_row_prefetch(kernels, weights, torch.float32)
+
+
+@pytest.mark.parametrize("kernels", ISAS, indirect=True)
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, inner, outer", [(1, 768, 2304), (3, 768, 770), (5, 100, 9), (8, 3072, 96),
+                                                (16, 33, 64), (1, 17, 3), (7, 256, 257), (14, 96, 10),
+                                                (64, 768, 2304), (131, 300, 80), (97, 520, 48), (48, 128, 32),
+                                                (47, 136, 32), (40, 520, 96), (39, 64, 64), (600, 520, 96)])
+def test_linear_over_int8_rows_is_the_float64_product_of_the_weight_they_stand_for(kernels, x_dtype, rows, inner,
+                                                                                    outer):
+    """int8 weights with a scale per row, as a decode step's few rows and a prompt's many take them (the tiles;
+    the GEMMs from 48 or 40 rows over whole panels, in blocks of 264 rows), with row, column and inner tails and
+    strided rows in and out: each output is the product with the dequantized weight, to float32 accumulation
+    and one rounding to the activations' dtype, and the columns beside the output are untouched."""
+    gen = torch.Generator().manual_seed(rows * inner + outer)
+    x = torch.randn(rows, inner + 24, generator=gen)[:, 8:8 + inner].to(x_dtype)
+    quantized = int8_rows.quantize(torch.randn(outer, inner, generator=gen))
+    padded = torch.full((rows, outer + 16), 7.0, dtype=x_dtype)
+    out = padded[:, :outer]
+    assert kernels.linear(x, quantized, out=out).data_ptr() == out.data_ptr()
+    assert_product(out, x, int8_rows.dequantize(quantized))
+    assert torch.equal(padded[:, outer:], torch.full((rows, 16), 7.0, dtype=x_dtype))
+
+
+@pytest.mark.parametrize("kernels", ISAS, indirect=True)
+def test_linear_refuses_int8_values_without_their_scales(kernels):
+    quantized = int8_rows.quantize(torch.randn(8, 64))
+    with pytest.raises(ValueError, match="no scales behind it"):
+        kernels.linear(torch.randn(2, 64), quantized.clone())
+    with pytest.raises(ValueError, match="no scales behind it"):
+        kernels.linear(torch.randn(2, 64), torch.zeros(8, 64, dtype=torch.int8))
+    with pytest.raises(ValueError, match=r"unsupported dtypes \(torch.float16 activations, torch.int8 weight\)"):
+        kernels.linear(torch.randn(2, 64).to(torch.float16), quantized)
+    width, dim = 64, 32
+    layer = {"input_norm": torch.ones(width), "qkv": int8_rows.quantize(torch.randn(6 * dim, width)),
+             "o": int8_rows.quantize(torch.randn(width, 2 * dim)), "post_norm": torch.ones(width),
+             "gate_up": int8_rows.quantize(torch.randn(64, width)), "down": int8_rows.quantize(torch.randn(width, 32))}
+    cpu_kernels.DecodeLayers(kernels, [layer], 2, 2, dim, 1e-5)
+    with pytest.raises(ValueError, match="no scales behind it"):
+        cpu_kernels.DecodeLayers(kernels, [dict(layer, down=layer["down"].clone())], 2, 2, dim, 1e-5)
+    with pytest.raises(ValueError, match="no scales behind it"):
+        cpu_kernels.DecodeLayers(kernels, [layer], 2, 2, dim, 1e-5, head=(torch.ones(width), quantized.clone()))
 
 
 @pytest.mark.parametrize("kernels", ISAS, indirect=True)
@@ -902,12 +944,22 @@ def layer_by_layer(kernels, hidden, layers, k_cache, v_cache, cos, ssin, positio
     return delta
 
 
+def random_weight(rand, weight_dtype, rows, columns, scale=1.0):
+    """A product's random weight ``[rows, columns]`` in ``weight_dtype`` (int8: quantized, its scales behind it)."""
+    if weight_dtype == torch.int8:
+        return int8_rows.quantize(rand(rows, columns, dt=torch.float32) * scale)
+    return rand(rows, columns, dt=weight_dtype) * scale
+
+
 def random_layers(rand, gen, weight_dtype, n_layers, heads, kv_heads, dim, width, inner, max_length):
     """``n_layers`` layers of random weights for :class:`cpu_kernels.DecodeLayers` (``rand(*shape, dt=...)``: norms
     in the activations' dtype, products in ``weight_dtype``), and the rotary tables in the activations' dtype."""
-    layers = [{"input_norm": 1 + rand(width) * 0.1, "qkv": rand((heads + 2 * kv_heads) * dim, width, dt=weight_dtype),
-               "o": rand(width, heads * dim, dt=weight_dtype), "post_norm": 1 + rand(width) * 0.1,
-               "gate_up": rand(2 * inner, width, dt=weight_dtype), "down": rand(width, inner, dt=weight_dtype)}
+    def weight(rows, columns):
+        return random_weight(rand, weight_dtype, rows, columns)
+
+    layers = [{"input_norm": 1 + rand(width) * 0.1, "qkv": weight((heads + 2 * kv_heads) * dim, width),
+               "o": weight(width, heads * dim), "post_norm": 1 + rand(width) * 0.1,
+               "gate_up": weight(2 * inner, width), "down": weight(width, inner)}
               for _ in range(n_layers)]
     dtype = layers[0]["input_norm"].dtype
     angles = torch.randn(max_length, dim // 2, generator=gen)
@@ -946,7 +998,8 @@ def test_decode_layers_in_one_call_compute_the_kernels_called_one_by_one_bit_for
 
 @pytest.mark.parametrize("kernels", ISAS, indirect=True)
 @pytest.mark.parametrize("dtype, weight_dtype", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
-                                                 (torch.bfloat16, torch.bfloat16)])
+                                                 (torch.bfloat16, torch.bfloat16), (torch.float32, torch.int8),
+                                                 (torch.bfloat16, torch.int8)])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_decode_layers_with_a_head_end_with_float32_logits_and_each_rows_greedy_pick(kernels, dtype, weight_dtype,
                                                                                    threads):
@@ -957,7 +1010,7 @@ def test_decode_layers_with_a_head_end_with_float32_logits_and_each_rows_greedy_
     heads, kv_heads, dim, width, inner, max_length, vocab = 4, 2, 32, 64, 96, 16, 100
     rand = lambda *shape, dt=dtype: (torch.randn(*shape, generator=gen) * 0.5).to(dt)  # noqa: E731
     layers, cos, ssin = random_layers(rand, gen, weight_dtype, 2, heads, kv_heads, dim, width, inner, max_length)
-    norm, lm_head = 1 + rand(width) * 0.1, rand(vocab, width, dt=weight_dtype) * 4
+    norm, lm_head = 1 + rand(width) * 0.1, random_weight(rand, weight_dtype, vocab, width, scale=4)
     cache = rand(2, 4, kv_heads, max_length, dim)
     positions, slots, hidden = torch.tensor([5, 0, 11]), torch.tensor([2, 0, 3]), rand(3, width)
     previous = torch.get_num_threads()
@@ -970,7 +1023,7 @@ def test_decode_layers_with_a_head_end_with_float32_logits_and_each_rows_greedy_
         got = cpu_kernels.DecodeLayers(kernels, layers, heads, kv_heads, dim, 1e-5, head=(norm, lm_head))(
             hidden.clone(), cache.clone(), cache.clone(), cos, ssin, positions, slots, positions + 1)
         tied = cpu_kernels.DecodeLayers(kernels, layers, heads, kv_heads, dim, 1e-5,
-                                        head=(norm, torch.zeros_like(lm_head)))(
+                                        head=(norm, random_weight(rand, weight_dtype, vocab, width, scale=0)))(
             hidden.clone(), cache.clone(), cache.clone(), cos, ssin, positions, slots, positions + 1)
     finally:
         torch.set_num_threads(previous)

@@ -18,7 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from llama_engine import cpu as cpu_info
-from llama_engine.backends import cpu_kernels, fast_linear, torch_backend
+from llama_engine.backends import cpu_kernels, fast_linear, int8_rows, torch_backend
 from llama_engine.backends.base import PrefillChunk, SlotBatchBackend, take_greedy_picks
 from llama_engine.backends.fast_linear import (
     FusedLlamaProjections,
@@ -613,7 +613,8 @@ class CountedCalls:
 @needs_native
 @pytest.mark.parametrize("dtype, weight_dtype, kv", [("float32", None, "auto"), ("float32", torch.bfloat16, "auto"),
                                                      ("float32", torch.bfloat16, "bfloat16"),
-                                                     pytest.param("bfloat16", None, "auto", marks=BF16)])
+                                                     pytest.param("bfloat16", None, "auto", marks=BF16),
+                                                     ("float32", torch.int8, "auto"), ("bfloat16", torch.int8, "auto")])
 def test_decode_steps_run_their_layers_in_one_native_call_with_the_python_loops_numbers(tiny_model_dir, dtype,
                                                                                         weight_dtype, kv,
                                                                                         monkeypatch):
@@ -631,7 +632,8 @@ def test_decode_steps_run_their_layers_in_one_native_call_with_the_python_loops_
     backends = [TorchSlotBackend(load(tiny_model_dir, torch_dtype), max_slots=4, max_length=96,
                                  owns_model=True, weight_dtype=weight_dtype, kv_cache_dtype=kv) for _ in range(2)]
     native, python = backends
-    bf16_cache = kv == "bfloat16" or dtype == "bfloat16" or weight_dtype == torch.bfloat16  # auto: the weights'
+    bf16_cache = kv == "bfloat16" or dtype == "bfloat16" or weight_dtype in (torch.bfloat16, torch.int8)  # auto: the
+    # weights' (int8 weights: bf16 ones')
     assert native.kv_dtype == (torch.bfloat16 if bf16_cache else torch.float32)
     if measured:
         assert native._decode_layers is None  # such products are oneDNN's on this CPU (bf16 on AMX)
@@ -661,7 +663,7 @@ def test_decode_steps_run_their_layers_in_one_native_call_with_the_python_loops_
 
 @needs_native
 @pytest.mark.parametrize("dtype, weight_dtype, kv", [("float32", torch.bfloat16, "auto"),
-                                                     ("float32", torch.bfloat16, "float32"),
+                                                     ("float32", torch.bfloat16, "float32"), ("float32", torch.int8, "auto"),
                                                      pytest.param("bfloat16", None, "auto", marks=[BF16, needs_bf16_native])])
 def test_a_prompt_alone_runs_its_layers_in_one_native_call_with_the_python_loops_numbers(tiny_model_dir, dtype,
                                                                                         weight_dtype, kv,
@@ -808,7 +810,8 @@ def test_on_off_switches_take_their_spellings_and_name_a_typo(monkeypatch, tiny_
 
 
 @pytest.mark.parametrize("dtype, weight_dtype", [pytest.param(torch.float32, torch.bfloat16, marks=needs_native),
-                                                  pytest.param(torch.bfloat16, None, marks=needs_bf16_native)])
+                                                  pytest.param(torch.bfloat16, None, marks=needs_bf16_native),
+                                                  pytest.param(torch.float32, torch.int8, marks=needs_native)])
 def test_a_slot_backend_of_its_own_model_gathers_the_weights_a_decode_step_streams_in_its_order(
         tiny_model_dir, monkeypatch, caplog, dtype, weight_dtype):
     """q/k/v, o, gate/up and down of every layer, one after another in one block (``gather_weights``), with
@@ -836,7 +839,10 @@ def test_a_slot_backend_of_its_own_model_gathers_the_weights_a_decode_step_strea
     pointers = [p.weight.data_ptr() for p in products]
     assert len(storages) == 1 and pointers == sorted(pointers)
     for earlier, later in zip(products, products[1:]):
-        end = earlier.weight.data_ptr() + earlier.weight.numel() * earlier.weight.element_size()
+        int8 = earlier.weight.dtype == torch.int8  # its scales behind it
+        end = earlier.weight.data_ptr() + (int8_rows.nbytes(earlier.weight.shape) if int8 else
+                                           earlier.weight.numel() * earlier.weight.element_size())
+        assert not int8 or int8_rows.carries_scales(earlier.weight)
         assert 0 <= later.weight.data_ptr() - end < fast_linear.GATHER_ALIGN
     monkeypatch.setenv(fast_linear.GATHER_ENV, "0")
     loaded = backend()
@@ -1587,3 +1593,80 @@ def test_a_bf16_model_on_amx_tiles_decodes_the_tokens_of_onednns_products(tiny_m
     (tiled, tiled_logits), (onednn, onednn_logits) = runs
     assert tiled == onednn
     torch.testing.assert_close(tiled_logits, onednn_logits, rtol=0.05, atol=0.05 * onednn_logits.abs().max().item())
+
+
+@needs_native
+def test_native_linear_keeps_int8_rows_and_computes_the_dequantized_weights_product_at_every_row_count():
+    """``weight_dtype`` int8: the weight kept as int8 with a scale per row (a quarter of float32's bytes and
+    its scales), every row count on the native kernels (nothing else reads it), the bias in the arithmetic's
+    dtype; a place of the wrong shape or without room for the scales is not taken."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(96, 80, bias=True)
+    native = NativeLinear(linear, NATIVE, max_rows=6, weight_dtype=torch.int8)
+    assert native.weight.dtype == torch.int8 and int8_rows.carries_scales(native.weight)
+    assert native.max_rows == sys.maxsize and not native.pairs and native.bias.dtype == torch.float32
+    dequantized = int8_rows.dequantize(native.weight)
+    assert (dequantized - linear.weight.detach()).abs().max() <= int8_rows.scales(native.weight).max() / 2 + 1e-7
+    for shape in ((1, 96), (3, 2, 96), (7, 96), (300, 96)):
+        x = torch.randn(shape)
+        with torch.inference_mode():
+            got = native(x)
+        torch.testing.assert_close(got, torch.nn.functional.linear(x, dequantized, linear.bias.detach()),
+                                   atol=1e-5, rtol=1e-5)
+    place = int8_rows.empty((80, 96))
+    assert NativeLinear(linear, NATIVE, weight_dtype=torch.int8, place=place).weight.data_ptr() == place.data_ptr()
+    for wrong in (torch.empty(80, 96, dtype=torch.int8), int8_rows.empty((96, 80))):
+        assert NativeLinear(linear, NATIVE, weight_dtype=torch.int8, place=wrong).weight.data_ptr() != wrong.data_ptr()
+
+
+def test_weight_dtype_int8_needs_the_native_kernels_and_float32_or_bfloat16_arithmetic(monkeypatch):
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    weight_dtype_for = torch_backend.weight_dtype_for
+    monkeypatch.setattr(fast_linear.cpu_kernels, "for_device", lambda device: object())
+    assert weight_dtype_for("int8", torch.float32, cpu, "bfloat16") == torch.int8
+    assert weight_dtype_for("int8", torch.bfloat16, cpu, None) == torch.int8
+    for dtype, device in ((torch.float16, cpu), (torch.float32, gpu)):
+        with pytest.raises(ValueError, match=r"handler\.weight_dtype int8 under .* set weight_dtype: auto"):
+            weight_dtype_for("int8", dtype, device, "float32")
+    monkeypatch.setattr(fast_linear.cpu_kernels, "for_device", lambda device: None)
+    with pytest.raises(ValueError, match="AVX2 and FMA"):
+        weight_dtype_for("int8", torch.float32, cpu, "float32")
+
+
+@needs_native
+def test_int8_weights_with_packing_switched_off_are_refused_naming_the_switch(tiny_model_dir, monkeypatch):
+    monkeypatch.setenv(fast_linear.ENV, "0")
+    with pytest.raises(ValueError, match=f"{fast_linear.ENV}=0 keeps torch's linears"):
+        TorchSlotBackend(load(tiny_model_dir, torch.float32), max_slots=1, max_length=32, owns_model=True,
+                         weight_dtype=torch.int8)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_weights_keep_the_models_logits_to_their_quantization(tiny_model_dir, dtype):
+    """Every linear (the LM head too) in int8 with a scale per row: prefill and decode logits within a small
+    share of the logits' range of the model with its own weights (the tiny model's random weights: per-row
+    rounding errors of ~0.2% of each row's largest weight), and greedy picks that mostly agree."""
+    int8 = TorchSlotBackend(load(tiny_model_dir, dtype), max_slots=1, max_length=96, owns_model=True,
+                            weight_dtype=torch.int8, kv_cache_dtype="float32")
+    plain = TorchSlotBackend(load(tiny_model_dir, dtype), max_slots=1, max_length=96, owns_model=True,
+                             kv_cache_dtype="float32")
+    linears = [m for m in int8.model.modules() if isinstance(m, NativeLinear)]
+    linears += [m for fused in int8._fused for m in fused.modules() if isinstance(m, NativeLinear)]
+    assert linears and all(m.weight.dtype == torch.int8 for m in linears) and int8._logits_natively
+    assert not any(type(m) is torch.nn.Linear for m in int8.model.modules())
+    prompt = prompts(batch=1, length=40)[0][0].tolist()
+    got, want, same = [], [], 0
+    with torch.inference_mode():
+        got.append(int8.prefill_slot(0, prompt).float())
+        want.append(plain.prefill_slot(0, prompt).float())
+        for _ in range(20):
+            token = int(want[-1].argmax())
+            same += token == int(got[-1].argmax())
+            got.append(int8.decode_slots([0], [token])[0].float())
+            want.append(plain.decode_slots([0], [token])[0].float())
+    got, want = torch.stack(got), torch.stack(want)
+    spread = want.amax(-1) - want.amin(-1)
+    assert ((got - want).abs().amax(-1) / spread).max() < 0.05
+    assert torch.nn.functional.cosine_similarity(got, want, dim=-1).min() > 0.999
+    assert same >= 16

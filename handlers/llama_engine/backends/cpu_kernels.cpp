@@ -10,7 +10,9 @@
 // threads are the caller's and a pool's (Pool, below), not OpenMP's.
 //
 // dtype codes: 0 float32, 1 bfloat16. Pointers are to row-major data, rows `ld` elements apart
-// where an ld is given and contiguous otherwise.
+// where an ld is given and contiguous otherwise. A weight may also be int8 with a float32 scale per
+// row (weight code 3, INT8_CODE): w [N, K] is its N K values, and the N scales follow them from the
+// next multiple of 64 bytes (row_scales); row n of the weight is w[n] * scale[n].
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -50,6 +52,7 @@ inline bf16 f32_to_bf16(float f) {
 
 inline float to_f32(float x) { return x; }
 inline float to_f32(bf16 x) { return bf16_to_f32(x); }
+inline float to_f32(int8_t x) { return (float)x; }
 inline void store_scalar(float *p, float v) { *p = v; }
 inline void store_scalar(bf16 *p, float v) { *p = f32_to_bf16(v); }
 
@@ -70,6 +73,7 @@ struct Vec {
         __m256i h = _mm256_loadu_si256((const __m256i *)p);
         return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
     }
+    static F load(const int8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))); }
     static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
     static F add(F a, F b) { return _mm512_add_ps(a, b); }
     static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
@@ -141,6 +145,7 @@ struct Vec {
         __m128i h = _mm_loadu_si128((const __m128i *)p);
         return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
     }
+    static F load(const int8_t *p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p))); }
     static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
     static F add(F a, F b) { return _mm256_add_ps(a, b); }
     static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
@@ -262,6 +267,18 @@ inline void prefetch(const void *p) { _mm_prefetch((const char *)p, _MM_HINT_T0)
 inline void prefetch_weight(const void *p) { _mm_prefetch((const char *)p, LLK_WEIGHT_HINT); }
 
 inline long round_up(long n, long m) { return (n + m - 1) / m * m; }
+
+static const int INT8_CODE = 3;
+
+// The scale of each of w's N rows: none (nullptr) but for an int8 weight, whose scales follow its N K values
+// from the next multiple of 64 bytes. A product over w multiplies each output's float32 sum by its row's scale.
+template <class TW>
+inline const float *row_scales(const TW *w, long N, long K) {
+    if constexpr (std::is_same_v<TW, int8_t>) return (const float *)((const char *)w + round_up(N * K, 64));
+    else return (void)w, (void)N, (void)K, nullptr;
+}
+
+inline float scaled(float sum, const float *scales, long n) { return scales ? sum * scales[n] : sum; }
 
 // A thread's scratch buffer, at least n elements long: it only grows. resize() value-initialises the elements it
 // adds, so a buffer sized per call (K alternating 768 and 3072 between a layer's products, a prompt's attention
@@ -561,7 +578,8 @@ static constexpr bool SPREAD_PREFETCH = false;
 #endif
 
 template <class TX, class TW, int R, int MB>
-void linear_rows(const TX *x, long ldx, const TW *w, TX *y, long ldy, long M, long K, long n0, long n1, long pf) {
+void linear_rows(const TX *x, long ldx, const TW *w, TX *y, long ldy, long M, long K, long n0, long n1, long pf,
+                 const float *scales) {
     float acc[MB * R];
     const long groups = (M + MB - 1) / MB;
     const bool spread = SPREAD_PREFETCH && groups > 1;
@@ -573,13 +591,13 @@ void linear_rows(const TX *x, long ldx, const TW *w, TX *y, long ldy, long M, lo
             const TW *ahead = spread ? w + (n + R) * K + (m / MB) * (R * K / groups) : nullptr;
             linear_tile_rows<TX, TW, R, MB>(mb, x + m * ldx, ldx, w + n * K, K, pf, acc, ahead, ahead_step);
             for (long i = 0; i < mb; i++)
-                for (int r = 0; r < R; r++) store_scalar(y + (m + i) * ldy + n + r, acc[i * R + r]);
+                for (int r = 0; r < R; r++) store_scalar(y + (m + i) * ldy + n + r, scaled(acc[i * R + r], scales, n + r));
         }
     }
     for (; n < n1; n++)
         for (long m = 0; m < M; m++) {
             linear_tile<TX, TW, 1, 1>(x + m * ldx, ldx, w + n * K, K, pf, acc);
-            store_scalar(y + m * ldy + n, acc[0]);
+            store_scalar(y + m * ldy + n, scaled(acc[0], scales, n));
         }
 }
 
@@ -715,6 +733,7 @@ inline __m256 load8(const float *p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const bf16 *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
 }
+inline __m256 load8(const int8_t *p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p))); }
 
 // panel[k * GEMM_NR + j] = w[j][k0 + k] for the GEMM_NR rows of w at w, k < kc, as float32.
 template <class TW>
@@ -809,7 +828,8 @@ inline void pack_rows(const TX *x, long ldx, long M, long k0, long kc, long g, f
 // Columns [n0, n1) of y (a multiple of GEMM_NR of them) for all M rows, from a: x packed by
 // pack_rows, the micro-panel of K's block b and rows group g at (b * groups + g) * GEMM_A_STRIDE.
 template <class TW>
-void gemm_columns(const float *a, const TW *w, float *y, long ldy, long M, long K, long n0, long n1) {
+void gemm_columns(const float *a, const TW *w, const float *scales, float *y, long ldy, long M, long K, long n0,
+                  long n1) {
     thread_local std::vector<float, AlignedAlloc<float>> packed;
     const long panels = (n1 - n0) / GEMM_NR, groups = (M + GEMM_MR - 1) / GEMM_MR;
     packed.resize((size_t)(panels * GEMM_KC * GEMM_NR));
@@ -829,11 +849,16 @@ void gemm_columns(const float *a, const TW *w, float *y, long ldy, long M, long 
                 }
         }
     }
+    if (scales)
+        for (long m = 0; m < M; m++)
+            for (long n = n0; n < n1; n += 8)
+                _mm256_storeu_ps(y + m * ldy + n, _mm256_mul_ps(_mm256_loadu_ps(y + m * ldy + n), _mm256_loadu_ps(scales + n)));
 }
 
 // y = x @ w^T for rows [0, M) of x, whatever their number, GEMM_ROWS or fewer.
 template <class TW>
 void gemm_rows(const float *x, long ldx, const TW *w, float *y, long ldy, long M, long K, long N, int threads) {
+    const float *scales = row_scales(w, N, K);
     const long groups = (M + GEMM_MR - 1) / GEMM_MR, blocks = (K + GEMM_KC - 1) / GEMM_KC;
     // x once as micro-panels, for every thread's columns; as big as x, so allocated per call, not
     // kept (a thread_local named inside the lambdas would be each helper's own, not this one)
@@ -846,7 +871,7 @@ void gemm_rows(const float *x, long ldx, const TW *w, float *y, long ldy, long M
     const long chunks = (N + GEMM_COLS - 1) / GEMM_COLS;
     pool().run(chunks, threads, [&](long c) {
         const long n0 = c * GEMM_COLS, n1 = n0 + GEMM_COLS < N ? n0 + GEMM_COLS : N;
-        gemm_columns(a, w, y, ldy, M, K, n0, n1);
+        gemm_columns(a, w, scales, y, ldy, M, K, n0, n1);
     });
 }
 
@@ -886,6 +911,7 @@ static constexpr long G5_MIN_ROWS = 40;
 
 inline __m512 load16(const float *p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const bf16 *p) { return Vec::load(p); }
+inline __m512 load16(const int8_t *p) { return Vec::load(p); }
 
 // The 16 x 16 floats at rows[r] + c (r < 16), transposed: sink(j, v) takes v = column c + j of the 16 rows.
 template <class T, class Sink>
@@ -970,7 +996,8 @@ inline void gemm512_tile(long kc, const float *a, const float *panel, float *acc
 // of the bench model's weights 1.12-1.18x slower at 256 to 2,048 rows on an Emerald Rapids Xeon.)
 // y = x @ w^T for rows [0, M) of x, whatever their number, GEMM_ROWS or fewer.
 template <class TX, class PackW>
-void gemm512_rows(const TX *x, long ldx, PackW &pack_w, TX *y, long ldy, long M, long K, long N, int threads) {
+void gemm512_rows(const TX *x, long ldx, PackW &pack_w, TX *y, long ldy, long M, long K, long N, int threads,
+                  const float *scales) {
     const long groups = (M + G5_MR - 1) / G5_MR, blocks = (K + G5_KC - 1) / G5_KC;
     const long stride = G5_KC * G5_MR;  // floats of one micro-panel (rows group g, K block b: (b * groups + g))
     AlignedFloats x_panels((size_t)(blocks * groups * stride));
@@ -996,18 +1023,21 @@ void gemm512_rows(const TX *x, long ldx, PackW &pack_w, TX *y, long ldy, long M,
             }
         }
         for (long m = 0; m < M; m++)
-            for (long j = 0; j < cols; j += 16)
-                Vec::store(y + m * ldy + n0 + j, _mm512_loadu_ps(acc.data() + m * G5_COLS + j));
+            for (long j = 0; j < cols; j += 16) {
+                const __m512 sums = _mm512_loadu_ps(acc.data() + m * G5_COLS + j);
+                Vec::store(y + m * ldy + n0 + j, scales ? _mm512_mul_ps(sums, _mm512_loadu_ps(scales + n0 + j)) : sums);
+            }
     });
 }
 
 template <class TX, class PackW>
-bool gemm512_with(const TX *x, long ldx, PackW &&pack_w, TX *y, long ldy, long M, long K, long N, int threads) {
+bool gemm512_with(const TX *x, long ldx, PackW &&pack_w, TX *y, long ldy, long M, long K, long N, int threads,
+                  const float *scales = nullptr) {
     if (M < G5_MIN_ROWS || N % G5_NR != 0) return false;
     static_assert(GEMM_ROWS % G5_MR == 0 && GEMM_ROWS % GEMM_MR == 0, "a block of rows is whole tiles");
     for (long m0 = 0; m0 < M; m0 += GEMM_ROWS)
         gemm512_rows(x + m0 * ldx, ldx, pack_w, y + m0 * ldy, ldy, M - m0 < GEMM_ROWS ? M - m0 : GEMM_ROWS, K, N,
-                     threads);
+                     threads, scales);
     return true;
 }
 
@@ -1015,7 +1045,7 @@ template <class TX, class TW>
 bool gemm512(const TX *x, long ldx, const TW *w, TX *y, long ldy, long M, long K, long N, int threads) {
     return gemm512_with(
         x, ldx, [&](long n, long k0, long kc, float *panel) { pack_panel512(w + n * K, K, k0, kc, panel); }, y, ldy,
-        M, K, N, threads);
+        M, K, N, threads, row_scales(w, N, K));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1440,12 +1470,13 @@ void linear(const TX *x, long ldx, const TW *w, TX *y, long ldy, long M, long K,
 #elif defined(LLK_VEC512)
     if (gemm512(x, ldx, w, y, ldy, M, K, N, threads)) return;
 #endif
+    const float *scales = row_scales(w, N, K);
     const long one_row = one_row_prefetch > 0 ? one_row_prefetch : PREFETCH_ONE_ROW;
     const long pf = M == 1 ? one_row / (long)sizeof(TW) : PREFETCH_ROWS_WEIGHTS;
     const int R = M == 1 ? 1 : TILE_W;
     auto run = [&](long n0, long n1) {
-        if (M == 1) linear_rows<TX, TW, 1, 1>(x, ldx, w, y, ldy, M, K, n0, n1, pf);
-        else linear_rows<TX, TW, TILE_W, TILE_X>(x, ldx, w, y, ldy, M, K, n0, n1, pf);
+        if (M == 1) linear_rows<TX, TW, 1, 1>(x, ldx, w, y, ldy, M, K, n0, n1, pf, scales);
+        else linear_rows<TX, TW, TILE_W, TILE_X>(x, ldx, w, y, ldy, M, K, n0, n1, pf, scales);
     };
     // Rows of w go out in chunks of ~CHUNK_BYTES, each to whichever thread is free (see Pool).
     const long row_bytes = K * (long)sizeof(TW);
@@ -2388,6 +2419,12 @@ LLK_API int llk_linear(const void *x, long ldx, int x_dtype, const void *w, int 
         linear<bf16, bf16>((const bf16 *)x, ldx, (const bf16 *)w, (bf16 *)y, ldy, M, K, N, threads, one_row_prefetch);
         return 0;
     }
+    if (w_dtype == INT8_CODE) {
+        if (x_dtype == 0) linear<float, int8_t>((const float *)x, ldx, (const int8_t *)w, (float *)y, ldy, M, K, N, threads, one_row_prefetch);
+        else if (x_dtype == 1) linear<bf16, int8_t>((const bf16 *)x, ldx, (const int8_t *)w, (bf16 *)y, ldy, M, K, N, threads, one_row_prefetch);
+        else return -1;
+        return 0;
+    }
 #if defined(LLK_VEC512)
     if (w_dtype == PAIRS_CODE && K % 2 == 0 && N % PANEL_COLS == 0) {
         if (x_dtype == 0) linear_pairs<float>((const float *)x, ldx, (const bf16 *)w, (float *)y, ldy, M, K, N, threads);
@@ -2581,6 +2618,10 @@ LLK_API int llk_decode_layers(void *hidden, void *delta, void *scratch, const lo
     if (dtype == 0 && w_dtype == 0 && kv_dtype == 1) LLK_LAYERS(float, float, bf16);
     if (dtype == 1 && w_dtype == 1 && kv_dtype == 1) LLK_LAYERS(bf16, bf16, bf16);
     if (dtype == 1 && w_dtype == 1 && kv_dtype == 0) LLK_LAYERS(bf16, bf16, float);
+    if (dtype == 0 && w_dtype == INT8_CODE && kv_dtype == 0) LLK_LAYERS(float, int8_t, float);
+    if (dtype == 0 && w_dtype == INT8_CODE && kv_dtype == 1) LLK_LAYERS(float, int8_t, bf16);
+    if (dtype == 1 && w_dtype == INT8_CODE && kv_dtype == 1) LLK_LAYERS(bf16, int8_t, bf16);
+    if (dtype == 1 && w_dtype == INT8_CODE && kv_dtype == 0) LLK_LAYERS(bf16, int8_t, float);
 #undef LLK_LAYERS
     return -1;
 }

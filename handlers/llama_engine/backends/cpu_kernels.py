@@ -73,6 +73,7 @@ from typing import Callable, Dict, FrozenSet, Hashable, Optional, Sequence, Tupl
 import torch
 
 from ..cpu import cpu_flags
+from . import int8_rows
 from .base import with_greedy_picks
 
 logger = logging.getLogger(__name__)
@@ -102,6 +103,8 @@ DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 #: The weight code of a bf16 weight in pair panels (:meth:`CpuKernels.pack_pairs`), the builds that have
 #: them, and the outputs a panel pair takes.
 PAIRS_CODE = 2
+#: The weight code of an int8 weight with a float32 scale per row (:mod:`.int8_rows`).
+INT8_CODE = 3
 PAIRS_ISAS = frozenset({"avx512", "avx512bf16"})
 PAIRS_COLUMNS = 32
 #: Head sizes the attention kernel is compiled for.
@@ -221,6 +224,16 @@ _FUNCTIONS = {
 }
 
 
+def weight_code(weight: torch.Tensor) -> int:
+    """The kernels' code for a weight in its plain layout: its dtype's, or :data:`INT8_CODE` for int8 values
+    with their scales behind them (a ValueError for int8 values without); -1 for a dtype they do not read."""
+    if weight.dtype == torch.int8:
+        if not int8_rows.carries_scales(weight):
+            raise ValueError(int8_rows.NO_SCALES)
+        return INT8_CODE
+    return DTYPE_CODES.get(weight.dtype, -1)
+
+
 class CpuKernels:
     """The loaded library for one instruction set, called with torch tensors."""
 
@@ -240,14 +253,15 @@ class CpuKernels:
     def linear(self, x: torch.Tensor, weight: torch.Tensor, out: Optional[torch.Tensor] = None,
                pairs: bool = False) -> torch.Tensor:
         """``x @ weight.T`` for ``x`` ``[M, K]`` (rows may be strided, elements contiguous) and a contiguous
-        ``weight`` ``[N, K]``: both float32, both bfloat16, or float32 ``x`` over a bfloat16 ``weight``
-        (widened as it is read); returns ``[M, N]`` in ``x``'s dtype. ``pairs``: ``weight`` is a bf16
-        weight's pair panels (:meth:`pack_pairs`)."""
+        ``weight`` ``[N, K]``: both float32, both bfloat16, float32 ``x`` over a bfloat16 ``weight``
+        (widened as it is read), or either ``x`` over an int8 weight from :func:`.int8_rows.quantize`;
+        returns ``[M, N]`` in ``x``'s dtype. ``pairs``: ``weight`` is a bf16 weight's pair panels
+        (:meth:`pack_pairs`)."""
         rows, k = x.shape
         n = weight.shape[0]
         if out is None:
             out = torch.empty((rows, n), dtype=x.dtype)
-        w_code = PAIRS_CODE if pairs and weight.dtype == torch.bfloat16 else DTYPE_CODES.get(weight.dtype, -1)
+        w_code = PAIRS_CODE if pairs and weight.dtype == torch.bfloat16 else weight_code(weight)
         code = self._linear(x.data_ptr(), x.stride(0), DTYPE_CODES.get(x.dtype, -1), weight.data_ptr(), w_code,
                             out.data_ptr(), out.stride(0), rows, k, n, torch.get_num_threads(),
                             self.one_row_prefetch.get((x.dtype, weight.dtype), 0))
@@ -440,7 +454,9 @@ DECODE_LAYERS_DTYPES = frozenset({(torch.float32, torch.float32, torch.float32),
                                   (torch.float32, torch.float32, torch.bfloat16),
                                   (torch.float32, torch.bfloat16, torch.bfloat16),
                                   (torch.bfloat16, torch.bfloat16, torch.bfloat16),
-                                  (torch.bfloat16, torch.bfloat16, torch.float32)})
+                                  (torch.bfloat16, torch.bfloat16, torch.float32),
+                                  *((x, torch.int8, kv) for x in (torch.float32, torch.bfloat16)
+                                    for kv in (torch.float32, torch.bfloat16))})
 #: A layer's tensors :class:`DecodeLayers` reads, in the order the native call takes them.
 LAYER_TENSORS = ("input_norm", "qkv", "o", "post_norm", "gate_up", "down")
 
@@ -481,6 +497,9 @@ class DecodeLayers:
         if embedding is not None and (not embedding.is_contiguous() or embedding.device.type != "cpu"):
             raise ValueError("native decode layers: the embedding must be a contiguous CPU tensor")
         self.embedding = embedding
+        for weight in [layer[name] for layer in layers for name in ("qkv", "o", "gate_up", "down")] + list(head or ())[1:]:
+            weight_code(weight)  # int8 values without their scales behind them: refused, saying so
+        self.weight_code = weight_code(first["qkv"])
         self._tensors = tensors  # what the pointers below point into
         self._weights = (ctypes.c_void_p * len(tensors))(*[t.data_ptr() for t in tensors])
         self._layers = len(layers)
@@ -593,7 +612,7 @@ class DecodeLayers:
             hidden.data_ptr(), delta.data_ptr(), scratch.data_ptr(), dims, self._weights,
             self._cache_pointers(k_cache, v_cache), cos.data_ptr(), signed_sin.data_ptr(), positions, slots, lengths,
             self.eps, self.scale, DTYPE_CODES[hidden.dtype],
-            PAIRS_CODE if self.pairs else DTYPE_CODES[self.weight_dtype], DTYPE_CODES[k_cache.dtype],
+            PAIRS_CODE if self.pairs else self.weight_code, DTYPE_CODES[k_cache.dtype],
             torch.get_num_threads(), self.kernels.one_row_prefetch.get((hidden.dtype, self.weight_dtype), 0),
             chunks, chunk_info, int(tiles), *head)
         if code == -3:

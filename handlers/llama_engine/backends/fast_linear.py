@@ -55,7 +55,7 @@ import torch
 from torch import nn
 
 from ..cpu import cpu_class, cpu_flags, huge_page_empty, is_amx, release_freed_memory
-from . import cpu_kernels
+from . import cpu_kernels, int8_rows
 
 logger = logging.getLogger(__name__)
 
@@ -202,20 +202,30 @@ class NativeLinear(nn.Module):
         weight = linear.weight.detach()
         self.compute_dtype = compute_dtype or weight.dtype
         kept = weight_dtype or weight.dtype
-        if place is not None and (place.shape != weight.shape or place.dtype != kept or not place.is_contiguous()):
+        if place is not None and (place.shape != weight.shape or place.dtype != kept or not place.is_contiguous()
+                                  or (kept == torch.int8 and not int8_rows.carries_scales(place))):
             place = None
+        if kept == torch.int8:  # only the native kernels read it: every row count runs there
+            self.max_rows, self.pairs = sys.maxsize, False
+            stored = int8_rows.quantize(weight, out=place)
+        else:
+            stored = self._kept(weight, kept, kernels, pairs, place)
+        self.register_buffer("weight", stored, persistent=False)
+        bias = None if linear.bias is None else linear.bias.detach().to(self.compute_dtype, copy=True)
+        self.register_buffer("bias", bias, persistent=False)
+
+    def _kept(self, weight: torch.Tensor, kept: torch.dtype, kernels, pairs: bool,
+              place: Optional[torch.Tensor]) -> torch.Tensor:
+        """``weight`` in ``kept``, in pair panels where ``pairs`` and they take it (``self.pairs``), at ``place``
+        where given."""
         source = place.copy_(weight) if place is not None and weight.dtype != kept else weight.to(kept)
         self.pairs = bool(pairs and kernels is not None and self.max_rows == sys.maxsize
                           and kernels.takes_pairs(source))
         if self.pairs:
-            stored = kernels.pack_pairs(source, out=place)
-        elif place is None:
-            stored = source.contiguous()
-        else:
-            stored = place if place.data_ptr() == source.data_ptr() else place.copy_(source)
-        self.register_buffer("weight", stored, persistent=False)
-        bias = None if linear.bias is None else linear.bias.detach().to(self.compute_dtype, copy=True)
-        self.register_buffer("bias", bias, persistent=False)
+            return kernels.pack_pairs(source, out=place)
+        if place is None:
+            return source.contiguous()
+        return place if place.data_ptr() == source.data_ptr() else place.copy_(source)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
@@ -350,6 +360,18 @@ def bf16_weight_kernels(dtype: torch.dtype, weight_dtype: torch.dtype, device: t
     return cpu_kernels.for_device(device)
 
 
+#: The dtypes a linear's weight is quantized to int8 from.
+QUANTIZED_FROM = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def int8_weight_kernels(dtype: torch.dtype, device: torch.device):
+    """The native kernels that run ``dtype`` arithmetic over int8 weights (:mod:`.int8_rows`) on ``device``, else
+    None: float32 or bfloat16 on an x86 CPU whose kernels load (any build, every row count)."""
+    if dtype not in (torch.float32, torch.bfloat16) or torch.device(device).type != "cpu":
+        return None
+    return cpu_kernels.for_device(device)
+
+
 def native_max_rows(kernels, limit: int = NATIVE_MAX_ROWS, weight_dtype: Optional[torch.dtype] = None) -> int:
     """The most rows :class:`NativeLinear` runs on ``kernels``: any number on a build with the GEMM
     (:data:`GEMM_ISAS`), or with the GEMM over bf16 weights kept under float32 arithmetic
@@ -375,12 +397,21 @@ def pack_linears(model: nn.Module, batch_hint: Optional[int] = None, weight_dtyp
     """
     setting = switch_setting(ENV, "auto", "auto", "native")
     if setting == "off":
+        if weight_dtype == torch.int8:
+            raise ValueError(f"{ENV}=0 keeps torch's linears, which do not multiply int8 weights: unset it, or set "
+                             "handler.weight_dtype to auto")
         return 0
     targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
                if type(child) is nn.Linear]
     if not targets:
         return 0
     dtype, device = compute_dtype or targets[0][2].weight.dtype, targets[0][2].weight.device
+    if weight_dtype == torch.int8:
+        kernels = int8_weight_kernels(dtype, device)
+        if kernels is None:
+            raise ValueError(f"int8 linear weights under {dtype} arithmetic on {device} need the native CPU kernels "
+                             "and float32 or bfloat16 arithmetic (an x86 CPU with AVX2 and FMA)")
+        return _swap_native(targets, dtype, kernels, sys.maxsize, weight_dtype, pairs=False, places=places)
     if weight_dtype not in (None, dtype):
         kernels = bf16_weight_kernels(dtype, weight_dtype, device)
         if kernels is None:
@@ -452,7 +483,8 @@ def _swap_native(targets, dtype: torch.dtype, kernels, max_rows: int, weight_dty
     return _swap(targets, dtype,
                  lambda linear: NativeLinear(linear, kernels, max_rows, weight_dtype, wide_in_float32, pairs,
                                              places.get(linear), dtype),
-                 f"{stored}native up to {max_rows} rows{wide}{layout}, {kernels.isa}", also=kept)
+                 f"{stored}native up to {max_rows} rows{wide}{layout}, {kernels.isa}",
+                 also=QUANTIZED_FROM if kept == torch.int8 else (kept,))
 
 
 def gathered_block(tensors: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, List[torch.Tensor], bool]:
@@ -464,7 +496,8 @@ def gathered_block(tensors: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, List[
     offsets, total = [], 0
     for tensor in tensors:
         offsets.append(total)
-        total += -(-tensor.numel() // step) * step
+        room = int8_rows.nbytes(tensor.shape) if dtype == torch.int8 else tensor.numel()  # int8: its scales too
+        total += -(-room // step) * step
     block, huge = huge_page_empty(total, dtype)
     places = [block[offset:offset + t.numel()].view(t.shape) for t, offset in zip(tensors, offsets)]
     return block, places, huge
@@ -525,7 +558,7 @@ def gather_weights(linears: Sequence["NativeLinear"], planned: Optional[Gathered
         for linear, place in zip(linears, places):
             if linear.weight.data_ptr() == place.data_ptr():
                 continue
-            place.copy_(linear.weight)
+            int8_rows.copy_into(place, linear.weight) if dtype == torch.int8 else place.copy_(linear.weight)
             linear.weight = place  # the loaded weight is freed here, not after the loop,
             release_freed_memory()  # and handed back: the block is a mapping of its own, which no free block serves
             moved += 1
@@ -549,8 +582,8 @@ def tune_native_prefetch(modules: Sequence[Optional[nn.Module]]) -> Optional[int
 
 
 def _swap(targets: list, dtype: torch.dtype, make, kind: str, check: bool = False,
-          also: Optional[torch.dtype] = None) -> int:
-    """Replace each ``(parent, name, linear)`` of ``dtype`` (or ``also``) on the CPU by ``make(linear)``; with
+          also: Sequence[torch.dtype] = ()) -> int:
+    """Replace each ``(parent, name, linear)`` of ``dtype`` (or one of ``also``) on the CPU by ``make(linear)``; with
     ``check``, stop at the first replacement that does not compute the linear's product (:func:`_agrees`).
 
     Empties ``targets`` as it goes, so that each replaced linear (and its weight, where nothing else holds
@@ -559,7 +592,7 @@ def _swap(targets: list, dtype: torch.dtype, make, kind: str, check: bool = Fals
     targets.reverse()
     while targets:
         parent, name, child = targets.pop()
-        if child.weight.dtype not in (dtype, also) or child.weight.device.type != "cpu":
+        if (child.weight.dtype != dtype and child.weight.dtype not in also) or child.weight.device.type != "cpu":
             continue
         replacement = make(child)
         if check and not _agrees(child, replacement):

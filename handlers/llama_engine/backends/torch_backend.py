@@ -18,6 +18,7 @@ from .fast_linear import (
     NativeLinear,
     bf16_weight_kernels,
     gather_weights,
+    int8_weight_kernels,
     pack_linears,
     switch_setting,
     tune_native_prefetch,
@@ -115,8 +116,15 @@ def weight_dtype_for(setting: str, dtype: torch.dtype, device: torch.device, sto
     which streams every weight, 1.3-1.7x faster in its products (see :data:`.fast_linear.BF16_WEIGHT_MAX_ROWS`);
     elsewhere ``dtype``. ``float32`` keeps the weights in the arithmetic's dtype (never wider than
     it); ``bfloat16`` sets them, and under float32 arithmetic without those kernels it is an error
-    that says so.
+    that says so. ``int8``: int8 with a scale per row (:mod:`.int8_rows`, opt-in and lossy) under float32
+    or bfloat16 arithmetic, where the native kernels load; elsewhere an error that says so.
     """
+    if setting == "int8":
+        if int8_weight_kernels(dtype, device) is None:
+            raise ValueError(f"handler.weight_dtype int8 under {str(dtype).replace('torch.', '')} arithmetic on "
+                             f"{device.type}: int8 weights need float32 or bfloat16 arithmetic on an x86 CPU whose "
+                             "native kernels load (AVX2 and FMA); set weight_dtype: auto")
+        return torch.int8
     if setting == "auto":
         if stored == "bfloat16" and bf16_weight_kernels(dtype, torch.bfloat16, device) is not None:
             return torch.bfloat16
@@ -409,7 +417,8 @@ class TorchSlotBackend(OnePassSlotBackend):
             return kernels is not None and kernels.supports_attention(self.dtype, kv, self.n_heads, self.n_kv_heads,
                                                                       self.head_dim)
 
-        weights = self.weight_dtype or self.dtype
+        # int8 weights take the cache bf16 weights would: half a float32 cache's bytes, a rounding far finer than theirs
+        weights = torch.bfloat16 if self.weight_dtype == torch.int8 else self.weight_dtype or self.dtype
         self.kv_dtype = kv_cache_dtype_for(kv_cache_dtype, weights, self.device,
                                            native_attention=native_attention(weights))
         #: Decode rows attend through the native kernel (:class:`_NativeDecodeRows`), else through SDPA.
@@ -469,7 +478,9 @@ class TorchSlotBackend(OnePassSlotBackend):
                         weight_dtype: str = "auto") -> "TorchSlotBackend":
         arithmetic, stored = DTYPES[resolve_dtype(dtype, device)], checkpoint_dtype(model_path)
         weights = weight_dtype_for(weight_dtype, arithmetic, resolve_device(device), stored)
-        if weights == DTYPES.get(stored) != arithmetic:
+        narrower = DTYPES.get(stored) == torch.bfloat16 and arithmetic == torch.float32
+        if weights == DTYPES.get(stored) != arithmetic or (weights == torch.int8 and narrower):
+            # the layers stay as stored until each one's linears are kept (or quantized) and the rest widened
             model = load_model(model_path, stored, device, max_length)
             widen_all_but_layers(model, arithmetic)
             return cls(model, max_slots, max_length, owns_model=True, kv_cache_dtype=kv_cache_dtype,
@@ -586,11 +597,12 @@ class TorchSlotBackend(OnePassSlotBackend):
 
     def _linears_kept_as_loaded(self) -> bool:
         """Whether the decoder layers' linears are loaded in the dtype their weights are kept in (a bf16
-        checkpoint under float32 arithmetic): they are then fused and packed as loaded, under the arithmetic's
-        dtype, rather than widened with their layer and narrowed back (twice their bytes touched, twice)."""
+        checkpoint under float32 arithmetic), or are kept in int8 (quantized from the dtype they are loaded in):
+        they are then fused and packed as loaded, under the arithmetic's dtype, rather than widened with their
+        layer and narrowed back (twice their bytes touched, twice)."""
         linears = plain_linears(self.model.model.layers[0])
         return self.weight_dtype is not None and bool(linears) and all(
-            m.weight.dtype == self.weight_dtype for m in linears)
+            m.weight.dtype == self.weight_dtype or self.weight_dtype == torch.int8 for m in linears)
 
     def _plan_gathered(self, first: Optional[FusedLlamaProjections], layer) -> Optional[GatheredBlock]:
         """Places for every layer's q/k/v, o, gate/up and down weights in decode order, of the first layer's
