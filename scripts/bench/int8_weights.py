@@ -10,11 +10,14 @@ Both sides are :class:`TorchSlotBackend` over the same checkpoint with ``dtype: 
 ``weight_dtype: auto`` keeps (a bf16 checkpoint's bf16 weights on the native kernels of a CPU without native
 bf16); int8 quantizes every linear, the LM head too, with a scale per row. Decode steps run in blocks, A B A B,
 so that a busy machine's drift falls on both; the figures are medians. The bench model's weights are random:
-its logits are nearly flat, so its greedy tokens part at the first near tie; the tiny model's picks are sharper.
+its logits are nearly flat, so its greedy tokens part at the first near tie. The tiny model is trained (on
+CPython's pydoc topics and a few modules' docstrings): its perplexity on docstrings it was not trained on
+(:data:`HELD_OUT`) says what the quantization costs a model that has learnt something.
 """
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
 from pathlib import Path
@@ -23,6 +26,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 SIDES = ("auto", "int8")
+#: Standard-library modules whose docstrings the tiny model did not see (scripts/build_tiny_llama.py's DOC_MODULES).
+HELD_OUT = ("csv", "heapq", "shutil", "bisect", "zipfile")
 
 
 def load(model: Path, side: str, slots: int, max_length: int):
@@ -41,6 +46,28 @@ def greedy(backend, prompt, steps: int):
         rows.append(backend.decode_slots([0], [tokens[-1]])[0].float().reshape(-1))
     backend.free_slot(0)
     return torch.stack(rows), tokens
+
+
+def held_out_ids(model: Path, limit: int):
+    """The :data:`HELD_OUT` modules' docstrings as the checkpoint's tokens, at most ``limit``."""
+    import importlib
+    import inspect
+
+    from transformers import AutoTokenizer
+
+    text = "\n\n".join(inspect.getdoc(importlib.import_module(name)) or "" for name in HELD_OUT)
+    return AutoTokenizer.from_pretrained(str(model))(text, truncation=True, max_length=limit)["input_ids"]
+
+
+def perplexity(backend, ids) -> float:
+    """exp of the mean negative log-likelihood of ``ids[1:]``, each token fed in turn (teacher forcing)."""
+    backend.free_slot(0)
+    logits, nll = backend.prefill_slot(0, ids[:1]).float().reshape(-1), 0.0
+    for token in ids[1:]:
+        nll -= float(torch.log_softmax(logits, -1)[token])
+        logits = backend.decode_slots([0], [token])[0].float().reshape(-1)
+    backend.free_slot(0)
+    return math.exp(nll / (len(ids) - 1))
 
 
 def decode_block(backend, rows: int, prompt, steps: int) -> float:
@@ -84,12 +111,15 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=8, help="alternated blocks per side")
     p.add_argument("--steps", type=int, default=20, help="decode steps per block")
     p.add_argument("--greedy", type=int, default=40, help="greedy steps compared after a 256-token prompt")
+    p.add_argument("--perplexity-tokens", type=int, default=512,
+                   help="held-out tokens whose perplexity each side scores (0: none)")
     p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
     prefills = [int(n) for n in args.prefills.split(",")]
-    backends = {side: load(args.model, side, max(batches), max(prefills) + args.greedy + 8) for side in SIDES}
+    positions = max(max(prefills) + args.greedy, args.perplexity_tokens) + 8
+    backends = {side: load(args.model, side, max(batches), positions) for side in SIDES}
     vocab = backends["auto"].model.config.vocab_size
     ids = torch.randint(3, vocab, (max(prefills),), generator=torch.Generator().manual_seed(0)).tolist()
     with torch.inference_mode():
@@ -100,6 +130,11 @@ def main(argv=None) -> int:
         print(f"- first logits after 256 tokens: max |diff| {(got[0] - want[0]).abs().max():.4f} of a range of "
               f"{spread:.3f}, cosine {torch.nn.functional.cosine_similarity(got[0], want[0], 0):.5f}")
         print(f"- greedy tokens: the first {same} of {args.greedy} the same")
+        if args.perplexity_tokens:
+            text = held_out_ids(args.model, args.perplexity_tokens)
+            scores = {side: perplexity(backend, text) for side, backend in backends.items()}
+            print(f"- perplexity over {len(text)} tokens of held-out docstrings ({', '.join(HELD_OUT)}): default "
+                  f"{scores['auto']:.3f}, int8 {scores['int8']:.3f} ({scores['int8'] / scores['auto'] - 1:+.2%})")
         for rows in batches:
             m = alternated(backends, args.rounds, lambda b, rows=rows: decode_block(b, rows, ids[:128], args.steps))
             print(f"- decode, {rows} row(s): default {1e3 * m['auto']:.2f} ms a step ({rows / m['auto']:.1f} tok/s), "
