@@ -851,8 +851,10 @@ void gemm_columns(const float *a, const TW *w, const float *scales, float *y, lo
     }
     if (scales)
         for (long m = 0; m < M; m++)
-            for (long n = n0; n < n1; n += 8)
-                _mm256_storeu_ps(y + m * ldy + n, _mm256_mul_ps(_mm256_loadu_ps(y + m * ldy + n), _mm256_loadu_ps(scales + n)));
+            for (long n = n0; n < n1; n += 8) {
+                float *out = y + m * ldy + n;
+                _mm256_storeu_ps(out, _mm256_mul_ps(_mm256_loadu_ps(out), _mm256_loadu_ps(scales + n)));
+            }
 }
 
 // y = x @ w^T for rows [0, M) of x, whatever their number, GEMM_ROWS or fewer.
@@ -2419,10 +2421,13 @@ LLK_API int llk_linear(const void *x, long ldx, int x_dtype, const void *w, int 
         linear<bf16, bf16>((const bf16 *)x, ldx, (const bf16 *)w, (bf16 *)y, ldy, M, K, N, threads, one_row_prefetch);
         return 0;
     }
-    if (w_dtype == INT8_CODE) {
-        if (x_dtype == 0) linear<float, int8_t>((const float *)x, ldx, (const int8_t *)w, (float *)y, ldy, M, K, N, threads, one_row_prefetch);
-        else if (x_dtype == 1) linear<bf16, int8_t>((const bf16 *)x, ldx, (const int8_t *)w, (bf16 *)y, ldy, M, K, N, threads, one_row_prefetch);
-        else return -1;
+    if (w_dtype == INT8_CODE && (x_dtype == 0 || x_dtype == 1)) {
+        if (x_dtype == 0)
+            linear<float, int8_t>((const float *)x, ldx, (const int8_t *)w, (float *)y, ldy, M, K, N, threads,
+                                  one_row_prefetch);
+        else
+            linear<bf16, int8_t>((const bf16 *)x, ldx, (const int8_t *)w, (bf16 *)y, ldy, M, K, N, threads,
+                                 one_row_prefetch);
         return 0;
     }
 #if defined(LLK_VEC512)

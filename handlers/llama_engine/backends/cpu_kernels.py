@@ -497,9 +497,9 @@ class DecodeLayers:
         if embedding is not None and (not embedding.is_contiguous() or embedding.device.type != "cpu"):
             raise ValueError("native decode layers: the embedding must be a contiguous CPU tensor")
         self.embedding = embedding
-        for weight in [layer[name] for layer in layers for name in ("qkv", "o", "gate_up", "down")] + list(head or ())[1:]:
-            weight_code(weight)  # int8 values without their scales behind them: refused, saying so
-        self.weight_code = weight_code(first["qkv"])
+        products = [layer[name] for layer in layers for name in ("qkv", "o", "gate_up", "down")] + list(head or ())[1:]
+        codes = [weight_code(w) for w in products]  # int8 values without their scales behind them: refused
+        self.weight_code = codes[0]
         self._tensors = tensors  # what the pointers below point into
         self._weights = (ctypes.c_void_p * len(tensors))(*[t.data_ptr() for t in tensors])
         self._layers = len(layers)

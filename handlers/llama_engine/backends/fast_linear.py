@@ -558,7 +558,10 @@ def gather_weights(linears: Sequence["NativeLinear"], planned: Optional[Gathered
         for linear, place in zip(linears, places):
             if linear.weight.data_ptr() == place.data_ptr():
                 continue
-            int8_rows.copy_into(place, linear.weight) if dtype == torch.int8 else place.copy_(linear.weight)
+            if dtype == torch.int8:  # its scales too
+                int8_rows.copy_into(place, linear.weight)
+            else:
+                place.copy_(linear.weight)
             linear.weight = place  # the loaded weight is freed here, not after the loop,
             release_freed_memory()  # and handed back: the block is a mapping of its own, which no free block serves
             moved += 1

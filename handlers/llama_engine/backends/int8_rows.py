@@ -40,9 +40,8 @@ def quantize(weight: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.
         raise ValueError(f"int8 weights: a 2-D floating weight is quantized, got {weight.dtype} {tuple(weight.shape)}")
     if out is None:
         out = empty(weight.shape, weight.device)
-    elif out.shape != weight.shape or not carries_scales(out):
-        raise ValueError(f"int8 weights: the place for a {tuple(weight.shape)} weight is int8 of its shape with room "
-                         f"for its scales behind it, got {out.dtype} {tuple(out.shape)}")
+    else:
+        _check_place(out, weight.shape)
     wide = weight.detach().to(torch.float32, copy=True)
     if not torch.isfinite(wide).all():
         raise ValueError("int8 weights: the weight holds inf or NaN, which no scale represents")
@@ -69,19 +68,22 @@ def nbytes(shape: Sequence[int]) -> int:
 def copy_into(place: torch.Tensor, quantized: torch.Tensor) -> torch.Tensor:
     """``quantized``'s values and scales copied to ``place`` (int8 of its shape with room for the scales behind
     it); returns ``place``."""
-    if place.shape != quantized.shape or not carries_scales(place):
-        raise ValueError(f"int8 weights: the place for a {tuple(quantized.shape)} weight is int8 of its shape with "
-                         f"room for its scales behind it, got {place.dtype} {tuple(place.shape)}")
+    _check_place(place, quantized.shape)
     place.copy_(quantized)
     scales(place).copy_(scales(quantized))
     return place
+
+
+def _check_place(place: torch.Tensor, shape: Sequence[int]) -> None:
+    if place.shape != shape or not carries_scales(place):
+        raise ValueError(f"int8 weights: the place for a {tuple(shape)} weight is int8 of its shape with room for "
+                         f"its scales behind it, got {place.dtype} {tuple(place.shape)}")
 
 
 def carries_scales(quantized: torch.Tensor) -> bool:
     """Whether ``quantized`` is int8 values at the start of a buffer that holds their scales after them."""
     if quantized.dtype != torch.int8 or quantized.dim() != 2 or not quantized.is_contiguous():
         return False
-    rows, columns = quantized.shape
     end = quantized.storage_offset() + nbytes(quantized.shape)
     return quantized.storage_offset() % 4 == 0 and quantized.untyped_storage().nbytes() >= end
 

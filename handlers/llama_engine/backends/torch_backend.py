@@ -601,8 +601,8 @@ class TorchSlotBackend(OnePassSlotBackend):
         they are then fused and packed as loaded, under the arithmetic's dtype, rather than widened with their
         layer and narrowed back (twice their bytes touched, twice)."""
         linears = plain_linears(self.model.model.layers[0])
-        return self.weight_dtype is not None and bool(linears) and all(
-            m.weight.dtype == self.weight_dtype or self.weight_dtype == torch.int8 for m in linears)
+        return self.weight_dtype is not None and bool(linears) and (
+            self.weight_dtype == torch.int8 or all(m.weight.dtype == self.weight_dtype for m in linears))
 
     def _plan_gathered(self, first: Optional[FusedLlamaProjections], layer) -> Optional[GatheredBlock]:
         """Places for every layer's q/k/v, o, gate/up and down weights in decode order, of the first layer's
