@@ -110,7 +110,8 @@ def main(argv=None) -> int:
     p.add_argument("--prefills", default="256,768", help="comma list of prompt lengths to time")
     p.add_argument("--rounds", type=int, default=8, help="alternated blocks per side")
     p.add_argument("--steps", type=int, default=20, help="decode steps per block")
-    p.add_argument("--greedy", type=int, default=40, help="greedy steps compared after a 256-token prompt")
+    p.add_argument("--greedy", type=int, default=40,
+                   help="greedy steps compared after a prompt of 256 tokens (or the longest --prefills, if shorter)")
     p.add_argument("--perplexity-tokens", type=int, default=512,
                    help="held-out tokens whose perplexity each side scores (0: none)")
     p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
@@ -123,11 +124,12 @@ def main(argv=None) -> int:
     vocab = backends["auto"].model.config.vocab_size
     ids = torch.randint(3, vocab, (max(prefills),), generator=torch.Generator().manual_seed(0)).tolist()
     with torch.inference_mode():
-        (want, picked), (got, int8_picked) = (greedy(backends[side], ids[:256], args.greedy) for side in SIDES)
+        prompt = ids[:256]
+        (want, picked), (got, int8_picked) = (greedy(backends[side], prompt, args.greedy) for side in SIDES)
         same = next((i for i, (a, b) in enumerate(zip(picked, int8_picked)) if a != b), len(picked))
         spread = want[0].max() - want[0].min()
         print(f"{args.model.name}, {args.threads} threads: int8 against the default weights")
-        print(f"- first logits after 256 tokens: max |diff| {(got[0] - want[0]).abs().max():.4f} of a range of "
+        print(f"- first logits after {len(prompt)} tokens: max |diff| {(got[0] - want[0]).abs().max():.4f} of a range of "
               f"{spread:.3f}, cosine {torch.nn.functional.cosine_similarity(got[0], want[0], 0):.5f}")
         print(f"- greedy tokens: the first {same} of {args.greedy} the same")
         if args.perplexity_tokens:
