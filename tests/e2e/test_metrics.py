@@ -242,7 +242,8 @@ def test_a_client_that_leaves(server, model):
     r.close()
     assert Call(server, model, generation(PROMPTS[5], 20)).start().join().status == 200
     got = settle(server, model, before, 2)
-    assert got["requests"] == 2 and got["errors_by_status"] == {}
+    # once (fresh clone, 2026-12-07) no request was counted in 60 s, though both had ended: the logs say more
+    assert got["requests"] == 2 and got["errors_by_status"] == {}, (got, server.model_log()[-4000:])
     assert got["running"] == 0 and got["waiting"] == 0
     if model == CONTINUOUS:
         assert got["cancelled"] == 1 and got["success_by_finish_reason"] == {"length": 1}
