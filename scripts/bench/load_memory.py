@@ -110,6 +110,8 @@ def main(argv=None) -> int:
     p.add_argument("--slots", type=int, default=8, help="KV cache slots, as a config's batchSize (default 8)")
     p.add_argument("--max-length", type=int, default=1024, help="positions a slot holds (default 1024)")
     p.add_argument("--dtype", default="auto", help="handler.dtype: auto (default), float32, bfloat16 or float16")
+    p.add_argument("--weight-dtype", default="auto",
+                   help="handler.weight_dtype: auto (default), float32, bfloat16 or int8")
     p.add_argument("--random-checkpoint", action="store_true",
                    help="first write a random bf16 checkpoint of Llama-2-7B's shape at --model (unless there)")
     p.add_argument("--tokenizer", type=Path, default=ROOT / "build" / "tiny-llama",
@@ -125,7 +127,8 @@ def main(argv=None) -> int:
     sampler = PeakSampler()
     sampler.start()
     start = time.perf_counter()
-    backend = TorchSlotBackend.from_pretrained(args.model, args.slots, args.max_length, args.dtype, "cpu")
+    backend = TorchSlotBackend.from_pretrained(args.model, args.slots, args.max_length, args.dtype, "cpu",
+                                               weight_dtype=args.weight_dtype)
     seconds = time.perf_counter() - start
     peak, loaded = sampler.stop(), process_memory()
     kv = 2 * backend.k_cache.numel() * backend.k_cache.element_size()

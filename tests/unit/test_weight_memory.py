@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from llama_engine.backends import fast_linear, weight_memory
+from llama_engine.backends import cpu_kernels, fast_linear, weight_memory
 from llama_engine.backends.weight_memory import copy_out_of_mappings, read_ahead
 from llama_engine.cpu import file_mapped_ranges
 
@@ -213,13 +213,16 @@ def test_file_mapped_ranges_reads_only_file_mappings(tmp_path):
 
 
 @linux_only
-def test_the_load_memory_bench_prints_the_loads_memory_beside_the_weights_and_cache(tiny_model_dir):
+@pytest.mark.parametrize("weight_dtype", ["auto", pytest.param("int8", marks=pytest.mark.skipif(
+    cpu_kernels.load() is None, reason="int8 weights need the native CPU kernels"))])
+def test_the_load_memory_bench_prints_the_loads_memory_beside_the_weights_and_cache(tiny_model_dir, weight_dtype):
     root = Path(__file__).resolve().parents[2]
     out = subprocess.run([sys.executable, "-m", "scripts.bench.load_memory", "--model", str(tiny_model_dir),
-                          "--slots", "2", "--max-length", "64"], cwd=root, capture_output=True, text=True,
-                         timeout=300)
+                          "--slots", "2", "--max-length", "64", "--weight-dtype", weight_dtype], cwd=root,
+                         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.splitlines()[-1])
+    assert result["weights_dtype"] == ("torch.int8" if weight_dtype == "int8" else "torch.float32")
     assert result["checkpoint_mib"] == round((Path(tiny_model_dir) / "model.safetensors").stat().st_size / 2**20)
     assert result["kv_cache_mib"] >= 0 and result["load_s"] > 0
     assert result["peak_anon_mib"] >= result["loaded_anon_mib"] > result["kv_cache_mib"]
