@@ -113,14 +113,14 @@ def _kernels(weights: list, torch_dtype, native: bool = False, prompt: bool = Fa
     from llama_engine.backends.cpu_kernels import tune_one_row_prefetch
     from llama_engine.backends.fast_linear import (
         PackedLinear,
-        bf16_weight_kernels,
+        kept_weight_kernels,
         native_kernels_considered,
         packing_supported,
     )
 
     copies = prompt and torch.backends.mkldnn.is_available() and bool(weights) and weights[0].dtype == torch.bfloat16
     if weights and weights[0].dtype != torch_dtype:
-        library = bf16_weight_kernels(torch_dtype, weights[0].dtype, torch.device("cpu"))
+        library = kept_weight_kernels(torch_dtype, weights[0].dtype, torch.device("cpu"))
         if library is None:
             raise ValueError(f"no native kernels run {torch_dtype} over {weights[0].dtype} weights on this CPU")
         tune_one_row_prefetch(library, weights, torch_dtype)

@@ -8,14 +8,15 @@ import json
 import pytest
 import requests
 
+from llama_engine.backends import cpu_kernels
+
 from conftest import CONTINUOUS, serve_variant
 
 MODEL = CONTINUOUS
 PROMPT = "The function returns"
 TOKENS = 24
 
-pytestmark = pytest.mark.skipif(__import__("llama_engine.backends.cpu_kernels", fromlist=["load"]).load() is None,
-                                reason="int8 weights need the native CPU kernels (x86 with AVX2 and FMA)")
+pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="int8 weights need the native CPU kernels (x86 with AVX2 and FMA)")
 
 
 def int8_weights(data):

@@ -127,7 +127,7 @@ NATIVE_FP32_FAVOUR = 0.10
 #: against oneDNN plain: 8 rows 6.4 against 9.9 ms, 16 rows 8.9 against 12.1, 32 rows 14.3 against
 #: 16.0, 48 rows 19.2 against 19.6 (oneDNN packed, for comparison: 6.8, 8.1, 12.1, 15.8).
 NATIVE_MAX_ROWS = 48
-#: The same for bfloat16 weights under float32 arithmetic (:func:`bf16_weight_kernels`); more rows go to
+#: The same for bfloat16 weights under float32 arithmetic (:func:`kept_weight_kernels`); more rows go to
 #: oneDNN over a float32 copy of the weight made for the call. One pass over the bench model's weights
 #: (Zen 5 EPYC computing as an AVX2 CPU, 2 threads, best of 5): native over bf16 7.2 / 8.0 / 12.9 / 25.0 /
 #: 34.3 / 65.2 / 87.2 / 355 ms at 1 / 4 / 8 / 16 / 24 / 48 / 64 / 256 rows, the float32 copy and oneDNN
@@ -352,22 +352,17 @@ def native_kernels_considered(dtype: torch.dtype, device: torch.device):
     return native_kernels_for(dtype, device) or measured_native_kernels(dtype, device)
 
 
-def bf16_weight_kernels(dtype: torch.dtype, weight_dtype: torch.dtype, device: torch.device):
-    """The native kernels that run ``dtype`` arithmetic over ``weight_dtype`` weights on ``device``, else None:
-    float32 over bfloat16 on an x86 CPU whose kernels load (either build)."""
-    if dtype != torch.float32 or weight_dtype != torch.bfloat16 or torch.device(device).type != "cpu":
-        return None
-    return cpu_kernels.for_device(device)
-
-
+#: (arithmetic, weights) the native kernels run with the weights kept in another dtype than the arithmetic's:
+#: bf16 widened to float32 as it streams, int8 with a scale per row (:mod:`.int8_rows`) at every row count.
+KEPT_WEIGHTS = frozenset({(torch.float32, torch.bfloat16), (torch.float32, torch.int8), (torch.bfloat16, torch.int8)})
 #: The dtypes a linear's weight is quantized to int8 from.
 QUANTIZED_FROM = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def int8_weight_kernels(dtype: torch.dtype, device: torch.device):
-    """The native kernels that run ``dtype`` arithmetic over int8 weights (:mod:`.int8_rows`) on ``device``, else
-    None: float32 or bfloat16 on an x86 CPU whose kernels load (any build, every row count)."""
-    if dtype not in (torch.float32, torch.bfloat16) or torch.device(device).type != "cpu":
+def kept_weight_kernels(dtype: torch.dtype, weight_dtype: torch.dtype, device: torch.device):
+    """The native kernels that run ``dtype`` arithmetic over ``weight_dtype`` weights on ``device``, else None:
+    one of :data:`KEPT_WEIGHTS` on an x86 CPU whose kernels load (any build)."""
+    if (dtype, weight_dtype) not in KEPT_WEIGHTS or torch.device(device).type != "cpu":
         return None
     return cpu_kernels.for_device(device)
 
@@ -390,7 +385,7 @@ def pack_linears(model: nn.Module, batch_hint: Optional[int] = None, weight_dtyp
     (default: their dtype).
 
     ``weight_dtype`` bfloat16 for a float32 model keeps the linears' weights in bf16 on the native
-    kernels (:func:`bf16_weight_kernels`): half the memory, and a decode step streams half the
+    kernels (:func:`kept_weight_kernels`): half the memory, and a decode step streams half the
     bytes. Returns how many layers were swapped (0 when the dtype, device or switch rules it out).
     A weight shared by another module (tied embeddings) is packed as a copy; the other module
     keeps the original.
@@ -407,13 +402,13 @@ def pack_linears(model: nn.Module, batch_hint: Optional[int] = None, weight_dtyp
         return 0
     dtype, device = compute_dtype or targets[0][2].weight.dtype, targets[0][2].weight.device
     if weight_dtype == torch.int8:
-        kernels = int8_weight_kernels(dtype, device)
+        kernels = kept_weight_kernels(dtype, weight_dtype, device)
         if kernels is None:
             raise ValueError(f"int8 linear weights under {dtype} arithmetic on {device} need the native CPU kernels "
                              "and float32 or bfloat16 arithmetic (an x86 CPU with AVX2 and FMA)")
         return _swap_native(targets, dtype, kernels, sys.maxsize, weight_dtype, pairs=False, places=places)
     if weight_dtype not in (None, dtype):
-        kernels = bf16_weight_kernels(dtype, weight_dtype, device)
+        kernels = kept_weight_kernels(dtype, weight_dtype, device)
         if kernels is None:
             raise ValueError(f"{weight_dtype} linear weights under {dtype} arithmetic need the native CPU "
                              "kernels with float32 arithmetic over bfloat16 weights (an x86 CPU with AVX2 and FMA)")

@@ -16,9 +16,8 @@ from .fast_linear import (
     FusedLlamaProjections,
     GatheredBlock,
     NativeLinear,
-    bf16_weight_kernels,
     gather_weights,
-    int8_weight_kernels,
+    kept_weight_kernels,
     pack_linears,
     switch_setting,
     tune_native_prefetch,
@@ -111,7 +110,7 @@ def weight_dtype_for(setting: str, dtype: torch.dtype, device: torch.device, sto
     """The dtype of the linears' weights for ``handler.weight_dtype`` under ``dtype`` arithmetic.
 
     ``auto``: bfloat16 where the arithmetic is float32 on a CPU whose native kernels run float32 over
-    bf16 weights (:func:`.fast_linear.bf16_weight_kernels`: any x86 CPU with AVX2) and the checkpoint
+    bf16 weights (:func:`.fast_linear.kept_weight_kernels`: any x86 CPU with AVX2) and the checkpoint
     is stored in bf16 (``stored``), so that nothing of it is lost: half the memory, and a decode step,
     which streams every weight, 1.3-1.7x faster in its products (see :data:`.fast_linear.BF16_WEIGHT_MAX_ROWS`);
     elsewhere ``dtype``. ``float32`` keeps the weights in the arithmetic's dtype (never wider than
@@ -120,19 +119,19 @@ def weight_dtype_for(setting: str, dtype: torch.dtype, device: torch.device, sto
     or bfloat16 arithmetic, where the native kernels load; elsewhere an error that says so.
     """
     if setting == "int8":
-        if int8_weight_kernels(dtype, device) is None:
+        if kept_weight_kernels(dtype, torch.int8, device) is None:
             raise ValueError(f"handler.weight_dtype int8 under {str(dtype).replace('torch.', '')} arithmetic on "
                              f"{device.type}: int8 weights need float32 or bfloat16 arithmetic on an x86 CPU whose "
                              "native kernels load (AVX2 and FMA); set weight_dtype: auto")
         return torch.int8
     if setting == "auto":
-        if stored == "bfloat16" and bf16_weight_kernels(dtype, torch.bfloat16, device) is not None:
+        if stored == "bfloat16" and kept_weight_kernels(dtype, torch.bfloat16, device) is not None:
             return torch.bfloat16
         return dtype
     wanted = DTYPES[setting]
     if wanted == torch.float32:
         return dtype
-    if wanted != dtype and bf16_weight_kernels(dtype, wanted, device) is None:
+    if wanted != dtype and kept_weight_kernels(dtype, wanted, device) is None:
         raise ValueError(f"handler.weight_dtype {setting} under {str(dtype).replace('torch.', '')} arithmetic on "
                          f"{device.type}: only bfloat16 weights under float32 arithmetic, on an x86 CPU whose native "
                          "kernels load (AVX2 and FMA); set weight_dtype: auto or the dtype")
