@@ -187,6 +187,42 @@ def test_linear_over_int8_rows_is_the_float64_product_of_the_weight_they_stand_f
 
 
 @pytest.mark.parametrize("kernels", ISAS, indirect=True)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, columns", [(1, 1), (3, 7), (5, 4096), (37, 1001), (300, 200), (64, 8)])
+def test_native_quantization_is_torchs_bit_for_bit(kernels, dtype, rows, columns):
+    """The load's quantization in one read of the weight: the same values and scales as int8_rows' torch ops,
+    ties (x.5 levels, rounded to even) and a row of zeros included, into a place with the scales behind it."""
+    gen = torch.Generator().manual_seed(rows * columns)
+    weight = (torch.randn(rows, columns, generator=gen) * torch.rand(rows, 1, generator=gen) * 3).to(dtype)
+    weight[rows // 2] = 0
+    weight[-1, :4] = torch.tensor([127.0, 0.5, -1.5, 2.5], dtype=dtype)[:columns]  # scale 1: three ties
+    want = int8_rows.quantize(weight)
+    place = int8_rows.empty(weight.shape)
+    got = int8_rows.quantize(weight, out=place, kernels=kernels)
+    assert got.data_ptr() == place.data_ptr()
+    assert torch.equal(got, want) and torch.equal(int8_rows.scales(got), int8_rows.scales(want))
+
+
+@pytest.mark.parametrize("kernels", ISAS, indirect=True)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("at", [(0, 0), (6, 40), (3, 17)])
+def test_native_quantization_refuses_inf_and_nan_in_a_row_or_its_tail(kernels, bad, at):
+    weight = torch.randn(7, 41)
+    weight[at] = bad
+    with pytest.raises(ValueError, match="inf or NaN"):
+        kernels.quantize_rows(weight, int8_rows.empty(weight.shape))
+
+
+@pytest.mark.parametrize("kernels", ISAS, indirect=True)
+def test_native_quantization_leaves_what_it_does_not_take_to_torch(kernels):
+    strided = torch.randn(16, 8).T
+    assert not kernels.quantizes(strided) and not kernels.quantizes(torch.randn(8, 16).half())
+    assert torch.equal(int8_rows.quantize(strided, kernels=kernels), int8_rows.quantize(strided.contiguous()))
+    with pytest.raises(ValueError, match="an int8 place of its shape with its scales behind it"):
+        kernels.quantize_rows(torch.randn(4, 8), torch.zeros(4, 8, dtype=torch.int8))
+
+
+@pytest.mark.parametrize("kernels", ISAS, indirect=True)
 def test_linear_refuses_int8_values_without_their_scales(kernels):
     quantized = int8_rows.quantize(torch.randn(8, 64))
     with pytest.raises(ValueError, match="no scales behind it"):

@@ -216,6 +216,7 @@ _FUNCTIONS = {
     "_decode_layers": ("llk_decode_layers", [_P] * 11 + [_F32, _F32, _I32, _I32, _I32, _I32, _I64, _I64, _P, _I32,
                                                       _P, _P, _I64, _P, _P, _P, _P], _I32),
     "_pack_pairs": ("llk_pack_pairs", [_P, _P, _I64, _I64], _I32),
+    "_quantize_rows": ("llk_quantize_rows", [_P, _I32, _P, _I64, _I64, _I32], _I32),
     "_amx_min_rows": ("llk_amx_min_rows", [_I64], _I64),
     "_amx_usable": ("llk_amx_usable", [], _I32),
     "_bf16_prompt_products": ("llk_bf16_prompt_products", [], _I32),
@@ -290,6 +291,25 @@ class CpuKernels:
         if self._pack_pairs(weight.data_ptr(), packed.data_ptr(), weight.shape[1], weight.shape[0]):
             raise ValueError(f"pair panels: the {self.isa} build refused a {tuple(weight.shape)} weight")
         return packed
+
+    @staticmethod
+    def quantizes(weight: torch.Tensor) -> bool:
+        """Whether :meth:`quantize_rows` takes ``weight``: a contiguous float32 or bf16 ``[N, K]`` in memory."""
+        return (weight.dim() == 2 and weight.dtype in DTYPE_CODES and weight.is_contiguous()
+                and weight.device.type == "cpu")
+
+    def quantize_rows(self, weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """:func:`.int8_rows.quantize` of ``weight`` (:meth:`quantizes`) into ``out`` (a place from
+        :func:`.int8_rows.empty` of its shape), the same bits in one read of the weight; returns ``out``."""
+        if not self.quantizes(weight) or out.shape != weight.shape or not int8_rows.carries_scales(out):
+            raise ValueError(f"native int8 quantization: a contiguous float32 or bf16 [N, K] weight into an int8 "
+                             f"place of its shape with its scales behind it, got {weight.dtype} "
+                             f"{tuple(weight.shape)} into {out.dtype} {tuple(out.shape)}")
+        rows, columns = weight.shape
+        if self._quantize_rows(weight.data_ptr(), DTYPE_CODES[weight.dtype], out.data_ptr(), rows, columns,
+                               torch.get_num_threads()):
+            raise ValueError(int8_rows.NOT_FINITE)
+        return out
 
     def amx_min_rows(self, set_to: Optional[int] = None) -> int:
         """The fewest rows of a bf16 product over pair panels that run on AMX's tiles (0: this build or CPU has

@@ -207,7 +207,7 @@ class NativeLinear(nn.Module):
             place = None
         if kept == torch.int8:  # only the native kernels read it: every row count runs there
             self.max_rows, self.pairs = sys.maxsize, False
-            stored = int8_rows.quantize(weight, out=place)
+            stored = int8_rows.quantize(weight, out=place, kernels=kernels)
         else:
             stored = self._kept(weight, kept, kernels, pairs, place)
         self.register_buffer("weight", stored, persistent=False)
