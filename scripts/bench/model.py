@@ -169,7 +169,7 @@ def describe(path: Path, dtype: str, weight_dtype: Optional[str] = None, random_
     from llama_engine.backends.torch_backend import kv_cache_dtype_for
 
     config = json.loads((path / "config.json").read_text())
-    total = embed = 0
+    total = embed = rows = 0
     with safe_open(str(path / "model.safetensors"), "pt") as f:
         for name in f.keys():
             n = 1
@@ -178,6 +178,8 @@ def describe(path: Path, dtype: str, weight_dtype: Optional[str] = None, random_
             total += n
             if name.endswith("embed_tokens.weight"):
                 embed += n
+            elif len(f.get_slice(name).get_shape()) == 2:
+                rows += f.get_slice(name).get_shape()[0]
     weight_dtype = weight_dtype or dtype
     width = {"float32": 4, "bfloat16": 2, "float16": 2}[weight_dtype]
     hidden = config["hidden_size"]
@@ -185,6 +187,8 @@ def describe(path: Path, dtype: str, weight_dtype: Optional[str] = None, random_
     head_dim = hidden // config["num_attention_heads"]
     # A decode step reads every weight once, except the input embedding (one row per token).
     weight_bytes = (total - embed + hidden) * width
+    # int8 weights (handler.weight_dtype: int8): a byte a weight and a float32 scale per row of each matrix
+    int8_bytes = (total - embed + hidden) + 4 * rows
     kv_dtype = kv_cache_dtype_for("auto", getattr(torch, weight_dtype), torch.device("cpu"),
                                   native_attention=cpu_kernels.load() is not None)
     kv_width = torch.finfo(kv_dtype).bits // 8
@@ -195,6 +199,7 @@ def describe(path: Path, dtype: str, weight_dtype: Optional[str] = None, random_
         "hidden_size": hidden, "intermediate_size": config["intermediate_size"],
         "num_hidden_layers": config["num_hidden_layers"], "num_attention_heads": config["num_attention_heads"],
         "num_key_value_heads": kv_heads, "vocab_size": config["vocab_size"],
-        "weight_bytes_per_token": weight_bytes, "kv_cache_bytes_per_position": kv_bytes_per_position,
+        "weight_bytes_per_token": weight_bytes, "int8_weight_bytes_per_token": int8_bytes,
+        "kv_cache_bytes_per_position": kv_bytes_per_position,
         "random_weights": random_weights, "eos_token": None,
     }

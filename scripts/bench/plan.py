@@ -93,7 +93,8 @@ MODES = {
         membw_gb=2.0, paired_rounds=5, paired_concurrency=[1, 8], quiet_wait=30, quiet_budget=300, peers=True, fp32_decode=True, max_minutes=95, request_timeout=900, docs=True),
 }
 
-SYSTEMS = ("inprocess", "torchserve", "torchserve-continuous", "torchserve-llamacpp", "llama.cpp", "llama.cpp-q8_0", "vllm")
+SYSTEMS = ("inprocess", "torchserve", "torchserve-continuous", "torchserve-llamacpp", "torchserve-int8", "llama.cpp",
+           "llama.cpp-q8_0", "vllm")
 SCENARIOS = ("length", "ttft", "concurrency", "paired", "poisson", "poisson-wide", "poisson-steady")
 
 

@@ -18,8 +18,13 @@ SERVED = "torchserve"
 CONTINUOUS = "torchserve-continuous"
 #: The handler with the llamacpp backend (continuous batching), served when llama-cpp-python is installed.
 LLAMACPP = "torchserve-llamacpp"
+#: The micro-batching handler over int8 weights (``handler.weight_dtype: int8``, opt-in and lossy): measured
+#: against llama-server on the q8_0 GGUF, never against the bar in the dtype served.
+INT8 = "torchserve-int8"
+#: The peer each quantized variant is paired with, and held to.
+QUANTIZED_PEER = "llama.cpp-q8_0"
 #: The served variants' short names in the ``paired-peer/<label>`` rows.
-VARIANT_LABELS = {SERVED: "micro", CONTINUOUS: "continuous", LLAMACPP: "llamacpp"}
+VARIANT_LABELS = {SERVED: "micro", CONTINUOUS: "continuous", LLAMACPP: "llamacpp", INT8: "int8"}
 INPROCESS = "inprocess"
 #: The llamacpp backend's back-to-back pairs with llama-server (on one GGUF): both bracketed by bandwidth samples.
 LLAMACPP_PAIRS = f"paired-peer/{VARIANT_LABELS[LLAMACPP]}"
@@ -124,6 +129,44 @@ def _batch1_run(runs, system) -> Optional[dict]:
     return find(runs, system, "concurrency", concurrency=1) or next(
         iter(sorted((r for r in runs if r.get("system") == system and r.get("scenario") == "length" and r.get("ok")),
                     key=lambda r: r["input_tokens"])), None)
+
+
+def int8_ratios(runs, results: dict, c: int) -> dict:
+    """Where the int8 variant ran: its output tok/s against llama-server's on the q8_0 GGUF (back-to-back pairs
+    where the run has them, else the sweeps), against the handler's over the weights as served (the sweeps),
+    and its batch-1 decode against the memory's speed at int8's bytes (values and scales)."""
+    out = {}
+    for key, conc in ((f"int8_vs_{QUANTIZED_PEER}", c), (f"int8_vs_{QUANTIZED_PEER}_1_stream", 1)):
+        pair = find(runs, INT8, f"paired-peer/{VARIANT_LABELS[INT8]}", concurrency=conc)
+        mine, peer = find(runs, INT8, "concurrency", concurrency=conc), find(runs, QUANTIZED_PEER, "concurrency",
+                                                                              concurrency=conc)
+        if pair and pair.get("served_over_peer_median"):
+            out[key] = _ratio(pair["served_over_peer_median"], "report", None,
+                              f"{INT8} output tok/s / {QUANTIZED_PEER}'s at {conc} stream(s), both 8-bit weights: "
+                              f"median of {len(pair['served_over_peer'])} back-to-back A/B pairs of the same wave",
+                              concurrency=conc, pairs=pair["served_over_peer"])
+        elif mine and peer:
+            out[key] = _ratio(mine["output_tokens_per_s"] / peer["output_tokens_per_s"], "report", None,
+                              f"{INT8} output tok/s / {QUANTIZED_PEER}'s at {conc} stream(s), both 8-bit weights "
+                              "(the sweeps)", concurrency=conc)
+    for key, conc in (("int8_vs_served_weights", c), ("int8_vs_served_weights_1_stream", 1)):
+        mine, served = find(runs, INT8, "concurrency", concurrency=conc), find(runs, SERVED, "concurrency",
+                                                                               concurrency=conc)
+        if mine and served:
+            out[key] = _ratio(mine["output_tokens_per_s"] / served["output_tokens_per_s"], "report", None,
+                              f"{INT8} output tok/s / {SERVED}'s over the weights as served "
+                              f"({results['model'].get('weight_dtype')}) at {conc} stream(s) (the sweeps)",
+                              concurrency=conc)
+    run, nbytes = find(runs, INT8, "concurrency", concurrency=1), results["model"].get("int8_weight_bytes_per_token")
+    rate = run and run.get("decode_tokens_per_s_per_stream")
+    if rate and nbytes:
+        bound = results["decode_bound"]
+        out["batch1_decode_efficiency_int8"] = _ratio(
+            rate * nbytes / (bound["bandwidth_gb_per_s"] * 1e9), "report", None,
+            f"{INT8} batch-1 decode tok/s (its sweep) x int8 weight bytes per token (values and scales) / the best "
+            f"memory bandwidth of the run ({bound['threads']} threads)",
+            decode_tokens_per_s=rate, weight_bytes_per_token=nbytes, bandwidth_gb_per_s=bound["bandwidth_gb_per_s"])
+    return out
 
 
 def decode_floor_ratios(runs, results: dict) -> dict:
@@ -288,6 +331,7 @@ def ratios(results: dict) -> dict:
                                           weight_bytes_per_token=nbytes)
         out.update(_bracketed_or_best(key, bracketed, against_best))
     out.update(llamacpp_engine_ratios(runs, results))
+    out.update(int8_ratios(runs, results, c))
     out.update(decode_floor_ratios(runs, results))
     fp32 = results.get("extra", {}).get("fp32_batch1")
     if fp32 and fp32.get("ok"):
@@ -351,7 +395,7 @@ def _paired_peer_ratios(runs, sweep_ratios: dict, c: int) -> dict:
     for key, conc in (("peer_ratio_llama.cpp", c), ("peer_ratio_llama.cpp_1_stream", 1)):
         pairs = {}
         for variant, label in VARIANT_LABELS.items():
-            row = find(runs, variant, f"paired-peer/{label}", concurrency=conc)
+            row = variant != INT8 and find(runs, variant, f"paired-peer/{label}", concurrency=conc)
             if row and row.get("served_over_peer_median"):
                 pairs[variant] = row
         if not pairs:
@@ -1045,8 +1089,10 @@ ahead of micro-batching on the Poisson load at all: `.venv/bin/python -m scripts
    the forward pass on llama.cpp through llama-cpp-python, over a GGUF the build converts in the linears' dtype
    as served, as llama-server's (for the bf16 checkpoint, under float32 too, the 16-bit type `gguf_type: auto`
    picks: bf16 on a CPU with native bf16, else f16, which holds its weights exactly and which llama.cpp decodes faster there); when `make llamacpp` has built
-   it; its concurrency sweep and the llama-server pairs only),
-   (5) peers when installed
+   it; its concurrency sweep and the llama-server pairs only), (5) the micro-batching handler over int8 weights
+   (`torchserve-int8`: `handler.weight_dtype: int8`, opt-in and lossy, half of bf16's bytes; its waves at 1 and 8
+   streams, then back to back with llama-server on the q8_0 GGUF, the `int8_*` ratios: reported, never the bar),
+   (6) peers when installed
    (`make bench-peers` builds them under `build/peers/`): llama.cpp's `llama-server` (`POST /completion`,
    `stream: true`, `n_predict`, `ignore_eos: true`; built from the llama.cpp tree in the llama-cpp-python
    0.3.36 sdist, the bench model converted to GGUF by that tree's `convert_hf_to_gguf.py`) and vLLM for CPU

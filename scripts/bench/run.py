@@ -138,6 +138,7 @@ def main(argv=None) -> int:
         bench.close_inprocess()
         bench.served_continuous()
         bench.served_llamacpp()  # kept up (idle) for the llama-server pairs
+        bench.served_int8()  # kept up (idle) for the pairs with llama-server on the q8_0 GGUF
         bench.variant_pairs()  # both variants: the paired static waves, then each Poisson load's rounds
         bench.peers()  # the variants stay up (idle): llama-server runs paired waves against each
         bench.stop_variants()
@@ -419,6 +420,20 @@ class BenchRun:
                     lambda ts: f"backend llamacpp ({load_model_config_file(str(config)).handler.gguf_type} GGUF), "
                                f"continuousBatching, pid {ts.pid}")
 
+    def served_int8(self) -> None:
+        """The micro-batching handler over int8 weights (``handler.weight_dtype: int8``): its waves at the paired
+        concurrencies, then (:meth:`peers`) back to back against llama-server on the q8_0 GGUF."""
+        from scripts.bench.systems import TorchServeSystem
+
+        def make_system():  # a dtype int8 weights do not take (float16) fails this variant alone
+            config = derived_config(self.args.config.resolve(), self.work / "bench-llama-int8.yaml", self.dtype,
+                                    self.args.threads, {"weight_dtype": "int8"})
+            return TorchServeSystem(self.work / "int8", config, self.checkpoint, model_name="bench-llama-int8")
+
+        waves = [c for c in self.plan["concurrency"] if c in self.plan["paired_concurrency"]]
+        self.served(report.INT8, make_system, lambda ts: f"weight_dtype int8, pid {ts.pid}",
+                    plan=dict(self.plan, scenarios=["concurrency"], concurrency=waves or self.plan["concurrency"]))
+
     def _unemulated(self, what: str) -> str:
         return (f"{what} is built for this host's instruction set ({self.results['machine']['emulated_on']}), "
                 f"which no variable narrows to the emulated class {self.emulated}'s")
@@ -436,8 +451,9 @@ class BenchRun:
             self.results["extra"].setdefault("serving_choices", {})[name] = lines
             log(f"{name} chose while serving ({len(lines)}): {lines[-1]}")
 
-    def served(self, name: str, make_system, describe, after=None) -> None:
+    def served(self, name: str, make_system, describe, after=None, plan: Optional[dict] = None) -> None:
         """Build, start, warm up and sweep one served variant; ``after(system, adapter)`` runs while it is up.
+        ``plan``: the sweep's (default the run's).
 
         A variant of the pair stays up afterwards (in ``kept``) for :meth:`variant_pairs`, which
         runs its Poisson loads instead of its sweep.
@@ -446,7 +462,7 @@ class BenchRun:
         t = time.perf_counter()
         status = results["systems"][name] = {"status": "ok"}
         system = None
-        keep = self.pairing and (name in VARIANTS or name == report.LLAMACPP)
+        keep = self.pairing and (name in VARIANTS or name in (report.LLAMACPP, report.INT8))
         try:
             if name not in self.args.systems:
                 raise _NotSelected()
@@ -459,7 +475,7 @@ class BenchRun:
             run_wave(adapter, [self.prompts.warm], 4, self.timeout)
             server = system.metrics()
             first = server.snapshot()
-            sweep(name, lambda ps, n: run_wave(adapter, ps, n, self.timeout), self.prompts, self.plan, budget,
+            sweep(name, lambda ps, n: run_wave(adapter, ps, n, self.timeout), self.prompts, plan or self.plan, budget,
                   self.runs, self.monitor,
                   schedule_runner=None if keep else lambda s: run_schedule(adapter, s, self.timeout), server=server)
             results["extra"][f"{name.replace('-', '_')}_metrics"] = server.since(first)
@@ -670,7 +686,7 @@ class BenchRun:
                 self._paced("mixed")  # the served variants' rounds paced it already, unless they did not run
                 sweep(peer.name, lambda ps, n, a=adapter: run_wave(a, ps, n, self.timeout), self.prompts, plan, budget,
                       self.runs, self.monitor, schedule_runner=lambda s, a=adapter: run_schedule(a, s, self.timeout))
-                if peer.name == "llama.cpp":
+                if peer.name in ("llama.cpp", report.QUANTIZED_PEER):
                     self._paired_with_peer(peer.name, adapter)
             except Exception as exc:  # noqa: BLE001
                 traceback.print_exc()
@@ -724,13 +740,16 @@ class BenchRun:
 
     def _paired_with_peer(self, name: str, adapter) -> None:
         """The peer against each served variant still up, in back-to-back A/B waves (``paired-peer/<variant>``
-        rows): the sweeps ran tens of minutes apart, and this host's speed drifts by tens of percent."""
+        rows): the sweeps ran tens of minutes apart, and this host's speed drifts by tens of percent. The int8
+        variant meets llama-server on the q8_0 GGUF, the others llama-server in the dtype served."""
         plan = self.plan
         if not self.kept or "paired" not in plan["scenarios"] or not plan["paired_rounds"] \
                 or not self.budget.ok(f"paired {name}", 60):
             return
         t = time.perf_counter()
         for variant, (_, served) in self.kept.items():
+            if (variant == report.INT8) != (name == report.QUANTIZED_PEER):
+                continue
             # llama.cpp in both, on one GGUF: both held to the bandwidth around their waves, as the torch rows are
             same_engine = variant == report.LLAMACPP and name == "llama.cpp"
             bracket = (self._bandwidth_now, self.results["decode_bound"]["weight_bytes_per_token"]) if same_engine else None

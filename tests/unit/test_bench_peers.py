@@ -216,7 +216,8 @@ def test_build_peers_knows_ggmls_flags_for_each_class_it_builds_for():
 
 def test_llama_servers_pairs_with_the_llamacpp_backend_alone_are_held_to_the_bandwidth_around_them(monkeypatch):
     """One engine on one GGUF in both: their 1-stream rounds get bandwidth samples around them, as the torch
-    rows' do; a torch variant's pairs, or the q8_0 peer's (another GGUF), are speed ratios only."""
+    rows' do; a torch variant's pairs, or the q8_0 peer's (another GGUF), are speed ratios only. The int8 variant
+    meets the q8_0 peer alone, and the q8_0 peer meets nothing else."""
     from types import SimpleNamespace
 
     from scripts.bench import report, run
@@ -225,14 +226,15 @@ def test_llama_servers_pairs_with_the_llamacpp_backend_alone_are_held_to_the_ban
     monkeypatch.setattr(run, "paired", lambda first, second, *args, scenario, ratio, efficiency=None:
                         calls.append((first[0], second[0], scenario, efficiency)))
     bench = SimpleNamespace(plan={"scenarios": ["paired"], "paired_rounds": 2}, runs=[], monitor=None, timeout=1,
-                            kept={report.SERVED: (None, "micro"), report.LLAMACPP: (None, "llamacpp")}, prompts=None,
+                            kept={report.SERVED: (None, "micro"), report.LLAMACPP: (None, "llamacpp"),
+                                  report.INT8: (None, "int8")}, prompts=None,
                             budget=SimpleNamespace(ok=lambda *args: True), phases={}, _bandwidth_now=lambda: 10.0,
                             results={"decode_bound": {"weight_bytes_per_token": 4e8}})
     for peer in ("llama.cpp", "llama.cpp-q8_0"):
         run.BenchRun._paired_with_peer(bench, peer, "adapter")
     bracketed = {(first, scenario): efficiency for first, _, scenario, efficiency in calls}
     assert sorted(bracketed) == [("llama.cpp", "paired-peer/llamacpp"), ("llama.cpp", "paired-peer/micro"),
-                                 ("llama.cpp-q8_0", "paired-peer/llamacpp"), ("llama.cpp-q8_0", "paired-peer/micro")]
+                                 ("llama.cpp-q8_0", "paired-peer/int8")]
     sample, nbytes = bracketed["llama.cpp", "paired-peer/llamacpp"]
     assert sample() == 10.0 and nbytes == 4e8
     assert [key for key, efficiency in bracketed.items() if efficiency] == [("llama.cpp", "paired-peer/llamacpp")]

@@ -158,6 +158,7 @@ def test_the_bench_describes_the_weights_as_served(tmp_path):
     assert kept == ("bfloat16" if for_device("cpu") is not None else "float32")
     got = describe(tmp_path, "float32", "bfloat16")
     assert got["weight_bytes_per_token"] == 2 * (64 * 160 + 64) and got["checkpoint_dtype"] == "bfloat16"
+    assert got["int8_weight_bytes_per_token"] == 64 * 160 + 64 + 4 * 64  # a byte a weight, a float32 scale a row
     assert dtype_label(got) == "float32, bfloat16 weights"
     assert dtype_label(describe(tmp_path, "bfloat16")) == "bfloat16"
     assert dtype_label({"dtype": "float32"}) == "float32"  # a results file from before the weights' dtype

@@ -67,6 +67,32 @@ def test_the_llamacpp_backend_counts_as_a_served_variant_against_llama_server():
     assert rs["peer_ratio_llama.cpp_sweeps"]["value"] == round(95 / 90, 4)
 
 
+def test_the_int8_variant_is_measured_against_the_q8_0_peer_never_against_the_bar():
+    """int8 weights stream half of bf16's bytes: its rows are reported against llama-server on the q8_0 GGUF
+    (the pairs where the run has them) and against the handler over the weights as served, and they neither
+    count as the best served variant nor meet llama.cpp's goals."""
+    runs = [_run("torchserve", "concurrency", 60.0, concurrency=8), _run("torchserve", "concurrency", 20.0, concurrency=1),
+            _run("torchserve-int8", "concurrency", 90.0, concurrency=8),
+            _run("torchserve-int8", "concurrency", 30.0, concurrency=1),
+            _run("llama.cpp", "concurrency", 80.0, concurrency=8), _run("llama.cpp", "concurrency", 25.0, concurrency=1),
+            _run("llama.cpp-q8_0", "concurrency", 75.0, concurrency=8),
+            _run("llama.cpp-q8_0", "concurrency", 24.0, concurrency=1),
+            _run("torchserve-int8", "paired-peer/int8", 1.0, concurrency=8, served_over_peer=[1.3, 1.1, 1.2],
+                 served_over_peer_median=1.2)]
+    results = _results(runs)
+    results["model"]["int8_weight_bytes_per_token"] = 1e8
+    rs = report.ratios(results)
+    eight, one = rs["int8_vs_llama.cpp-q8_0"], rs["int8_vs_llama.cpp-q8_0_1_stream"]
+    assert eight["value"] == 1.2 and eight["inputs"]["pairs"] == [1.3, 1.1, 1.2] and eight["met"] is None
+    assert one["value"] == round(30 / 24, 4) and "(the sweeps)" in one["definition"] and one["met"] is None
+    assert rs["int8_vs_served_weights"]["value"] == 1.5 and rs["int8_vs_served_weights_1_stream"]["value"] == 1.5
+    assert rs["batch1_decode_efficiency_int8"]["value"] == round(30 * 1e8 / 10e9, 4)
+    assert rs["peer_ratio_llama.cpp"]["value"] == round(60 / 80, 4) and rs["peer_ratio_llama.cpp"]["met"] is False
+    assert rs["peer_ratio_llama.cpp_1_stream"]["inputs"]["by_variant"] == {"torchserve": 0.8}
+    assert rs["peer_ratio_strongest"]["inputs"]["served_system"] == "torchserve"
+    assert not any(key.startswith("int8") for key in report.ratios(_results(runs[:2] + runs[4:8])))
+
+
 def test_the_llamacpp_backends_batch1_is_reported_beside_its_engines_own():
     runs = [_run("llama.cpp", "concurrency", 50.0, concurrency=1)]
     rs = report.ratios(_results(runs))

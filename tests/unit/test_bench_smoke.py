@@ -91,6 +91,8 @@ def test_smoke_json_has_every_section_and_positive_figures(smoke):
     assert results["systems"]["torchserve-continuous"]["status"] == "ok"
     assert results["systems"]["torchserve-llamacpp"]["status"] == "ok"  # make test builds llama-cpp-python
     assert "backend llamacpp (f32 GGUF)" in results["systems"]["torchserve-llamacpp"]["detail"]
+    assert results["systems"]["torchserve-int8"]["status"] == "ok"
+    assert "weight_dtype int8" in results["systems"]["torchserve-int8"]["detail"]
     for peer in ("llama.cpp", "vllm"):
         assert results["systems"][peer]["status"] in ("ok", "not installed", "skipped")
     assert (out / f"results-{results['timestamp']}.json").exists()
@@ -109,6 +111,10 @@ def test_smoke_runs_cover_each_scenario_with_full_length_streams(smoke):
     assert ("torchserve", "poisson") in seen
     assert ("torchserve-llamacpp", "concurrency") in seen  # the llamacpp backend's sweep (no Poisson rounds)
     assert not any(s == "torchserve-llamacpp" and sc == "poisson" for s, sc in seen)
+    # the int8 variant: its waves at the paired concurrencies the sweep has, nothing else
+    assert {(r["scenario"], r["concurrency"]) for r in runs if r["system"] == "torchserve-int8"} == {("concurrency", 4)}
+    assert results["ratios"]["int8_vs_served_weights"]["value"] > 0
+    assert results["model"]["int8_weight_bytes_per_token"] < results["model"]["weight_bytes_per_token"] / 3
     # the two TorchServe variants run each load's schedule in alternating rounds (one in --smoke)
     paired = [r for r in runs if r["scenario"] == "poisson" and r["system"].startswith("torchserve")]
     assert sorted((r["load"], r["system"]) for r in paired) == [
@@ -183,7 +189,8 @@ def test_served_rows_carry_the_servers_own_figures_from_its_metrics_api(smoke):
     """The handler's metrics, scraped before and after each served row, count what the client saw."""
     _, results, _, _ = smoke
     served = [r for r in results["runs"] if "server" in r]
-    assert {r["system"] for r in served} == {"torchserve", "torchserve-continuous", "torchserve-llamacpp"}
+    assert {r["system"] for r in served} == {"torchserve", "torchserve-continuous", "torchserve-llamacpp",
+                                             "torchserve-int8"}
     for run in served:
         server = run["server"]
         assert server["requests"] == run["requests"] and server["errors_by_status"] == {}, run
