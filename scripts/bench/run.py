@@ -423,9 +423,19 @@ class BenchRun:
     def served_int8(self) -> None:
         """The micro-batching handler over int8 weights (``handler.weight_dtype: int8``): its waves at the paired
         concurrencies, then (:meth:`peers`) back to back against llama-server on the q8_0 GGUF."""
+        import torch
+
+        from llama_engine.backends.torch_backend import weight_dtype_for
         from scripts.bench.systems import TorchServeSystem
 
-        def make_system():  # a dtype int8 weights do not take (float16) fails this variant alone
+        try:  # where the worker would refuse them, say so now rather than wait out its start
+            weight_dtype_for("int8", getattr(torch, self.dtype), torch.device("cpu"), None)
+        except ValueError as exc:
+            self.results["systems"][report.INT8] = {"status": "skipped", "detail": str(exc)}
+            log(f"{report.INT8}: {exc}")
+            return
+
+        def make_system():
             config = derived_config(self.args.config.resolve(), self.work / "bench-llama-int8.yaml", self.dtype,
                                     self.args.threads, {"weight_dtype": "int8"})
             return TorchServeSystem(self.work / "int8", config, self.checkpoint, model_name="bench-llama-int8")

@@ -238,3 +238,18 @@ def test_llama_servers_pairs_with_the_llamacpp_backend_alone_are_held_to_the_ban
     sample, nbytes = bracketed["llama.cpp", "paired-peer/llamacpp"]
     assert sample() == 10.0 and nbytes == 4e8
     assert [key for key, efficiency in bracketed.items() if efficiency] == [("llama.cpp", "paired-peer/llamacpp")]
+
+
+def test_the_int8_variant_is_skipped_saying_why_where_the_worker_would_refuse_it():
+    """float16 arithmetic takes no int8 weights: the bench says so at once instead of waiting out a worker
+    that fails to load."""
+    from types import SimpleNamespace
+
+    from scripts.bench import report, run
+
+    served = []
+    bench = SimpleNamespace(dtype="float16", results={"systems": {}}, served=lambda *args, **kwargs: served.append(args))
+    run.BenchRun.served_int8(bench)
+    status = bench.results["systems"][report.INT8]
+    assert status["status"] == "skipped" and "handler.weight_dtype int8 under float16" in status["detail"]
+    assert not served
