@@ -26,6 +26,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 SIDES = ("auto", "int8")
+#: Tokens each decode row is prefilled with before its timed steps (fewer where the longest prompt is shorter).
+DECODE_PROMPT = 128
 #: Standard-library modules whose docstrings the tiny model did not see (scripts/build_tiny_llama.py's DOC_MODULES).
 HELD_OUT = ("csv", "heapq", "shutil", "bisect", "zipfile")
 
@@ -119,7 +121,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
     prefills = [int(n) for n in args.prefills.split(",")]
-    positions = max(max(prefills) + args.greedy, args.perplexity_tokens) + 8
+    decode_prompt = min(DECODE_PROMPT, max(prefills))
+    positions = max(max(prefills) + args.greedy, args.perplexity_tokens, decode_prompt + args.steps) + 8
     backends = {side: load(args.model, side, max(batches), positions) for side in SIDES}
     vocab = backends["auto"].model.config.vocab_size
     ids = torch.randint(3, vocab, (max(prefills),), generator=torch.Generator().manual_seed(0)).tolist()
@@ -138,7 +141,7 @@ def main(argv=None) -> int:
             print(f"- perplexity over {len(text)} tokens of held-out docstrings ({', '.join(HELD_OUT)}): default "
                   f"{scores['auto']:.3f}, int8 {scores['int8']:.3f} ({scores['int8'] / scores['auto'] - 1:+.2%})")
         for rows in batches:
-            m = alternated(backends, args.rounds, lambda b, rows=rows: decode_block(b, rows, ids[:128], args.steps))
+            m = alternated(backends, args.rounds, lambda b, rows=rows: decode_block(b, rows, ids[:decode_prompt], args.steps))
             print(f"- decode, {rows} row(s): default {1e3 * m['auto']:.2f} ms a step ({rows / m['auto']:.1f} tok/s), "
                   f"int8 {1e3 * m['int8']:.2f} ({rows / m['int8']:.1f} tok/s): {m['auto'] / m['int8']:.2f}x")
         for n in prefills:

@@ -22,6 +22,14 @@ def test_it_prints_each_figure_for_both_sides(tiny_model_dir, capsys):
     assert out.count("int8") >= 5
 
 
+def test_its_decode_blocks_fit_the_positions_without_a_perplexity_pass(tiny_model_dir, capsys):
+    """The slots hold the decode blocks' prompt and steps too: with no perplexity pass to size them, 30 steps
+    after a 16-token prompt once ran past max_length."""
+    assert int8_weights.main(["--model", str(tiny_model_dir), "--rounds", "1", "--steps", "30", "--greedy", "2",
+                              "--batches", "1", "--prefills", "16", "--perplexity-tokens", "0"]) == 0
+    assert "decode, 1 row(s): default" in capsys.readouterr().out
+
+
 def test_perplexity_is_the_exponent_of_the_mean_loss_of_each_next_token(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
