@@ -426,24 +426,26 @@ inline void reduce_tile(const Vec::F *acc, float *out) {
 
 // One row of x against one row of w over four accumulators: with one, each multiply-add waits
 // for the last (4 cycles on most x86 cores), which held the AVX2 class's stream of bf16 weights
-// for one row to 8 weights per 4 cycles, 37 GB/s on two Zen 5 cores where x.sum() read 45.
+// for one row to 8 weights per 4 cycles, 37 GB/s on two Zen 5 cores where x.sum() read 45. An int8
+// weight is one byte: the same 8 weights per cycle and core are half the bytes, so int8 takes eight.
 template <class TX, class TW>
 inline float dot_unrolled(const TX *x, const TW *w, long K, long pf) {
-    constexpr long STEP = 4 * Vec::N, LINE = 64 / (long)sizeof(TW);
-    Vec::F a0 = Vec::zero(), a1 = a0, a2 = a0, a3 = a0;
+    constexpr int ACC = sizeof(TW) == 1 ? 8 : 4;
+    constexpr long STEP = ACC * Vec::N, LINE = 64 / (long)sizeof(TW);
+    Vec::F a[ACC];
+    for (int i = 0; i < ACC; i++) a[i] = Vec::zero();
     long k = 0;
     for (; k + STEP <= K; k += STEP) {
         for (long i = 0; i < STEP; i += LINE) prefetch_weight(w + k + i + pf);
-        a0 = Vec::fma(Vec::load(w + k), Vec::load(x + k), a0);
-        a1 = Vec::fma(Vec::load(w + k + Vec::N), Vec::load(x + k + Vec::N), a1);
-        a2 = Vec::fma(Vec::load(w + k + 2 * Vec::N), Vec::load(x + k + 2 * Vec::N), a2);
-        a3 = Vec::fma(Vec::load(w + k + 3 * Vec::N), Vec::load(x + k + 3 * Vec::N), a3);
+        for (int i = 0; i < ACC; i++) a[i] = Vec::fma(Vec::load(w + k + i * Vec::N), Vec::load(x + k + i * Vec::N), a[i]);
     }
     for (; k + Vec::N <= K; k += Vec::N) {
         prefetch_weight(w + k + pf);
-        a0 = Vec::fma(Vec::load(w + k), Vec::load(x + k), a0);
+        a[0] = Vec::fma(Vec::load(w + k), Vec::load(x + k), a[0]);
     }
-    float sum = Vec::hsum(Vec::add(Vec::add(a0, a1), Vec::add(a2, a3)));
+    for (int width = ACC / 2; width > 0; width /= 2)  // neighbours first: ((a0 + a1) + (a2 + a3)) ...
+        for (int i = 0; i < width; i++) a[i] = Vec::add(a[2 * i], a[2 * i + 1]);
+    float sum = Vec::hsum(a[0]);
     for (; k < K; k++) sum += to_f32(x[k]) * to_f32(w[k]);
     return sum;
 }
