@@ -136,27 +136,14 @@ def int8_ratios(runs, results: dict, c: int) -> dict:
     where the run has them, else the sweeps), against the handler's over the weights as served (the sweeps),
     and its batch-1 decode against the memory's speed at int8's bytes (values and scales)."""
     out = {}
-    for key, conc in ((f"int8_vs_{QUANTIZED_PEER}", c), (f"int8_vs_{QUANTIZED_PEER}_1_stream", 1)):
-        pair = find(runs, INT8, f"paired-peer/{VARIANT_LABELS[INT8]}", concurrency=conc)
-        mine, peer = find(runs, INT8, "concurrency", concurrency=conc), find(runs, QUANTIZED_PEER, "concurrency",
-                                                                              concurrency=conc)
-        if pair and pair.get("served_over_peer_median"):
-            out[key] = _ratio(pair["served_over_peer_median"], "report", None,
-                              f"{INT8} output tok/s / {QUANTIZED_PEER}'s at {conc} stream(s), both 8-bit weights: "
-                              f"median of {len(pair['served_over_peer'])} back-to-back A/B pairs of the same wave",
-                              concurrency=conc, pairs=pair["served_over_peer"])
-        elif mine and peer:
-            out[key] = _ratio(mine["output_tokens_per_s"] / peer["output_tokens_per_s"], "report", None,
-                              f"{INT8} output tok/s / {QUANTIZED_PEER}'s at {conc} stream(s), both 8-bit weights "
-                              "(the sweeps)", concurrency=conc)
-    for key, conc in (("int8_vs_served_weights", c), ("int8_vs_served_weights_1_stream", 1)):
-        mine, served = find(runs, INT8, "concurrency", concurrency=conc), find(runs, SERVED, "concurrency",
-                                                                               concurrency=conc)
-        if mine and served:
-            out[key] = _ratio(mine["output_tokens_per_s"] / served["output_tokens_per_s"], "report", None,
-                              f"{INT8} output tok/s / {SERVED}'s over the weights as served "
-                              f"({results['model'].get('weight_dtype')}) at {conc} stream(s) (the sweeps)",
-                              concurrency=conc)
+    for suffix, conc in (("", c), ("_1_stream", 1)):
+        for key, other, whose, note in (
+                (f"int8_vs_{QUANTIZED_PEER}", QUANTIZED_PEER, f"{QUANTIZED_PEER}'s", ", both 8-bit weights"),
+                ("int8_vs_served_weights", SERVED,
+                 f"{SERVED}'s over the weights as served ({results['model'].get('weight_dtype')})", "")):
+            ratio = _int8_against(runs, other, conc, f"{whose} at {conc} stream(s){note}")
+            if ratio:
+                out[key + suffix] = ratio
     run, nbytes = find(runs, INT8, "concurrency", concurrency=1), results["model"].get("int8_weight_bytes_per_token")
     rate = run and run.get("decode_tokens_per_s_per_stream")
     if rate and nbytes:
@@ -167,6 +154,23 @@ def int8_ratios(runs, results: dict, c: int) -> dict:
             f"memory bandwidth of the run ({bound['threads']} threads)",
             decode_tokens_per_s=rate, weight_bytes_per_token=nbytes, bandwidth_gb_per_s=bound["bandwidth_gb_per_s"])
     return out
+
+
+def _int8_against(runs, other: str, conc: int, what: str) -> Optional[dict]:
+    """The int8 variant's output tok/s over ``other``'s (``what``, for the definition) at ``conc`` streams: the
+    median of their back-to-back pairs where the run has them (the q8_0 peer's), else the two sweeps'; None
+    where either did not run."""
+    pair = find(runs, INT8, f"paired-peer/{VARIANT_LABELS[INT8]}", concurrency=conc) if other == QUANTIZED_PEER else None
+    definition = f"{INT8} output tok/s / {what}"
+    if pair and pair.get("served_over_peer_median"):
+        return _ratio(pair["served_over_peer_median"], "report", None,
+                      f"{definition}: median of {len(pair['served_over_peer'])} back-to-back A/B pairs of the same wave",
+                      concurrency=conc, pairs=pair["served_over_peer"])
+    mine, theirs = (find(runs, system, "concurrency", concurrency=conc) for system in (INT8, other))
+    if mine and theirs:
+        return _ratio(mine["output_tokens_per_s"] / theirs["output_tokens_per_s"], "report", None,
+                      f"{definition} (the sweeps)", concurrency=conc)
+    return None
 
 
 def decode_floor_ratios(runs, results: dict) -> dict:
@@ -395,7 +399,9 @@ def _paired_peer_ratios(runs, sweep_ratios: dict, c: int) -> dict:
     for key, conc in (("peer_ratio_llama.cpp", c), ("peer_ratio_llama.cpp_1_stream", 1)):
         pairs = {}
         for variant, label in VARIANT_LABELS.items():
-            row = variant != INT8 and find(runs, variant, f"paired-peer/{label}", concurrency=conc)
+            if variant == INT8:  # held to the q8_0 peer (int8_ratios)
+                continue
+            row = find(runs, variant, f"paired-peer/{label}", concurrency=conc)
             if row and row.get("served_over_peer_median"):
                 pairs[variant] = row
         if not pairs:
