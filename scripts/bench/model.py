@@ -14,6 +14,7 @@ whatever random token the model emits. Peers get ``ignore_eos: true`` in the req
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from dataclasses import asdict, dataclass
@@ -172,14 +173,13 @@ def describe(path: Path, dtype: str, weight_dtype: Optional[str] = None, random_
     total = embed = rows = 0
     with safe_open(str(path / "model.safetensors"), "pt") as f:
         for name in f.keys():
-            n = 1
-            for d in f.get_slice(name).get_shape():
-                n *= d
+            shape = f.get_slice(name).get_shape()
+            n = math.prod(shape)
             total += n
             if name.endswith("embed_tokens.weight"):
                 embed += n
-            elif len(f.get_slice(name).get_shape()) == 2:
-                rows += f.get_slice(name).get_shape()[0]
+            elif len(shape) == 2:
+                rows += shape[0]
     weight_dtype = weight_dtype or dtype
     width = {"float32": 4, "bfloat16": 2, "float16": 2}[weight_dtype]
     hidden = config["hidden_size"]
