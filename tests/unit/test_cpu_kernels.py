@@ -169,11 +169,13 @@ def test_the_one_row_prefetch_is_measured_once_per_dtype_pair_unless_the_environ
 @pytest.mark.parametrize("rows, inner, outer", [(1, 768, 2304), (3, 768, 770), (5, 100, 9), (8, 3072, 96),
                                                 (16, 33, 64), (1, 17, 3), (7, 256, 257), (14, 96, 10),
                                                 (64, 768, 2304), (131, 300, 80), (97, 520, 48), (48, 128, 32),
-                                                (47, 136, 32), (40, 520, 96), (39, 64, 64), (600, 520, 96)])
+                                                (47, 136, 32), (40, 520, 96), (39, 64, 64), (600, 520, 96),
+                                                (256, 520, 96), (257, 520, 96)])
 def test_linear_over_int8_rows_is_the_float64_product_of_the_weight_they_stand_for(kernels, x_dtype, rows, inner,
                                                                                     outer):
     """int8 weights with a scale per row, as a decode step's few rows and a prompt's many take them (the tiles;
-    the GEMMs from 48 or 40 rows over whole panels, in blocks of 264 rows), with row, column and inner tails and
+    the GEMMs from 48 or 40 rows over whole panels, or past tile_max_rows, 256 rows under bf16 on the avx512bf16
+    build's dot-product tiles; in blocks of 264 rows), with row, column and inner tails and
     strided rows in and out: each output is the product with the dequantized weight, to float32 accumulation
     and one rounding to the activations' dtype, and the columns beside the output are untouched."""
     gen = torch.Generator().manual_seed(rows * inner + outer)
@@ -220,6 +222,43 @@ def test_native_quantization_leaves_what_it_does_not_take_to_torch(kernels):
     assert torch.equal(int8_rows.quantize(strided, kernels=kernels), int8_rows.quantize(strided.contiguous()))
     with pytest.raises(ValueError, match="an int8 place of its shape with its scales behind it"):
         kernels.quantize_rows(torch.randn(4, 8), torch.zeros(4, 8, dtype=torch.int8))
+
+
+@pytest.mark.parametrize("kernels", ISAS, indirect=True)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, columns", [(1, 1), (3, 7), (5, 4096), (37, 1001), (64, 8)])
+def test_native_dequantization_is_int8_rows_bit_for_bit(kernels, dtype, rows, columns):
+    """What a prompt's products over int8 weights multiply on oneDNN: each value times its row's scale in float32,
+    rounded once to the dtype, as int8_rows.dequantize computes it, vector body and tail alike, into ``out``."""
+    gen = torch.Generator().manual_seed(rows * columns)
+    quantized = int8_rows.quantize(torch.randn(rows, columns, generator=gen) * 3)
+    out = torch.full((rows, columns), 7.0, dtype=dtype)
+    got = kernels.dequantize_rows(quantized, dtype, out=out)
+    assert got.data_ptr() == out.data_ptr() and torch.equal(got, int8_rows.dequantize(quantized, dtype))
+
+
+@pytest.mark.parametrize("kernels", ISAS, indirect=True)
+def test_native_dequantization_refuses_values_without_scales_and_a_wrong_out(kernels):
+    quantized = int8_rows.quantize(torch.randn(8, 64))
+    with pytest.raises(ValueError, match="int8 values with their scales behind them"):
+        kernels.dequantize_rows(quantized.clone(), torch.bfloat16)
+    with pytest.raises(ValueError, match="into float32 or bf16"):
+        kernels.dequantize_rows(quantized, torch.float16)
+    with pytest.raises(ValueError, match=r"out must be a contiguous torch.bfloat16 \(8, 64\) tensor"):
+        kernels.dequantize_rows(quantized, torch.bfloat16, out=torch.empty(64, 8, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("kernels", ISAS, indirect=True)
+def test_only_int8_under_bf16_on_the_dot_product_build_keeps_the_tiles_past_the_gemms_threshold(kernels):
+    """tile_max_rows: 256 rows of bf16 over int8 weights on the avx512bf16 build, where its dot-product tiles ran
+    the bench model's products faster than the GEMM at every row count measured; 0 (the GEMM's own threshold)
+    for every other pair and build; a pair no product takes is refused, naming it."""
+    assert kernels.tile_max_rows(torch.bfloat16, torch.int8) == (256 if kernels.isa == "avx512bf16" else 0)
+    for x_dtype, w_dtype in ((torch.float32, torch.int8), (torch.float32, torch.float32),
+                             (torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16)):
+        assert kernels.tile_max_rows(x_dtype, w_dtype) == 0
+    with pytest.raises(ValueError, match="no product of torch.float16 rows over torch.int8 weights"):
+        kernels.tile_max_rows(torch.float16, torch.int8)
 
 
 @pytest.mark.parametrize("kernels", ISAS, indirect=True)

@@ -8,6 +8,7 @@
   dropped, ``retain`` keeps the rows' logits, the cache grows for a larger batch, and a failed
   prefill leaves every slot free.
 """
+import copy
 import logging
 import re
 import sys
@@ -1598,13 +1599,15 @@ def test_a_bf16_model_on_amx_tiles_decodes_the_tokens_of_onednns_products(tiny_m
 @needs_native
 def test_native_linear_keeps_int8_rows_and_computes_the_dequantized_weights_product_at_every_row_count():
     """``weight_dtype`` int8: the weight kept as int8 with a scale per row (a quarter of float32's bytes and
-    its scales), every row count on the native kernels (nothing else reads it), the bias in the arithmetic's
-    dtype; a place of the wrong shape or without room for the scales is not taken."""
+    its scales), up to ``max_rows`` rows on the native kernels and more on oneDNN over a copy dequantized for the
+    call (in one scratch buffer, reused), output columns that no GEMM panel divides included, the bias in the
+    arithmetic's dtype; a place of the wrong shape or without room for the scales is not taken."""
     torch.manual_seed(0)
     linear = torch.nn.Linear(96, 80, bias=True)
     native = NativeLinear(linear, NATIVE, max_rows=6, weight_dtype=torch.int8)
     assert native.weight.dtype == torch.int8 and int8_rows.carries_scales(native.weight)
-    assert native.max_rows == sys.maxsize and not native.pairs and native.bias.dtype == torch.float32
+    assert native.max_rows == 6 and not native.pairs and native.bias.dtype == torch.float32
+    assert NativeLinear(linear, NATIVE, max_rows=sys.maxsize, weight_dtype=torch.int8).max_rows == sys.maxsize
     dequantized = int8_rows.dequantize(native.weight)
     assert (dequantized - linear.weight.detach()).abs().max() <= int8_rows.scales(native.weight).max() / 2 + 1e-7
     for shape in ((1, 96), (3, 2, 96), (7, 96), (300, 96)):
@@ -1613,10 +1616,41 @@ def test_native_linear_keeps_int8_rows_and_computes_the_dequantized_weights_prod
             got = native(x)
         torch.testing.assert_close(got, torch.nn.functional.linear(x, dequantized, linear.bias.detach()),
                                    atol=1e-5, rtol=1e-5)
+    assert native._dequantized(torch.float32).data_ptr() == native._dequantized(torch.float32).data_ptr()
+    half = NativeLinear(copy.deepcopy(linear).to(torch.bfloat16), NATIVE, max_rows=6, weight_dtype=torch.int8)
+    for rows in (6, 7):  # the tiles, then oneDNN over a bf16 copy
+        x = torch.randn(rows, 96).to(torch.bfloat16)
+        with torch.inference_mode():
+            got = half(x)
+        want = torch.nn.functional.linear(x.float(), int8_rows.dequantize(half.weight), half.bias.float())
+        torch.testing.assert_close(got.float(), want, atol=0.05, rtol=0.02)
     place = int8_rows.empty((80, 96))
     assert NativeLinear(linear, NATIVE, weight_dtype=torch.int8, place=place).weight.data_ptr() == place.data_ptr()
     for wrong in (torch.empty(80, 96, dtype=torch.int8), int8_rows.empty((96, 80))):
         assert NativeLinear(linear, NATIVE, weight_dtype=torch.int8, place=wrong).weight.data_ptr() != wrong.data_ptr()
+
+
+class TileRows:
+    """Kernels whose tiles keep int8 weights under bf16 up to ``rows`` rows (0: the GEMM's threshold)."""
+    isa = "avx512bf16"
+
+    def __init__(self, rows: int):
+        self.rows = rows
+
+    def tile_max_rows(self, x_dtype, weight_dtype):
+        return self.rows if (x_dtype, weight_dtype) == (torch.bfloat16, torch.int8) else 0
+
+
+@pytest.mark.parametrize("tiles, prompts, want", [
+    (0, "bfloat16", (sys.maxsize, False)), (256, "native", (sys.maxsize, False)),
+    (256, "bfloat16", (256, False)), (256, "float32", (256, True))])
+def test_int8_prompts_past_the_tiles_go_where_a_bf16_models_prompts_time_fastest(monkeypatch, tiles, prompts, want):
+    """int8 linears run every row count natively where the build's tiles have no row limit of their own, or where
+    the native GEMM multiplies a bf16 model's prompts fastest; else up to the tiles' limit, and oneDNN (in bf16,
+    or float32 where that timed faster) takes more rows over a copy widened for the call."""
+    monkeypatch.setenv(fast_linear.WIDE_ENV, prompts)
+    linear = torch.nn.Linear(64, 64, dtype=torch.bfloat16)
+    assert fast_linear._int8_max_rows([(None, "l", linear)], torch.bfloat16, TileRows(tiles)) == want
 
 
 def test_weight_dtype_int8_needs_the_native_kernels_and_float32_or_bfloat16_arithmetic(monkeypatch):

@@ -1509,13 +1509,26 @@ void linear_pairs(const TX *x, long ldx, const bf16 *P, TX *y, long ldy, long M,
 }
 #endif
 
+// The most rows of x whose product over w runs on the tiles before the GEMM takes it (0: the GEMM's own
+// threshold). int8 weights under bf16 on the avx512bf16 build stay on the dot-product tiles to 256 rows: one
+// pass over the bench model's linears on a Zen 4 EPYC (2 threads, medians of 8 alternated), tiles against the
+// GEMM against widening them to bf16 for oneDNN (llk_dequantize_rows): 27.9 / 31.8 / 47.9 ms at 32 rows, 39.4 /
+// 71.8 / 58.5 at 48, 103.7 / 164.6 / 121.7 at 128, 202.6 / 302.6 / 196.5 at 256, 661 / 936 / 536 at 768.
+template <class TX, class TW>
+constexpr long tile_max_rows() {
+#if defined(LLK_AVX512BF16)
+    if constexpr (std::is_same_v<TX, bf16> && std::is_same_v<TW, int8_t>) return 256;
+#endif
+    return 0;
+}
+
 template <class TX, class TW>
 void linear(const TX *x, long ldx, const TW *w, TX *y, long ldy, long M, long K, long N, int threads,
             long one_row_prefetch) {
 #if defined(LLK_AVX2)
     if (gemm(x, ldx, w, y, ldy, M, K, N, threads)) return;
 #elif defined(LLK_VEC512)
-    if (gemm512(x, ldx, w, y, ldy, M, K, N, threads)) return;
+    if (M > tile_max_rows<TX, TW>() && gemm512(x, ldx, w, y, ldy, M, K, N, threads)) return;
 #endif
     const float *scales = row_scales(w, N, K);
     const long one_row = one_row_prefetch > 0 ? one_row_prefetch : PREFETCH_ONE_ROW;
@@ -2275,6 +2288,22 @@ bool quantize_rows(const T *w, int8_t *q, float *scales, long N, long K, int thr
     return finite;
 }
 
+// out [N, K] (float32 or bf16) = each row of the int8 weight q times its scale, rounded once to T: the weight a
+// product of many rows multiplies on oneDNN (a bf16 copy under AMX or AVX512_BF16's dot product).
+template <class T>
+void dequantize_rows(const int8_t *q, const float *scales, T *out, long N, long K, int threads) {
+    split_rows(N, N * K, threads, [&](long r0, long r1) {
+        for (long n = r0; n < r1; n++) {
+            const int8_t *row = q + n * K;
+            T *to = out + n * K;
+            const Vec::F scale = Vec::set1(scales[n]);
+            long k = 0;
+            for (; k + Vec::N <= K; k += Vec::N) Vec::store(to + k, Vec::mul(Vec::load(row + k), scale));
+            for (; k < K; k++) store_scalar(to + k, (float)row[k] * scales[n]);
+        }
+    });
+}
+
 // Llama's rotary embedding of the q and k heads of each token's fused q/k/v row, in place, then its
 // k and v written to the cache. Row t of qkv ([tokens, (H + 2 Hkv) D], rows ldq apart) sits at
 // position positions[t] of slot slots[t]; cos and ssin are [positions, D] tables in T, ssin's
@@ -2530,6 +2559,15 @@ LLK_API int llk_linear(const void *x, long ldx, int x_dtype, const void *w, int 
     return -1;
 }
 
+// tile_max_rows for x_dtype activations over w_dtype weights (codes as llk_linear's); -1 for a pair it does not run.
+LLK_API long llk_tile_max_rows(int x_dtype, int w_dtype) {
+    if (x_dtype == 1 && w_dtype == INT8_CODE) return tile_max_rows<bf16, int8_t>();
+    if (x_dtype == 0 && w_dtype == INT8_CODE) return tile_max_rows<float, int8_t>();
+    if (x_dtype == 0 && (w_dtype == 0 || w_dtype == 1)) return 0;
+    if (x_dtype == 1 && w_dtype == 1) return tile_max_rows<bf16, bf16>();
+    return -1;
+}
+
 // The fewest rows of a bf16 product over pair panels that run on AMX's tiles: 0 where this build or CPU has
 // none. set > 0 sets it first (tests and A/B probes), set 0 turns the tiles off.
 LLK_API long llk_amx_min_rows(long set) {
@@ -2643,6 +2681,16 @@ LLK_API int llk_quantize_rows(const void *w, int dtype, void *q, long N, long K,
     else if (dtype == 1) finite = quantize_rows((const bf16 *)w, (int8_t *)q, scales, N, K, threads);
     else return -1;
     return finite ? 0 : -2;
+}
+
+// out [N, K] (dtype 0 float32, 1 bfloat16) = the int8 weight q [N, K] with its scales (dequantize_rows).
+// 0 on success, -1 for another dtype.
+LLK_API int llk_dequantize_rows(const void *q, void *out, int dtype, long N, long K, int threads) {
+    const float *scales = row_scales((const int8_t *)q, N, K);
+    if (dtype == 0) dequantize_rows((const int8_t *)q, scales, (float *)out, N, K, threads);
+    else if (dtype == 1) dequantize_rows((const int8_t *)q, scales, (bf16 *)out, N, K, threads);
+    else return -1;
+    return 0;
 }
 
 // 0 on success, -1 for an unsupported dtype.

@@ -217,7 +217,9 @@ _FUNCTIONS = {
                                                       _P, _P, _I64, _P, _P, _P, _P], _I32),
     "_pack_pairs": ("llk_pack_pairs", [_P, _P, _I64, _I64], _I32),
     "_quantize_rows": ("llk_quantize_rows", [_P, _I32, _P, _I64, _I64, _I32], _I32),
+    "_dequantize_rows": ("llk_dequantize_rows", [_P, _P, _I32, _I64, _I64, _I32], _I32),
     "_amx_min_rows": ("llk_amx_min_rows", [_I64], _I64),
+    "_tile_max_rows": ("llk_tile_max_rows", [_I32, _I32], _I64),
     "_amx_usable": ("llk_amx_usable", [], _I32),
     "_bf16_prompt_products": ("llk_bf16_prompt_products", [], _I32),
     "_pool_check": ("llk_pool_check", [_I64, _I64, _I32], _I64),
@@ -310,6 +312,32 @@ class CpuKernels:
                                torch.get_num_threads()):
             raise ValueError(int8_rows.NOT_FINITE)
         return out
+
+    def dequantize_rows(self, quantized: torch.Tensor, dtype: torch.dtype,
+                        out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """:func:`.int8_rows.dequantize` of ``quantized`` (int8 values with their scales behind them) into ``dtype``
+        (float32 or bf16), each value rounded once: into ``out`` where given (contiguous, of its shape and dtype)."""
+        if dtype not in DTYPE_CODES or not int8_rows.carries_scales(quantized):
+            raise ValueError(f"native int8 dequantization: int8 values with their scales behind them into float32 "
+                             f"or bf16, got {quantized.dtype} {tuple(quantized.shape)} into {dtype}")
+        out = torch.empty(quantized.shape, dtype=dtype) if out is None else out
+        if out.shape != quantized.shape or out.dtype != dtype or not out.is_contiguous():
+            raise ValueError(f"native int8 dequantization: out must be a contiguous {dtype} "
+                             f"{tuple(quantized.shape)} tensor (got {out.dtype} {tuple(out.shape)})")
+        rows, columns = quantized.shape
+        self._dequantize_rows(quantized.data_ptr(), out.data_ptr(), DTYPE_CODES[dtype], rows, columns,
+                              torch.get_num_threads())
+        return out
+
+    def tile_max_rows(self, x_dtype: torch.dtype, weight_dtype: torch.dtype) -> int:
+        """The most rows of ``x_dtype`` activations that this build multiplies over a plain ``weight_dtype`` weight
+        on its few-row tiles where it has a GEMM for more (0: the GEMM's own threshold; int8 weights under bf16 on
+        the ``avx512bf16`` build: 256)."""
+        codes = {**DTYPE_CODES, torch.int8: INT8_CODE}
+        rows = self._tile_max_rows(codes.get(x_dtype, -1), codes.get(weight_dtype, -1))
+        if rows < 0:
+            raise ValueError(f"native linear: no product of {x_dtype} rows over {weight_dtype} weights")
+        return int(rows)
 
     def amx_min_rows(self, set_to: Optional[int] = None) -> int:
         """The fewest rows of a bf16 product over pair panels that run on AMX's tiles (0: this build or CPU has

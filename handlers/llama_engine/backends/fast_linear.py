@@ -49,6 +49,7 @@ import math
 import os
 import statistics
 import sys
+import threading
 from typing import Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -170,6 +171,10 @@ ONEDNN_BATCH_HINT = 8
 FP32_BATCH_HINT = ONEDNN_BATCH_HINT
 
 
+#: Each thread's buffer for :meth:`NativeLinear._dequantized`.
+_DEQUANTIZED = threading.local()
+
+
 class NativeLinear(nn.Module):
     """``y = x @ W.T + b`` over the plain weight: the native kernel (:mod:`.cpu_kernels`) for up to
     ``max_rows`` rows, oneDNN's inner product over the same weight for more (inference only).
@@ -196,7 +201,8 @@ class NativeLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.kernels, self.max_rows = kernels, NATIVE_MAX_ROWS if max_rows is None else max_rows
-        if kernels is not None and self.out_features % GEMM_PANEL_COLUMNS.get(kernels.isa, 1):
+        if (kernels is not None and self.out_features % GEMM_PANEL_COLUMNS.get(kernels.isa, 1)
+                and weight_dtype != torch.int8):  # int8's tiles take any columns
             self.max_rows = min(self.max_rows, NATIVE_MAX_ROWS)  # the GEMMs take whole panels only: oneDNN's
         self.wide_in_float32 = wide_in_float32
         weight = linear.weight.detach()
@@ -205,8 +211,8 @@ class NativeLinear(nn.Module):
         if place is not None and (place.shape != weight.shape or place.dtype != kept or not place.is_contiguous()
                                   or (kept == torch.int8 and not int8_rows.carries_scales(place))):
             place = None
-        if kept == torch.int8:  # only the native kernels read it: every row count runs there
-            self.max_rows, self.pairs = sys.maxsize, False
+        if kept == torch.int8:  # more rows than max_rows multiply a copy widened for the call (_dequantized)
+            self.pairs = False
             stored = int8_rows.quantize(weight, out=place, kernels=kernels)
         else:
             stored = self._kept(weight, kept, kernels, pairs, place)
@@ -232,13 +238,23 @@ class NativeLinear(nn.Module):
         if rows > self.max_rows:  # oneDNN, in float32 over copies made for the call where that was chosen
             dtype = torch.float32 if self.wide_in_float32 else x.dtype
             bias = None if self.bias is None else self.bias.to(dtype)
-            return torch.ops.mkldnn._linear_pointwise(x.to(dtype), self.weight.to(dtype), bias, "none", [],
-                                                      "").to(x.dtype)
+            weight = self._dequantized(dtype) if self.weight.dtype == torch.int8 else self.weight.to(dtype)
+            return torch.ops.mkldnn._linear_pointwise(x.to(dtype), weight, bias, "none", [], "").to(x.dtype)
         flat = x.reshape(rows, self.in_features)
         if flat.stride(-1) != 1:
             flat = flat.contiguous()
         y = self.kernels.linear(flat, self.weight, pairs=self.pairs).view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y.add_(self.bias)
+
+    def _dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The int8 weight times its scales in ``dtype``, in this thread's scratch buffer (one for every linear:
+        the largest weight's size, reused so that a prompt's products do not fault in fresh pages each call)."""
+        numel = self.weight.numel()
+        buffer = getattr(_DEQUANTIZED, "buffer", None)
+        if buffer is None or buffer.dtype != dtype or buffer.numel() < numel:
+            _DEQUANTIZED.buffer = buffer = None  # the old one freed before the new one is allocated
+            _DEQUANTIZED.buffer = buffer = torch.empty(numel, dtype=dtype)
+        return self.kernels.dequantize_rows(self.weight, dtype, out=buffer[:numel].view(self.weight.shape))
 
     def extra_repr(self) -> str:
         layout = ", pair panels" if self.pairs else ""
@@ -406,7 +422,9 @@ def pack_linears(model: nn.Module, batch_hint: Optional[int] = None, weight_dtyp
         if kernels is None:
             raise ValueError(f"int8 linear weights under {dtype} arithmetic on {device} need the native CPU kernels "
                              "and float32 or bfloat16 arithmetic (an x86 CPU with AVX2 and FMA)")
-        return _swap_native(targets, dtype, kernels, sys.maxsize, weight_dtype, pairs=False, places=places)
+        max_rows, wide = _int8_max_rows(targets, dtype, kernels)
+        return _swap_native(targets, dtype, kernels, max_rows, weight_dtype, wide_in_float32=wide, pairs=False,
+                            places=places)
     if weight_dtype not in (None, dtype):
         kernels = kept_weight_kernels(dtype, weight_dtype, device)
         if kernels is None:
@@ -434,6 +452,18 @@ def pack_linears(model: nn.Module, batch_hint: Optional[int] = None, weight_dtyp
     return _swap(targets, dtype,
                  lambda linear: PackedLinear(linear, batch_hint or (FP32_BATCH_HINT if fp32 else ONEDNN_BATCH_HINT)),
                  "onednn", check=fp32)
+
+
+def _int8_max_rows(targets, dtype: torch.dtype, kernels) -> Tuple[int, bool]:
+    """The most rows int8 linears run natively, and whether more multiply a float32 copy (else one in ``dtype``).
+    Every row count where the build's tiles have no limit of their own (:meth:`.CpuKernels.tile_max_rows`), else
+    that limit where oneDNN's products of a bf16 model's prompt time faster than the native GEMM
+    (:func:`bf16_prompt_products`): the weight is then widened for each call (:meth:`NativeLinear._dequantized`)."""
+    tiles = kernels.tile_max_rows(dtype, torch.int8)
+    if not tiles:
+        return sys.maxsize, False
+    prompts = bf16_prompt_products([t[2] for t in targets], kernels)
+    return (sys.maxsize, False) if prompts == "native" else (tiles, prompts == "float32")
 
 
 #: Thread counts this process has said it runs bf16 on the AMX tiles at.
