@@ -174,8 +174,8 @@ def test_the_one_row_prefetch_is_measured_once_per_dtype_pair_unless_the_environ
 def test_linear_over_int8_rows_is_the_float64_product_of_the_weight_they_stand_for(kernels, x_dtype, rows, inner,
                                                                                     outer):
     """int8 weights with a scale per row, as a decode step's few rows and a prompt's many take them (the tiles;
-    the GEMMs from 48 or 40 rows over whole panels, or past tile_max_rows, 256 rows under bf16 on the avx512bf16
-    build's dot-product tiles; in blocks of 264 rows), with row, column and inner tails and
+    the GEMMs from 48 or 40 rows over whole panels, but for bf16 rows on the avx512bf16 build, whose dot-product
+    tiles take every row count; in blocks of 264 rows), with row, column and inner tails and
     strided rows in and out: each output is the product with the dequantized weight, to float32 accumulation
     and one rounding to the activations' dtype, and the columns beside the output are untouched."""
     gen = torch.Generator().manual_seed(rows * inner + outer)
@@ -249,16 +249,16 @@ def test_native_dequantization_refuses_values_without_scales_and_a_wrong_out(ker
 
 
 @pytest.mark.parametrize("kernels", ISAS, indirect=True)
-def test_only_int8_under_bf16_on_the_dot_product_build_keeps_the_tiles_past_the_gemms_threshold(kernels):
-    """tile_max_rows: 256 rows of bf16 over int8 weights on the avx512bf16 build, where its dot-product tiles ran
-    the bench model's products faster than the GEMM at every row count measured; 0 (the GEMM's own threshold)
-    for every other pair and build; a pair no product takes is refused, naming it."""
-    assert kernels.tile_max_rows(torch.bfloat16, torch.int8) == (256 if kernels.isa == "avx512bf16" else 0)
+def test_only_int8_under_bf16_on_the_dot_product_build_stays_on_the_tiles_at_every_row_count(kernels):
+    """tiles_only: bf16 rows over int8 weights on the avx512bf16 build, where its dot-product tiles ran the bench
+    model's products faster than the GEMM at every row count measured; no other pair or build; a pair no product
+    takes is refused, naming it."""
+    assert kernels.tiles_only(torch.bfloat16, torch.int8) == (kernels.isa == "avx512bf16")
     for x_dtype, w_dtype in ((torch.float32, torch.int8), (torch.float32, torch.float32),
                              (torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16)):
-        assert kernels.tile_max_rows(x_dtype, w_dtype) == 0
+        assert not kernels.tiles_only(x_dtype, w_dtype)
     with pytest.raises(ValueError, match="no product of torch.float16 rows over torch.int8 weights"):
-        kernels.tile_max_rows(torch.float16, torch.int8)
+        kernels.tiles_only(torch.float16, torch.int8)
 
 
 @pytest.mark.parametrize("kernels", ISAS, indirect=True)

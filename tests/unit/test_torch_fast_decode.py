@@ -1630,27 +1630,27 @@ def test_native_linear_keeps_int8_rows_and_computes_the_dequantized_weights_prod
         assert NativeLinear(linear, NATIVE, weight_dtype=torch.int8, place=wrong).weight.data_ptr() != wrong.data_ptr()
 
 
-class TileRows:
-    """Kernels whose tiles keep int8 weights under bf16 up to ``rows`` rows (0: the GEMM's threshold)."""
+class TilesOnly:
+    """Kernels that keep int8 weights under bf16 on their tiles at every row count, or (``only`` false) not."""
     isa = "avx512bf16"
 
-    def __init__(self, rows: int):
-        self.rows = rows
+    def __init__(self, only: bool):
+        self.only = only
 
-    def tile_max_rows(self, x_dtype, weight_dtype):
-        return self.rows if (x_dtype, weight_dtype) == (torch.bfloat16, torch.int8) else 0
+    def tiles_only(self, x_dtype, weight_dtype):
+        return self.only and (x_dtype, weight_dtype) == (torch.bfloat16, torch.int8)
 
 
-@pytest.mark.parametrize("tiles, prompts, want", [
-    (0, "bfloat16", (sys.maxsize, False)), (256, "native", (sys.maxsize, False)),
-    (256, "bfloat16", (256, False)), (256, "float32", (256, True))])
-def test_int8_prompts_past_the_tiles_go_where_a_bf16_models_prompts_time_fastest(monkeypatch, tiles, prompts, want):
-    """int8 linears run every row count natively where the build's tiles have no row limit of their own, or where
-    the native GEMM multiplies a bf16 model's prompts fastest; else up to the tiles' limit, and oneDNN (in bf16,
-    or float32 where that timed faster) takes more rows over a copy widened for the call."""
+@pytest.mark.parametrize("only, prompts, want", [
+    (False, "bfloat16", (sys.maxsize, False)), (True, "native", (sys.maxsize, False)),
+    (True, "bfloat16", (fast_linear.INT8_TILES_MAX_ROWS, False)), (True, "float32", (fast_linear.INT8_TILES_MAX_ROWS, True))])
+def test_int8_prompts_past_the_tiles_go_where_a_bf16_models_prompts_time_fastest(monkeypatch, only, prompts, want):
+    """int8 linears run every row count natively where the build has a GEMM for them, or where the native GEMM
+    multiplies a bf16 model's prompts fastest; else up to INT8_TILES_MAX_ROWS rows on the tiles, and oneDNN (in
+    bf16, or float32 where that timed faster) takes more rows over a copy widened for the call."""
     monkeypatch.setenv(fast_linear.WIDE_ENV, prompts)
     linear = torch.nn.Linear(64, 64, dtype=torch.bfloat16)
-    assert fast_linear._int8_max_rows([(None, "l", linear)], torch.bfloat16, TileRows(tiles)) == want
+    assert fast_linear._int8_max_rows([(None, "l", linear)], torch.bfloat16, TilesOnly(only)) == want
 
 
 def test_weight_dtype_int8_needs_the_native_kernels_and_float32_or_bfloat16_arithmetic(monkeypatch):

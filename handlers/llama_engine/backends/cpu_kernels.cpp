@@ -1509,17 +1509,17 @@ void linear_pairs(const TX *x, long ldx, const bf16 *P, TX *y, long ldy, long M,
 }
 #endif
 
-// The most rows of x whose product over w runs on the tiles before the GEMM takes it (0: the GEMM's own
-// threshold). int8 weights under bf16 on the avx512bf16 build stay on the dot-product tiles to 256 rows: one
-// pass over the bench model's linears on a Zen 4 EPYC (2 threads, medians of 8 alternated), tiles against the
-// GEMM against widening them to bf16 for oneDNN (llk_dequantize_rows): 27.9 / 31.8 / 47.9 ms at 32 rows, 39.4 /
-// 71.8 / 58.5 at 48, 103.7 / 164.6 / 121.7 at 128, 202.6 / 302.6 / 196.5 at 256, 661 / 936 / 536 at 768.
+// Whether the product of TX rows over TW weights stays on the tiles whatever its rows, the GEMM never taking it:
+// int8 weights under bf16 on the avx512bf16 build, whose dot-product tiles ran the bench model's products faster
+// than the float32 GEMM at every row count measured (Zen 4 EPYC, 2 threads, medians of 8 alternated passes: 27.9
+// against 31.8 ms at 32 rows, 39.4 / 71.8 at 48, 103.7 / 164.6 at 128, 202.6 / 302.6 at 256, 661 / 936 at 768).
+// fast_linear gives a prompt's rows past INT8_TILES_MAX_ROWS to oneDNN instead, where that times faster.
 template <class TX, class TW>
-constexpr long tile_max_rows() {
+constexpr bool tiles_only() {
 #if defined(LLK_AVX512BF16)
-    if constexpr (std::is_same_v<TX, bf16> && std::is_same_v<TW, int8_t>) return 256;
+    if constexpr (std::is_same_v<TX, bf16> && std::is_same_v<TW, int8_t>) return true;
 #endif
-    return 0;
+    return false;
 }
 
 template <class TX, class TW>
@@ -1528,7 +1528,7 @@ void linear(const TX *x, long ldx, const TW *w, TX *y, long ldy, long M, long K,
 #if defined(LLK_AVX2)
     if (gemm(x, ldx, w, y, ldy, M, K, N, threads)) return;
 #elif defined(LLK_VEC512)
-    if (M > tile_max_rows<TX, TW>() && gemm512(x, ldx, w, y, ldy, M, K, N, threads)) return;
+    if (!tiles_only<TX, TW>() && gemm512(x, ldx, w, y, ldy, M, K, N, threads)) return;
 #endif
     const float *scales = row_scales(w, N, K);
     const long one_row = one_row_prefetch > 0 ? one_row_prefetch : PREFETCH_ONE_ROW;
@@ -2559,12 +2559,13 @@ LLK_API int llk_linear(const void *x, long ldx, int x_dtype, const void *w, int 
     return -1;
 }
 
-// tile_max_rows for x_dtype activations over w_dtype weights (codes as llk_linear's); -1 for a pair it does not run.
-LLK_API long llk_tile_max_rows(int x_dtype, int w_dtype) {
-    if (x_dtype == 1 && w_dtype == INT8_CODE) return tile_max_rows<bf16, int8_t>();
-    if (x_dtype == 0 && w_dtype == INT8_CODE) return tile_max_rows<float, int8_t>();
-    if (x_dtype == 0 && (w_dtype == 0 || w_dtype == 1)) return 0;
-    if (x_dtype == 1 && w_dtype == 1) return tile_max_rows<bf16, bf16>();
+// tiles_only for x_dtype activations over w_dtype weights (codes as llk_linear's): 1 or 0; -1 for a pair it does
+// not multiply.
+LLK_API int llk_tiles_only(int x_dtype, int w_dtype) {
+    if (x_dtype == 1 && w_dtype == INT8_CODE) return tiles_only<bf16, int8_t>();
+    if (x_dtype == 0 && w_dtype == INT8_CODE) return tiles_only<float, int8_t>();
+    if (x_dtype == 0 && (w_dtype == 0 || w_dtype == 1)) return tiles_only<float, float>();
+    if (x_dtype == 1 && w_dtype == 1) return tiles_only<bf16, bf16>();
     return -1;
 }
 

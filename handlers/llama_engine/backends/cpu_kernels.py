@@ -219,7 +219,7 @@ _FUNCTIONS = {
     "_quantize_rows": ("llk_quantize_rows", [_P, _I32, _P, _I64, _I64, _I32], _I32),
     "_dequantize_rows": ("llk_dequantize_rows", [_P, _P, _I32, _I64, _I64, _I32], _I32),
     "_amx_min_rows": ("llk_amx_min_rows", [_I64], _I64),
-    "_tile_max_rows": ("llk_tile_max_rows", [_I32, _I32], _I64),
+    "_tiles_only": ("llk_tiles_only", [_I32, _I32], _I32),
     "_amx_usable": ("llk_amx_usable", [], _I32),
     "_bf16_prompt_products": ("llk_bf16_prompt_products", [], _I32),
     "_pool_check": ("llk_pool_check", [_I64, _I64, _I32], _I64),
@@ -329,15 +329,14 @@ class CpuKernels:
                               torch.get_num_threads())
         return out
 
-    def tile_max_rows(self, x_dtype: torch.dtype, weight_dtype: torch.dtype) -> int:
-        """The most rows of ``x_dtype`` activations that this build multiplies over a plain ``weight_dtype`` weight
-        on its few-row tiles where it has a GEMM for more (0: the GEMM's own threshold; int8 weights under bf16 on
-        the ``avx512bf16`` build: 256)."""
+    def tiles_only(self, x_dtype: torch.dtype, weight_dtype: torch.dtype) -> bool:
+        """Whether this build multiplies ``x_dtype`` rows over a plain ``weight_dtype`` weight on its few-row tiles
+        whatever the rows, never on its GEMM: int8 weights under bf16 on the ``avx512bf16`` build."""
         codes = {**DTYPE_CODES, torch.int8: INT8_CODE}
-        rows = self._tile_max_rows(codes.get(x_dtype, -1), codes.get(weight_dtype, -1))
-        if rows < 0:
+        answer = self._tiles_only(codes.get(x_dtype, -1), codes.get(weight_dtype, -1))
+        if answer < 0:
             raise ValueError(f"native linear: no product of {x_dtype} rows over {weight_dtype} weights")
-        return int(rows)
+        return bool(answer)
 
     def amx_min_rows(self, set_to: Optional[int] = None) -> int:
         """The fewest rows of a bf16 product over pair panels that run on AMX's tiles (0: this build or CPU has

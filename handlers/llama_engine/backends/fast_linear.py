@@ -163,6 +163,12 @@ BF16_GEMM_ISAS = frozenset({"avx512", "avx512bf16"})
 #: The columns of a GEMM's panel by build: outputs that are not a multiple of it leave the GEMM to the tiles,
 #: so :class:`NativeLinear` gives a prompt's rows of those to oneDNN instead.
 GEMM_PANEL_COLUMNS = {"avx2": 16, "avx512": 32, "avx512bf16": 32}
+#: The most rows of int8 weights under bf16 that the ``avx512bf16`` build's dot-product tiles take where a bf16
+#: model's prompts go to oneDNN; more multiply a bf16 copy of the weight widened for the call there. The bench
+#: model's linears on a Zen 4 EPYC (2 threads, medians of 8 alternated passes), tiles against the copy (13 ms of
+#: it, into a reused buffer) and oneDNN: 27.9 / 47.9 ms at 32 rows, 54.2 / 69.1 at 64, 103.7 / 121.7 at 128,
+#: 202.6 / 196.5 at 256, 661 / 536 at 768.
+INT8_TILES_MAX_ROWS = 256
 #: Row count oneDNN lays the packed weights out for (any row count still computes correctly).
 ONEDNN_BATCH_HINT = 8
 #: The same for float32. Laid out for 8 rows, oneDNN matched its 1-row layout at 1 row and ran 2 to 8
@@ -455,15 +461,14 @@ def pack_linears(model: nn.Module, batch_hint: Optional[int] = None, weight_dtyp
 
 
 def _int8_max_rows(targets, dtype: torch.dtype, kernels) -> Tuple[int, bool]:
-    """The most rows int8 linears run natively, and whether more multiply a float32 copy (else one in ``dtype``).
-    Every row count where the build's tiles have no limit of their own (:meth:`.CpuKernels.tile_max_rows`), else
-    that limit where oneDNN's products of a bf16 model's prompt time faster than the native GEMM
-    (:func:`bf16_prompt_products`): the weight is then widened for each call (:meth:`NativeLinear._dequantized`)."""
-    tiles = kernels.tile_max_rows(dtype, torch.int8)
-    if not tiles:
+    """The most rows int8 linears run natively, and whether more multiply a float32 copy (else one in ``dtype``):
+    :data:`INT8_TILES_MAX_ROWS` where the build keeps them on its tiles (:meth:`.CpuKernels.tiles_only`) and
+    oneDNN's products of a bf16 model's prompt time faster than the native GEMM (:func:`bf16_prompt_products`),
+    the weight widened for each call (:meth:`NativeLinear._dequantized`); else every row count."""
+    if not kernels.tiles_only(dtype, torch.int8):
         return sys.maxsize, False
     prompts = bf16_prompt_products([t[2] for t in targets], kernels)
-    return (sys.maxsize, False) if prompts == "native" else (tiles, prompts == "float32")
+    return (sys.maxsize, False) if prompts == "native" else (INT8_TILES_MAX_ROWS, prompts == "float32")
 
 
 #: Thread counts this process has said it runs bf16 on the AMX tiles at.
