@@ -490,11 +490,13 @@ inline void linear_block(const TX *x, long ldx, const TW *w, long K, long pf, fl
 // bf16 x bf16 with the CPU's dot-product instruction: two products per float32 lane and step. A weight is
 // bf16, or int8 widened to bf16 as it loads (exactly: every int8 is a bf16), so that int8 weights under bf16
 // activations multiply at bf16's rate rather than widened to float32 with both operands.
+// 32 int8 values (16 in lo, then 16 in hi) as bf16.
+inline __m512bh int8_pairs(__m128i lo, __m128i hi) {
+    return _mm512_cvtne2ps_pbh(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo)));
+}
 inline __m512bh load_pairs(const bf16 *p) { return (__m512bh)_mm512_loadu_si512(p); }
 inline __m512bh load_pairs(const int8_t *p) {
-    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
-    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 16))));
-    return _mm512_cvtne2ps_pbh(hi, lo);
+    return int8_pairs(_mm_loadu_si128((const __m128i *)p), _mm_loadu_si128((const __m128i *)(p + 16)));
 }
 // The first n < 32 elements at p, zeros after them.
 inline __m512bh load_pairs(const bf16 *p, long n) {
@@ -502,9 +504,7 @@ inline __m512bh load_pairs(const bf16 *p, long n) {
 }
 inline __m512bh load_pairs(const int8_t *p, long n) {
     const __m256i bytes = _mm256_maskz_loadu_epi8((__mmask32)((1ull << n) - 1), p);
-    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(bytes)));
-    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(bytes, 1)));
-    return _mm512_cvtne2ps_pbh(hi, lo);
+    return int8_pairs(_mm256_castsi256_si128(bytes), _mm256_extracti128_si256(bytes, 1));
 }
 
 // One row of w against one row of x, over four accumulators, so that the chain of dependent
