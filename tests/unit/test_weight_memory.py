@@ -19,7 +19,7 @@ from torch import nn
 
 from llama_engine.backends import cpu_kernels, fast_linear, weight_memory
 from llama_engine.backends.weight_memory import copy_out_of_mappings, read_ahead
-from llama_engine.cpu import file_mapped_ranges
+from llama_engine.cpu import auto_dtype, file_mapped_ranges
 
 HANDLERS = Path(__file__).resolve().parents[2] / "handlers"
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/maps and glibc's malloc")
@@ -222,7 +222,8 @@ def test_the_load_memory_bench_prints_the_loads_memory_beside_the_weights_and_ca
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.splitlines()[-1])
-    assert result["weights_dtype"] == ("torch.int8" if weight_dtype == "int8" else "torch.float32")
+    # the tiny checkpoint is float32: auto keeps the arithmetic's dtype, bf16 on a CPU with native bf16
+    assert result["weights_dtype"] == ("torch.int8" if weight_dtype == "int8" else f"torch.{auto_dtype('cpu')}")
     assert result["checkpoint_mib"] == round((Path(tiny_model_dir) / "model.safetensors").stat().st_size / 2**20)
     assert result["kv_cache_mib"] >= 0 and result["load_s"] > 0
     assert result["peak_anon_mib"] >= result["loaded_anon_mib"] > result["kv_cache_mib"]
