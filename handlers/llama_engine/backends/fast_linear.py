@@ -207,9 +207,6 @@ class NativeLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.kernels, self.max_rows = kernels, NATIVE_MAX_ROWS if max_rows is None else max_rows
-        if (kernels is not None and self.out_features % GEMM_PANEL_COLUMNS.get(kernels.isa, 1)
-                and weight_dtype != torch.int8):  # int8's tiles take any columns
-            self.max_rows = min(self.max_rows, NATIVE_MAX_ROWS)  # the GEMMs take whole panels only: oneDNN's
         self.wide_in_float32 = wide_in_float32
         weight = linear.weight.detach()
         self.compute_dtype = compute_dtype or weight.dtype
@@ -221,6 +218,8 @@ class NativeLinear(nn.Module):
             self.pairs = False
             stored = int8_rows.quantize(weight, out=place, kernels=kernels)
         else:
+            if kernels is not None and self.out_features % GEMM_PANEL_COLUMNS.get(kernels.isa, 1):
+                self.max_rows = min(self.max_rows, NATIVE_MAX_ROWS)  # the GEMMs take whole panels only: oneDNN's
             stored = self._kept(weight, kept, kernels, pairs, place)
         self.register_buffer("weight", stored, persistent=False)
         bias = None if linear.bias is None else linear.bias.detach().to(self.compute_dtype, copy=True)
