@@ -184,8 +184,38 @@ def test_linear_over_int8_rows_is_the_float64_product_of_the_weight_they_stand_f
     padded = torch.full((rows, outer + 16), 7.0, dtype=x_dtype)
     out = padded[:, :outer]
     assert kernels.linear(x, quantized, out=out).data_ptr() == out.data_ptr()
-    assert_product(out, x, int8_rows.dequantize(quantized))
+    int16_from = kernels.int16_min_rows(x_dtype, torch.int8)
+    assert_product(out, int8_rows.int16_rows(x) if 0 < int16_from <= rows else x, int8_rows.dequantize(quantized))
     assert torch.equal(padded[:, outer:], torch.full((rows, 16), 7.0, dtype=x_dtype))
+
+
+@pytest.mark.parametrize("kernels", ISAS, indirect=True)
+@pytest.mark.parametrize("rows", [2, 8, 47, 48, 300])
+def test_int16_rows_move_each_activation_by_at_most_half_its_rows_step_and_no_further(kernels, rows):
+    """Where float32 rows over int8 weights are multiplied in integers (the ``avx2`` build, from 2 rows; tiles and
+    GEMM), each output is within half a step per activation of the product with the exact rows, and wider than
+    float32's own accumulation for rows with a wide range: the path is taken, and its error has its bound. Rows of
+    very unequal ranges each keep their own step, and a K past 4096 (the int32 sums' block) stays exact."""
+    if kernels.int16_min_rows(torch.float32, torch.int8) == 0:
+        assert kernels.isa != "avx2"
+        return
+    assert kernels.int16_min_rows(torch.float32, torch.int8) == 2
+    assert kernels.int16_min_rows(torch.bfloat16, torch.int8) == 0
+    assert kernels.int16_min_rows(torch.float32, torch.bfloat16) == 0
+    gen = torch.Generator().manual_seed(rows)
+    inner, outer = 4096 + 57, 48  # one int32 block and a 57-element tail; K blocks of the GEMM end on an odd one
+    x = torch.randn(rows, inner, generator=gen) * torch.logspace(-3, 3, rows)[:, None]
+    x[0, 7] = 1e4  # row 0's step grows past all its other values, which round to 0; no other row's step moves
+    quantized = int8_rows.quantize(torch.randn(outer, inner, generator=gen))
+    w = int8_rows.dequantize(quantized).double()
+    got = kernels.linear(x, quantized)
+    assert_product(got, int8_rows.int16_rows(x), w)
+    got = got.double()
+    exact = x.double() @ w.T
+    float32_bound = ACCUMULATION * (x.double().abs() @ w.abs().T)
+    half_steps = x.abs().amax(dim=1, keepdim=True).double() / 32767 / 2
+    assert ((got - exact).abs() <= half_steps * w.abs().sum(dim=1) + 2 * float32_bound).all()
+    assert ((got - exact)[0].abs() > 10 * float32_bound[0]).any()
 
 
 @pytest.mark.parametrize("kernels", ISAS, indirect=True)

@@ -563,18 +563,97 @@ inline void linear_block_dp(const bf16 *x, long ldx, const TW *w, long K, long p
 }
 #endif
 
-// TX: the activations' type (and the output's), TW: the weight's. bf16 weights against float32
-// activations are widened as they are loaded (a float32 model whose weights are kept in bf16).
+#if defined(LLK_AVX2)
+// int8 weights under float32 activations on the AVX2 build, several rows: the rows as int16 (quantize_rows_i16),
+// each 16 weights widened to int16 in one instruction and multiplied with 16 of a row's in one more (vpmaddwd:
+// pairs of products summed into 8 int32 lanes), where float32 takes four to widen 8 weights for 8 multiply-adds.
+// A step of several rows is bound by that arithmetic (cpu-kernels.md). The sums stay exact in int32 over
+// I16_KB of K (256 vpmaddwd a lane, each at most 2 * 32767 * 127), then add up in float32.
+static constexpr long I16_KB = 4096;
+static constexpr float I16_MAX = 32767.0f;
+
+inline __m256i widen_i16(const int8_t *p) { return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p)); }
+
+// The sum of v's eight int32 lanes, in int64: exact, so a row's output is the same bits whatever tile took it.
+inline int64_t sum_lanes_exactly(__m256i v) {
+    const __m256i wide = _mm256_add_epi64(_mm256_cvtepi32_epi64(_mm256_castsi256_si128(v)),
+                                          _mm256_cvtepi32_epi64(_mm256_extracti128_si256(v, 1)));
+    const __m128i half = _mm_add_epi64(_mm256_castsi256_si128(wide), _mm256_extracti128_si256(wide, 1));
+    return _mm_cvtsi128_si64(half) + _mm_extract_epi64(half, 1);
+}
+
+template <int R, int MB>
+inline void linear_block_i16(const int16_t *x, long ldx, const int8_t *w, long K, long pf, float *acc_out,
+                             const int8_t *ahead, long ahead_step) {
+    for (int i = 0; i < R * MB; i++) acc_out[i] = 0.0f;
+    const bool spread = ahead != nullptr;
+    const long body = K / 16 * 16;
+    for (long k0 = 0; k0 < body; k0 += I16_KB) {
+        const long k1 = body - k0 < I16_KB ? body : k0 + I16_KB;
+        __m256i acc[MB][R];
+        for (int m = 0; m < MB; m++)
+            for (int r = 0; r < R; r++) acc[m][r] = _mm256_setzero_si256();
+        for (long k = k0; k < k1; k += 16) {
+            __m256i wv[R];
+            if (spread) {
+                prefetch_weight(ahead);
+                ahead += ahead_step;
+            }
+            for (int r = 0; r < R; r++) {
+                if (!spread) prefetch_weight(w + R * k + r * 16 + pf);
+                wv[r] = widen_i16(w + r * K + k);
+            }
+            for (int m = 0; m < MB; m++) {
+                const __m256i xv = _mm256_loadu_si256((const __m256i *)(x + m * ldx + k));
+                for (int r = 0; r < R; r++) acc[m][r] = _mm256_add_epi32(acc[m][r], _mm256_madd_epi16(wv[r], xv));
+            }
+        }
+        for (int m = 0; m < MB; m++)
+            for (int r = 0; r < R; r++) acc_out[m * R + r] += (float)sum_lanes_exactly(acc[m][r]);
+    }
+    for (long j = body; j < K; j++)
+        for (int m = 0; m < MB; m++)
+            for (int r = 0; r < R; r++) acc_out[m * R + r] += (float)(x[m * ldx + j] * w[r * K + j]);
+}
+
+// x's M rows as int16, row m to its own step s[m] = max |x[m]| / 32767 (round to nearest; 0 for a row of
+// zeros). An element's error is at most s / 2: under bf16's rounding of it for every element over 1/256 of its row's largest.
+inline void quantize_rows_i16(const float *x, long ldx, long M, long K, int16_t *q, long ldq, float *s) {
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    for (long m = 0; m < M; m++) {
+        const float *row = x + m * ldx;
+        int16_t *out = q + m * ldq;
+        __m256 top = _mm256_setzero_ps();
+        long k = 0;
+        for (; k + 8 <= K; k += 8) top = _mm256_max_ps(top, _mm256_and_ps(_mm256_loadu_ps(row + k), magnitude));
+        float largest = Vec::hmax(top);
+        for (long j = k; j < K; j++) largest = std::max(largest, fabsf(row[j]));
+        s[m] = largest / I16_MAX;
+        const float inverse = largest > 0.0f ? I16_MAX / largest : 0.0f;
+        const __m256 scale = _mm256_set1_ps(inverse);
+        for (k = 0; k + 8 <= K; k += 8) {
+            const __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(row + k), scale));
+            _mm_storeu_si128((__m128i *)(out + k), _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)));
+        }
+        for (; k < K; k++) out[k] = (int16_t)std::clamp(lrintf(row[k] * inverse), -32767L, 32767L);
+    }
+}
+#endif
+
+// TX: the activations' type (and the output's, but int16 rows, whose products are float32), TW: the weight's.
+// bf16 weights against float32 activations are widened as they are loaded (a float32 model whose weights are
+// kept in bf16).
 template <class TX, class TW, int R, int MB>
 inline void linear_tile(const TX *x, long ldx, const TW *w, long K, long pf, float *acc, const TW *ahead = nullptr,
                         long ahead_step = 0) {
-#if defined(LLK_AVX512BF16)
-    if constexpr (sizeof(TX) == 2 && sizeof(TW) <= 2) {
-        linear_block_dp<TW, R, MB>(x, ldx, w, K, pf, acc);
-        return;
-    }
+#if defined(LLK_AVX2)
+    if constexpr (std::is_same_v<TX, int16_t>) linear_block_i16<R, MB>(x, ldx, w, K, pf, acc, ahead, ahead_step);
+    else
+#elif defined(LLK_AVX512BF16)
+    if constexpr (sizeof(TX) == 2 && sizeof(TW) <= 2) linear_block_dp<TW, R, MB>(x, ldx, w, K, pf, acc);
+    else
 #endif
-    linear_block<TX, TW, R, MB>(x, ldx, w, K, pf, acc, ahead, ahead_step);
+        linear_block<TX, TW, R, MB>(x, ldx, w, K, pf, acc, ahead, ahead_step);
 }
 
 // A tile of the last mb < MB rows of x, in one pass over the block of w: taken one row at a time,
@@ -603,27 +682,32 @@ static constexpr bool SPREAD_PREFETCH = true;
 static constexpr bool SPREAD_PREFETCH = false;
 #endif
 
-template <class TX, class TW, int R, int MB>
-void linear_rows(const TX *x, long ldx, const TW *w, TX *y, long ldy, long M, long K, long n0, long n1, long pf,
-                 const float *scales) {
+// x_scales: each row's int16 step (int16 rows), or none.
+template <class TX, class TW, int R, int MB, class TY = TX>
+void linear_rows(const TX *x, long ldx, const TW *w, TY *y, long ldy, long M, long K, long n0, long n1, long pf,
+                 const float *scales, const float *x_scales = nullptr) {
     float acc[MB * R];
     const long groups = (M + MB - 1) / MB;
     const bool spread = SPREAD_PREFETCH && groups > 1;
-    const long ahead_step = spread ? (R * Vec::N / groups > 0 ? R * Vec::N / groups : 1) : 0;
+    constexpr long STEP = std::is_same_v<TX, int16_t> ? 16 : Vec::N;  // k a tile takes at a time
+    const long ahead_step = spread ? (R * STEP / groups > 0 ? R * STEP / groups : 1) : 0;
     long n = n0;
     for (; n + R <= n1; n += R) {
         for (long m = 0; m < M; m += MB) {
             long mb = M - m < MB ? M - m : MB;
             const TW *ahead = spread ? w + (n + R) * K + (m / MB) * (R * K / groups) : nullptr;
             linear_tile_rows<TX, TW, R, MB>(mb, x + m * ldx, ldx, w + n * K, K, pf, acc, ahead, ahead_step);
-            for (long i = 0; i < mb; i++)
-                for (int r = 0; r < R; r++) store_scalar(y + (m + i) * ldy + n + r, scaled(acc[i * R + r], scales, n + r));
+            for (long i = 0; i < mb; i++) {
+                const float row_scale = x_scales ? x_scales[m + i] : 1.0f;
+                for (int r = 0; r < R; r++)
+                    store_scalar(y + (m + i) * ldy + n + r, scaled(acc[i * R + r], scales, n + r) * row_scale);
+            }
         }
     }
     for (; n < n1; n++)
         for (long m = 0; m < M; m++) {
             linear_tile<TX, TW, 1, 1>(x + m * ldx, ldx, w + n * K, K, pf, acc);
-            store_scalar(y + m * ldy + n, scaled(acc[0], scales, n));
+            store_scalar(y + m * ldy + n, scaled(acc[0], scales, n) * (x_scales ? x_scales[m] : 1.0f));
         }
 }
 
@@ -692,6 +776,16 @@ struct Tile<bf16, TW> {
     static constexpr int W = LLK_DP_TILE_W, X = LLK_DP_TILE_X;
 };
 #endif
+// int16 rows over int8 weights (the avx2 build): vpmaddwd writes a register of its own before the add, so 3 x 4
+// (12 accumulators, 3 vectors of w, one of x and that one) spilled accumulators to the stack.
+#if !defined(LLK_I16_TILE_W)
+#define LLK_I16_TILE_W 2
+#define LLK_I16_TILE_X 4
+#endif
+template <>
+struct Tile<int16_t, int8_t> {
+    static constexpr int W = LLK_I16_TILE_W, X = LLK_I16_TILE_X;
+};
 
 // ---------------------------------------------------------------------------------------------
 // gemm: the same product for the many rows of a prompt, float32 arithmetic (the AVX2 build's linear;
@@ -933,6 +1027,133 @@ bool gemm(const TX *x, long ldx, const TW *w, TX *y, long ldy, long M, long K, l
             gemm_rows(x + m0 * ldx, ldx, w, y + m0 * ldy, ldy, M - m0 < GEMM_ROWS ? M - m0 : GEMM_ROWS, K, N, threads);
         return true;
     }
+}
+
+// The GEMM for int16 rows over int8 weights (see quantize_rows_i16), its blocking the float GEMM's: each
+// element of a micro-panel or panel is a pair of int16 along K, (k, k + 1) in one 32-bit lane, so that one
+// broadcast of a row's pair and vpmaddwd against a panel's 8 outputs take 16 products. A K block's 128 pairs
+// sum exactly in int32 (128 * 2 * 32767 * 127 < 2^31) before they add to y in float32.
+#if !defined(LLK_I16_GEMM_MR)
+#define LLK_I16_GEMM_MR 6
+#endif
+static constexpr int I16_MR = LLK_I16_GEMM_MR;
+using AlignedPairs = std::vector<int32_t, AlignedAlloc<int32_t>>;
+
+inline int32_t pair_i16(int16_t first, int16_t second) {
+    int32_t both;
+    const int16_t two[2] = {first, second};
+    memcpy(&both, two, sizeof both);
+    return both;
+}
+
+// Rows [g * I16_MR, +I16_MR) of q, K's [k0, k0 + kc) as out[p * I16_MR + i] = (q[i][k0 + 2p], q[i][k0 + 2p + 1]),
+// zero past M and past kc.
+inline void pack_rows_i16(const int16_t *q, long ldq, long M, long k0, long kc, long g, int32_t *out) {
+    for (int i = 0; i < I16_MR; i++) {
+        const long row = g * I16_MR + i;
+        const int16_t *src = q + row * ldq + k0;
+        for (long k = 0; k < kc; k += 2)
+            out[k / 2 * I16_MR + i] = row < M ? pair_i16(src[k], k + 1 < kc ? src[k + 1] : 0) : 0;
+    }
+}
+
+// panel[p * GEMM_NR + j] = (w[j][k0 + 2p], w[j][k0 + 2p + 1]) as int16 for the GEMM_NR rows of w at w, zero past kc:
+// 16 weights of a row widened in one instruction are 8 pairs, and eight rows of them one 8 x 8 transpose.
+inline void pack_panel_i16(const int8_t *w, long K, long k0, long kc, int32_t *panel) {
+    long k = 0;
+    for (; k + 16 <= kc; k += 16)
+        for (int g = 0; g < GEMM_NR; g += 8) {
+            __m256 r[8];
+            for (int i = 0; i < 8; i++) r[i] = _mm256_castsi256_ps(widen_i16(w + (g + i) * K + k0 + k));
+            transpose8(r);
+            for (int i = 0; i < 8; i++) _mm256_store_si256((__m256i *)(panel + (k / 2 + i) * GEMM_NR + g), _mm256_castps_si256(r[i]));
+        }
+    for (; k < kc; k += 2)
+        for (int j = 0; j < GEMM_NR; j++) panel[k / 2 * GEMM_NR + j] = pair_i16(w[j * K + k0 + k], k + 1 < kc ? w[j * K + k0 + k + 1] : 0);
+}
+
+// y[i][0:GEMM_NR] (+)= the products over `pairs` pairs of a's micro-panel and the panel, for rows i < mr. Written
+// out, as gemm_tile is: over arrays, GCC moved or spilled the accumulators every step.
+inline void gemm_tile_i16(long pairs, const int32_t *a, const int32_t *panel, float *y, long ldy, bool first, long mr) {
+    static_assert(I16_MR == 6, "gemm_tile_i16 is written out for 6 rows");
+    __m256i c00 = _mm256_setzero_si256(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00,
+            c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+#define I16_ROW(i, lo, hi)                                                                                 \
+    {                                                                                                     \
+        __m256i av, t;                                                                                    \
+        __asm__("vpbroadcastd %[x], %[av]\n\tvpmaddwd %[b0], %[av], %[t]\n\tvpaddd %[t], %[c0], %[c0]\n\t" \
+                "vpmaddwd %[b1], %[av], %[t]\n\tvpaddd %[t], %[c1], %[c1]"                                 \
+                : [c0] "+x"(lo), [c1] "+x"(hi), [av] "=&x"(av), [t] "=&x"(t)                               \
+                : [x] "m"(a[p * 6 + (i)]), [b0] "x"(b0), [b1] "x"(b1));                                   \
+    }
+    for (long p = 0; p < pairs; p++) {
+        const __m256i b0 = _mm256_load_si256((const __m256i *)(panel + p * GEMM_NR));
+        const __m256i b1 = _mm256_load_si256((const __m256i *)(panel + p * GEMM_NR + 8));
+        I16_ROW(0, c00, c01)
+        I16_ROW(1, c10, c11)
+        I16_ROW(2, c20, c21)
+        I16_ROW(3, c30, c31)
+        I16_ROW(4, c40, c41)
+        I16_ROW(5, c50, c51)
+    }
+#undef I16_ROW
+    const __m256i acc[6][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}};
+    for (long i = 0; i < mr; i++) {
+        float *out = y + i * ldy;
+        for (int h = 0; h < 2; h++) {
+            __m256 sum = _mm256_cvtepi32_ps(acc[i][h]);
+            if (!first) sum = _mm256_add_ps(sum, _mm256_loadu_ps(out + 8 * h));
+            _mm256_storeu_ps(out + 8 * h, sum);
+        }
+    }
+}
+
+// Columns [n0, n1) of y (whole panels) for all M rows, from a: the micro-panel of K's block b and row group g at
+// (b * groups + g) * GEMM_KC / 2 * I16_MR; then each output times its weight row's scale and its row's step.
+void gemm_columns_i16(const int32_t *a, const int8_t *w, const float *scales, const float *steps, float *y, long ldy,
+                      long M, long K, long n0, long n1) {
+    thread_local AlignedPairs packed;
+    const long panels = (n1 - n0) / GEMM_NR, groups = (M + I16_MR - 1) / I16_MR, panel_size = GEMM_KC / 2 * GEMM_NR;
+    packed.resize((size_t)(panels * panel_size));
+    for (long k0 = 0, b = 0; k0 < K; k0 += GEMM_KC, b++) {
+        const long kc = K - k0 < GEMM_KC ? K - k0 : GEMM_KC;
+        for (long p = 0; p < panels; p++) pack_panel_i16(w + (n0 + p * GEMM_NR) * K, K, k0, kc, packed.data() + p * panel_size);
+        for (long g0 = 0; g0 < groups; g0 += GEMM_MC / I16_MR) {
+            const long g1 = groups - g0 < GEMM_MC / I16_MR ? groups : g0 + GEMM_MC / I16_MR;
+            for (long p = 0; p < panels; p++)
+                for (long g = g0; g < g1; g++) {
+                    const long m = g * I16_MR;
+                    gemm_tile_i16((kc + 1) / 2, a + (b * groups + g) * (GEMM_KC / 2 * I16_MR), packed.data() + p * panel_size,
+                                  y + m * ldy + n0 + p * GEMM_NR, ldy, k0 == 0, M - m < I16_MR ? M - m : I16_MR);
+                }
+        }
+    }
+    for (long m = 0; m < M; m++) {
+        const __m256 step = _mm256_set1_ps(steps[m]);
+        for (long n = n0; n < n1; n += 8) {
+            float *out = y + m * ldy + n;
+            _mm256_storeu_ps(out, _mm256_mul_ps(_mm256_loadu_ps(out), _mm256_mul_ps(_mm256_loadu_ps(scales + n), step)));
+        }
+    }
+}
+
+// y = x @ w^T for M <= GEMM_ROWS rows of x as int16 (q, their steps), over whole panels of w's N rows.
+void gemm_rows_i16(const int16_t *q, long ldq, const float *steps, const int8_t *w, float *y, long ldy, long M, long K,
+                   long N, int threads) {
+    const long groups = (M + I16_MR - 1) / I16_MR, blocks = (K + GEMM_KC - 1) / GEMM_KC;
+    const long stride = GEMM_KC / 2 * I16_MR;
+    AlignedPairs x_panels((size_t)(blocks * groups * stride));
+    int32_t *a = x_panels.data();
+    pool().run(groups, threads, [&](long g) {
+        for (long k0 = 0, b = 0; k0 < K; k0 += GEMM_KC, b++)
+            pack_rows_i16(q, ldq, M, k0, K - k0 < GEMM_KC ? K - k0 : GEMM_KC, g, a + (b * groups + g) * stride);
+    });
+    const float *scales = row_scales(w, N, K);
+    const long chunks = (N + GEMM_COLS - 1) / GEMM_COLS;
+    pool().run(chunks, threads, [&](long c) {
+        const long n0 = c * GEMM_COLS, n1 = n0 + GEMM_COLS < N ? n0 + GEMM_COLS : N;
+        gemm_columns_i16(a, w, scales, steps, y, ldy, M, K, n0, n1);
+    });
 }
 #endif
 
@@ -1522,28 +1743,62 @@ constexpr bool tiles_only() {
     return false;
 }
 
+// run(n0, n1) over w's N rows of K elements, in chunks of ~CHUNK_BYTES (a multiple of R rows), each to whichever
+// thread is free (see Pool).
+template <class Run>
+void for_row_chunks(long N, long K, long element_bytes, int R, int threads, Run &&run) {
+    long chunk = (CHUNK_BYTES / (K * element_bytes)) / R * R;
+    if (chunk < R) chunk = R;
+    const long chunks = (N + chunk - 1) / chunk;
+    pool().run(chunks, threads, [&](long c) { run(c * chunk, c + 1 == chunks ? N : (c + 1) * chunk); });
+}
+
+#if defined(LLK_AVX2)
+#if !defined(LLK_I16_MIN_ROWS)
+#define LLK_I16_MIN_ROWS 2
+#endif
+static constexpr long I16_MIN_ROWS = LLK_I16_MIN_ROWS;
+#endif
+
 template <class TX, class TW>
 void linear(const TX *x, long ldx, const TW *w, TX *y, long ldy, long M, long K, long N, int threads,
             long one_row_prefetch) {
 #if defined(LLK_AVX2)
-    if (gemm(x, ldx, w, y, ldy, M, K, N, threads)) return;
+    if (!(std::is_same_v<TX, float> && std::is_same_v<TW, int8_t> && M >= I16_MIN_ROWS) &&
+        gemm(x, ldx, w, y, ldy, M, K, N, threads))
+        return;
 #elif defined(LLK_VEC512)
     if (!tiles_only<TX, TW>() && gemm512(x, ldx, w, y, ldy, M, K, N, threads)) return;
 #endif
     const float *scales = row_scales(w, N, K);
     const long one_row = one_row_prefetch > 0 ? one_row_prefetch : PREFETCH_ONE_ROW;
     const long pf = M == 1 ? one_row / (long)sizeof(TW) : PREFETCH_ROWS_WEIGHTS;
-    const int R = M == 1 ? 1 : Tile<TX, TW>::W;
-    auto run = [&](long n0, long n1) {
+    constexpr int W = Tile<TX, TW>::W, X = Tile<TX, TW>::X;
+#if defined(LLK_AVX2)
+    if constexpr (std::is_same_v<TX, float> && std::is_same_v<TW, int8_t>) {
+        if (M >= I16_MIN_ROWS) {
+            constexpr int W = Tile<int16_t, int8_t>::W, X = Tile<int16_t, int8_t>::X;
+            thread_local std::vector<int16_t> rows;
+            thread_local std::vector<float> steps;
+            int16_t *q = grown(rows, (size_t)(M * K));
+            float *s = grown(steps, (size_t)M);
+            quantize_rows_i16(x, ldx, M, K, q, K, s);
+            if (M >= GEMM_MIN_ROWS && N % GEMM_NR == 0) {
+                for (long m0 = 0; m0 < M; m0 += GEMM_ROWS)
+                    gemm_rows_i16(q + m0 * K, K, s + m0, w, y + m0 * ldy, ldy, std::min(M - m0, GEMM_ROWS), K, N, threads);
+                return;
+            }
+            for_row_chunks(N, K, sizeof(TW), W, threads, [&](long n0, long n1) {
+                linear_rows<int16_t, int8_t, W, X, float>(q, K, w, y, ldy, M, K, n0, n1, pf, scales, s);
+            });
+            return;
+        }
+    }
+#endif
+    for_row_chunks(N, K, sizeof(TW), M == 1 ? 1 : W, threads, [&](long n0, long n1) {
         if (M == 1) linear_rows<TX, TW, 1, 1>(x, ldx, w, y, ldy, M, K, n0, n1, pf, scales);
-        else linear_rows<TX, TW, Tile<TX, TW>::W, Tile<TX, TW>::X>(x, ldx, w, y, ldy, M, K, n0, n1, pf, scales);
-    };
-    // Rows of w go out in chunks of ~CHUNK_BYTES, each to whichever thread is free (see Pool).
-    const long row_bytes = K * (long)sizeof(TW);
-    long chunk = (CHUNK_BYTES / row_bytes) / R * R;
-    if (chunk < R) chunk = R;
-    const long chunks = (N + chunk - 1) / chunk;
-    pool().run(chunks, threads, [&](long c) { run(c * chunk, c + 1 == chunks ? N : (c + 1) * chunk); });
+        else linear_rows<TX, TW, W, X>(x, ldx, w, y, ldy, M, K, n0, n1, pf, scales);
+    });
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -2567,6 +2822,16 @@ LLK_API int llk_tiles_only(int x_dtype, int w_dtype) {
     if (x_dtype == 0 && (w_dtype == 0 || w_dtype == 1)) return tiles_only<float, float>();
     if (x_dtype == 1 && w_dtype == 1) return tiles_only<bf16, bf16>();
     return -1;
+}
+
+// The fewest rows of x_dtype activations over w_dtype weights that this build multiplies as int16 rows
+// (quantize_rows_i16): 0 where it never does.
+LLK_API long llk_int16_min_rows(int x_dtype, int w_dtype) {
+#if defined(LLK_AVX2)
+    if (x_dtype == 0 && w_dtype == INT8_CODE) return I16_MIN_ROWS;
+#endif
+    (void)x_dtype, (void)w_dtype;
+    return 0;
 }
 
 // The fewest rows of a bf16 product over pair panels that run on AMX's tiles: 0 where this build or CPU has

@@ -220,6 +220,7 @@ _FUNCTIONS = {
     "_dequantize_rows": ("llk_dequantize_rows", [_P, _P, _I32, _I64, _I64, _I32], _I32),
     "_amx_min_rows": ("llk_amx_min_rows", [_I64], _I64),
     "_tiles_only": ("llk_tiles_only", [_I32, _I32], _I32),
+    "_int16_min_rows": ("llk_int16_min_rows", [_I32, _I32], _I64),
     "_amx_usable": ("llk_amx_usable", [], _I32),
     "_bf16_prompt_products": ("llk_bf16_prompt_products", [], _I32),
     "_pool_check": ("llk_pool_check", [_I64, _I64, _I32], _I64),
@@ -337,6 +338,13 @@ class CpuKernels:
         if answer < 0:
             raise ValueError(f"native linear: no product of {x_dtype} rows over {weight_dtype} weights")
         return bool(answer)
+
+    def int16_min_rows(self, x_dtype: torch.dtype, weight_dtype: torch.dtype) -> int:
+        """The fewest ``x_dtype`` rows over ``weight_dtype`` weights this build multiplies in integers, each row
+        rounded to int16 at its own step (its largest magnitude / 32767, so each value moves by at most half a
+        step): float32 rows over int8 weights on the ``avx2`` build. 0 where it never does."""
+        codes = {**DTYPE_CODES, torch.int8: INT8_CODE}
+        return int(self._int16_min_rows(codes.get(x_dtype, -1), codes.get(weight_dtype, -1)))
 
     def amx_min_rows(self, set_to: Optional[int] = None) -> int:
         """The fewest rows of a bf16 product over pair panels that run on AMX's tiles (0: this build or CPU has

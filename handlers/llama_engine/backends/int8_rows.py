@@ -3,7 +3,9 @@
 A decode step of one row reads every weight once and is bound by memory: int8 weights are half the bytes of
 bf16 ones. Each row of a weight ``[N, K]`` is quantized symmetrically on its own (scale = its largest
 magnitude / 127, values rounded to nearest), as weight-only int8 schemes for Llama do; the products keep the
-activations' dtype and accumulate in float32, then multiply each output by its row's scale.
+activations' dtype and accumulate in float32, then multiply each output by its row's scale. On the ``avx2``
+build, whose products of several rows are bound by arithmetic, float32 rows are rounded to int16 first
+(:func:`int16_rows`) and multiplied in integers, exactly (:meth:`.CpuKernels.int16_min_rows`).
 
 One tensor carries both parts, so that a weight goes wherever a plain one goes (the native kernels take one
 pointer per weight): :func:`quantize` returns the int8 values ``[N, K]`` as a view at the start of a byte
@@ -110,3 +112,15 @@ def dequantize(quantized: torch.Tensor, dtype: torch.dtype = torch.float32) -> t
     """The weight ``quantized`` stands for, ``[N, K]`` in ``dtype`` (values times their row's scale, in float32)."""
     return (quantized.to(torch.float32) * scales(quantized)[:, None]).to(dtype)
 
+
+#: The largest magnitude of an activation rounded to int16 (:func:`int16_rows`).
+INT16_LEVELS = 32767
+
+
+def int16_rows(x: torch.Tensor) -> torch.Tensor:
+    """The float32 rows ``x`` ``[M, K]`` as the ``avx2`` build's integer products take them, in float64: each
+    rounded (to nearest even, in float32) to a multiple of its own step, its largest magnitude / 32767, so each
+    value moves by at most half of its row's step (a row of zeros stays zeros)."""
+    largest = x.abs().amax(dim=-1, keepdim=True)
+    inverse = torch.where(largest > 0, torch.tensor(float(INT16_LEVELS)) / largest, torch.zeros_like(largest))
+    return (x * inverse).round().double() * (largest / INT16_LEVELS).double()
