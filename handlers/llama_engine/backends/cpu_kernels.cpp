@@ -617,7 +617,8 @@ inline void linear_block_i16(const int16_t *x, long ldx, const int8_t *w, long K
 }
 
 // x's M rows as int16, row m to its own step s[m] = max |x[m]| / 32767 (round to nearest; 0 for a row of
-// zeros). An element's error is at most s / 2: under bf16's rounding of it for every element over 1/256 of its row's largest.
+// zeros). An element's error is at most s / 2: no more than bf16's bound on rounding it (2^-8 of it) for any
+// element over 1/256 of its row's largest.
 inline void quantize_rows_i16(const float *x, long ldx, long M, long K, int16_t *q, long ldq, float *s) {
     const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     for (long m = 0; m < M; m++) {
@@ -1758,15 +1759,38 @@ void for_row_chunks(long N, long K, long element_bytes, int R, int threads, Run 
 #define LLK_I16_MIN_ROWS 2
 #endif
 static constexpr long I16_MIN_ROWS = LLK_I16_MIN_ROWS;
+
+// linear() for float32 rows over int8 weights, I16_MIN_ROWS of them or more: the rows rounded to int16 once (a
+// scratch buffer of the calling thread's), then the int16 GEMM over whole panels from GEMM_MIN_ROWS rows, else
+// the int16 tiles.
+void linear_int16_rows(const float *x, long ldx, const int8_t *w, float *y, long ldy, long M, long K, long N,
+                       int threads) {
+    thread_local std::vector<int16_t> rows;
+    thread_local std::vector<float> steps;
+    int16_t *q = grown(rows, (size_t)(M * K));
+    float *s = grown(steps, (size_t)M);
+    quantize_rows_i16(x, ldx, M, K, q, K, s);
+    if (M >= GEMM_MIN_ROWS && N % GEMM_NR == 0) {
+        for (long m0 = 0; m0 < M; m0 += GEMM_ROWS)
+            gemm_rows_i16(q + m0 * K, K, s + m0, w, y + m0 * ldy, ldy, std::min(M - m0, GEMM_ROWS), K, N, threads);
+        return;
+    }
+    const float *scales = row_scales(w, N, K);
+    constexpr int W = Tile<int16_t, int8_t>::W, X = Tile<int16_t, int8_t>::X;
+    for_row_chunks(N, K, 1, W, threads, [&](long n0, long n1) {
+        linear_rows<int16_t, int8_t, W, X, float>(q, K, w, y, ldy, M, K, n0, n1, PREFETCH_ROWS_WEIGHTS, scales, s);
+    });
+}
 #endif
 
 template <class TX, class TW>
 void linear(const TX *x, long ldx, const TW *w, TX *y, long ldy, long M, long K, long N, int threads,
             long one_row_prefetch) {
 #if defined(LLK_AVX2)
-    if (!(std::is_same_v<TX, float> && std::is_same_v<TW, int8_t> && M >= I16_MIN_ROWS) &&
-        gemm(x, ldx, w, y, ldy, M, K, N, threads))
-        return;
+    if constexpr (std::is_same_v<TX, float> && std::is_same_v<TW, int8_t>) {
+        if (M >= I16_MIN_ROWS) return linear_int16_rows(x, ldx, w, y, ldy, M, K, N, threads);
+    }
+    if (gemm(x, ldx, w, y, ldy, M, K, N, threads)) return;
 #elif defined(LLK_VEC512)
     if (!tiles_only<TX, TW>() && gemm512(x, ldx, w, y, ldy, M, K, N, threads)) return;
 #endif
@@ -1774,27 +1798,6 @@ void linear(const TX *x, long ldx, const TW *w, TX *y, long ldy, long M, long K,
     const long one_row = one_row_prefetch > 0 ? one_row_prefetch : PREFETCH_ONE_ROW;
     const long pf = M == 1 ? one_row / (long)sizeof(TW) : PREFETCH_ROWS_WEIGHTS;
     constexpr int W = Tile<TX, TW>::W, X = Tile<TX, TW>::X;
-#if defined(LLK_AVX2)
-    if constexpr (std::is_same_v<TX, float> && std::is_same_v<TW, int8_t>) {
-        if (M >= I16_MIN_ROWS) {
-            constexpr int W = Tile<int16_t, int8_t>::W, X = Tile<int16_t, int8_t>::X;
-            thread_local std::vector<int16_t> rows;
-            thread_local std::vector<float> steps;
-            int16_t *q = grown(rows, (size_t)(M * K));
-            float *s = grown(steps, (size_t)M);
-            quantize_rows_i16(x, ldx, M, K, q, K, s);
-            if (M >= GEMM_MIN_ROWS && N % GEMM_NR == 0) {
-                for (long m0 = 0; m0 < M; m0 += GEMM_ROWS)
-                    gemm_rows_i16(q + m0 * K, K, s + m0, w, y + m0 * ldy, ldy, std::min(M - m0, GEMM_ROWS), K, N, threads);
-                return;
-            }
-            for_row_chunks(N, K, sizeof(TW), W, threads, [&](long n0, long n1) {
-                linear_rows<int16_t, int8_t, W, X, float>(q, K, w, y, ldy, M, K, n0, n1, pf, scales, s);
-            });
-            return;
-        }
-    }
-#endif
     for_row_chunks(N, K, sizeof(TW), M == 1 ? 1 : W, threads, [&](long n0, long n1) {
         if (M == 1) linear_rows<TX, TW, 1, 1>(x, ldx, w, y, ldy, M, K, n0, n1, pf, scales);
         else linear_rows<TX, TW, W, X>(x, ldx, w, y, ldy, M, K, n0, n1, pf, scales);
