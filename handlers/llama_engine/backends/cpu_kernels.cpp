@@ -820,18 +820,20 @@ struct AlignedAlloc {
     template <class U> bool operator==(const AlignedAlloc<U> &) const { return true; }
 };
 
-// n floats, 64-byte aligned and not initialised, freed with the object.
-class AlignedFloats {
+// n values of T, 64-byte aligned and not initialised, freed with the object.
+template <class T>
+class AlignedBuffer {
   public:
-    explicit AlignedFloats(size_t n) : data_(AlignedAlloc<float>().allocate(n)) {}
-    ~AlignedFloats() { AlignedAlloc<float>().deallocate(data_, 0); }
-    AlignedFloats(const AlignedFloats &) = delete;
-    AlignedFloats &operator=(const AlignedFloats &) = delete;
-    float *data() const { return data_; }
+    explicit AlignedBuffer(size_t n) : data_(AlignedAlloc<T>().allocate(n)) {}
+    ~AlignedBuffer() { AlignedAlloc<T>().deallocate(data_, 0); }
+    AlignedBuffer(const AlignedBuffer &) = delete;
+    AlignedBuffer &operator=(const AlignedBuffer &) = delete;
+    T *data() const { return data_; }
 
   private:
-    float *data_;
+    T *data_;
 };
+using AlignedFloats = AlignedBuffer<float>;
 
 static constexpr int GEMM_MR = 6, GEMM_NR = 16;
 // The vector GEMMs (gemm, gemm512) take a prompt's rows GEMM_ROWS at a time (a multiple of both builds' tile
@@ -965,80 +967,12 @@ inline void pack_rows(const TX *x, long ldx, long M, long k0, long kc, long g, f
 
 #if defined(LLK_AVX2)
 
-// Columns [n0, n1) of y (a multiple of GEMM_NR of them) for all M rows, from a: x packed by
-// pack_rows, the micro-panel of K's block b and rows group g at (b * groups + g) * GEMM_A_STRIDE.
-template <class TW>
-void gemm_columns(const float *a, const TW *w, const float *scales, float *y, long ldy, long M, long K, long n0,
-                  long n1) {
-    thread_local std::vector<float, AlignedAlloc<float>> packed;
-    const long panels = (n1 - n0) / GEMM_NR, groups = (M + GEMM_MR - 1) / GEMM_MR;
-    packed.resize((size_t)(panels * GEMM_KC * GEMM_NR));
-    for (long k0 = 0, b = 0; k0 < K; k0 += GEMM_KC, b++) {
-        const long kc = K - k0 < GEMM_KC ? K - k0 : GEMM_KC;
-        for (long p = 0; p < panels; p++)
-            pack_panel(w + (n0 + p * GEMM_NR) * K, K, k0, kc, packed.data() + p * GEMM_KC * GEMM_NR);
-        for (long g0 = 0; g0 < groups; g0 += GEMM_MC / GEMM_MR) {
-            const long g1 = groups - g0 < GEMM_MC / GEMM_MR ? groups : g0 + GEMM_MC / GEMM_MR;
-            for (long p = 0; p < panels; p++)
-                for (long g = g0; g < g1; g++) {
-                    const long m = g * GEMM_MR;
-                    const float *ap = a + (b * groups + g) * GEMM_A_STRIDE, *panel = packed.data() + p * GEMM_KC * GEMM_NR;
-                    float *yp = y + m * ldy + n0 + p * GEMM_NR;
-                    if (M - m >= GEMM_MR) gemm_tile(kc, ap, panel, yp, ldy, k0 == 0);
-                    else gemm_tile_part(M - m, kc, ap, panel, yp, ldy, k0 == 0);
-                }
-        }
-    }
-    if (scales)
-        for (long m = 0; m < M; m++)
-            for (long n = n0; n < n1; n += 8) {
-                float *out = y + m * ldy + n;
-                _mm256_storeu_ps(out, _mm256_mul_ps(_mm256_loadu_ps(out), _mm256_loadu_ps(scales + n)));
-            }
-}
-
-// y = x @ w^T for rows [0, M) of x, whatever their number, GEMM_ROWS or fewer.
-template <class TW>
-void gemm_rows(const float *x, long ldx, const TW *w, float *y, long ldy, long M, long K, long N, int threads) {
-    const float *scales = row_scales(w, N, K);
-    const long groups = (M + GEMM_MR - 1) / GEMM_MR, blocks = (K + GEMM_KC - 1) / GEMM_KC;
-    // x once as micro-panels, for every thread's columns; as big as x, so allocated per call, not
-    // kept (a thread_local named inside the lambdas would be each helper's own, not this one)
-    AlignedFloats x_panels((size_t)(blocks * groups * GEMM_A_STRIDE));
-    float *a = x_panels.data();
-    pool().run(groups, threads, [&](long g) {
-        for (long k0 = 0, b = 0; k0 < K; k0 += GEMM_KC, b++)
-            pack_rows(x, ldx, M, k0, K - k0 < GEMM_KC ? K - k0 : GEMM_KC, g, a + (b * groups + g) * GEMM_A_STRIDE);
-    });
-    const long chunks = (N + GEMM_COLS - 1) / GEMM_COLS;
-    pool().run(chunks, threads, [&](long c) {
-        const long n0 = c * GEMM_COLS, n1 = n0 + GEMM_COLS < N ? n0 + GEMM_COLS : N;
-        gemm_columns(a, w, scales, y, ldy, M, K, n0, n1);
-    });
-}
-
-// True when it took the product: float32 activations, enough rows, whole panels of columns.
-template <class TX, class TW>
-bool gemm(const TX *x, long ldx, const TW *w, TX *y, long ldy, long M, long K, long N, int threads) {
-    if constexpr (!std::is_same_v<TX, float>) {
-        return false;
-    } else {
-        if (M < GEMM_MIN_ROWS || N % GEMM_NR != 0) return false;
-        for (long m0 = 0; m0 < M; m0 += GEMM_ROWS)
-            gemm_rows(x + m0 * ldx, ldx, w, y + m0 * ldy, ldy, M - m0 < GEMM_ROWS ? M - m0 : GEMM_ROWS, K, N, threads);
-        return true;
-    }
-}
-
 // The GEMM for int16 rows over int8 weights (see quantize_rows_i16), its blocking the float GEMM's: each
 // element of a micro-panel or panel is a pair of int16 along K, (k, k + 1) in one 32-bit lane, so that one
 // broadcast of a row's pair and vpmaddwd against a panel's 8 outputs take 16 products. A K block's 128 pairs
 // sum exactly in int32 (128 * 2 * 32767 * 127 < 2^31) before they add to y in float32.
-#if !defined(LLK_I16_GEMM_MR)
-#define LLK_I16_GEMM_MR 6
-#endif
-static constexpr int I16_MR = LLK_I16_GEMM_MR;
-using AlignedPairs = std::vector<int32_t, AlignedAlloc<int32_t>>;
+// Its micro-panels take GEMM_MR rows, as the float GEMM's do.
+static constexpr int I16_MR = GEMM_MR;
 
 inline int32_t pair_i16(int16_t first, int16_t second) {
     int32_t both;
@@ -1109,53 +1043,104 @@ inline void gemm_tile_i16(long pairs, const int32_t *a, const int32_t *panel, fl
     }
 }
 
-// Columns [n0, n1) of y (whole panels) for all M rows, from a: the micro-panel of K's block b and row group g at
-// (b * groups + g) * GEMM_KC / 2 * I16_MR; then each output times its weight row's scale and its row's step.
-void gemm_columns_i16(const int32_t *a, const int8_t *w, const float *scales, const float *steps, float *y, long ldy,
-                      long M, long K, long n0, long n1) {
-    thread_local AlignedPairs packed;
-    const long panels = (n1 - n0) / GEMM_NR, groups = (M + I16_MR - 1) / I16_MR, panel_size = GEMM_KC / 2 * GEMM_NR;
-    packed.resize((size_t)(panels * panel_size));
+
+// The two element types a GEMM packs x and w into: a policy for gemm_columns and gemm_rows.
+struct FloatPanels {  // float32, each weight widened as its panel is packed
+    using Packed = float;
+    static constexpr long PANEL = GEMM_KC * GEMM_NR, A_STRIDE = GEMM_A_STRIDE;
+    template <class TX>
+    static void pack_x(const TX *x, long ldx, long M, long k0, long kc, long g, float *out) {
+        pack_rows(x, ldx, M, k0, kc, g, out);
+    }
+    template <class TW>
+    static void pack_w(const TW *w, long K, long k0, long kc, float *panel) {
+        pack_panel(w, K, k0, kc, panel);
+    }
+    static void tile(long kc, const float *a, const float *panel, float *y, long ldy, bool first, long mr) {
+        if (mr == GEMM_MR) gemm_tile(kc, a, panel, y, ldy, first);
+        else gemm_tile_part(mr, kc, a, panel, y, ldy, first);
+    }
+};
+struct Int16Pairs {  // int16 rows over int8 weights, pairs along K
+    using Packed = int32_t;
+    static constexpr long PANEL = GEMM_KC / 2 * GEMM_NR, A_STRIDE = GEMM_KC / 2 * I16_MR;
+    static void pack_x(const int16_t *q, long ldq, long M, long k0, long kc, long g, int32_t *out) {
+        pack_rows_i16(q, ldq, M, k0, kc, g, out);
+    }
+    static void pack_w(const int8_t *w, long K, long k0, long kc, int32_t *panel) { pack_panel_i16(w, K, k0, kc, panel); }
+    static void tile(long kc, const int32_t *a, const int32_t *panel, float *y, long ldy, bool first, long mr) {
+        gemm_tile_i16((kc + 1) / 2, a, panel, y, ldy, first, mr);
+    }
+};
+
+// Columns [n0, n1) of y (a multiple of GEMM_NR of them) for all M rows, from a: x packed by G::pack_x, the
+// micro-panel of K's block b and rows group g at (b * groups + g) * G::A_STRIDE; then each output times its
+// weight row's scale and its x row's step, where there are any.
+template <class G, class TW>
+void gemm_columns(const typename G::Packed *a, const TW *w, const float *scales, const float *steps, float *y,
+                  long ldy, long M, long K, long n0, long n1) {
+    thread_local std::vector<typename G::Packed, AlignedAlloc<typename G::Packed>> packed;
+    const long panels = (n1 - n0) / GEMM_NR, groups = (M + GEMM_MR - 1) / GEMM_MR;
+    packed.resize((size_t)(panels * G::PANEL));
     for (long k0 = 0, b = 0; k0 < K; k0 += GEMM_KC, b++) {
         const long kc = K - k0 < GEMM_KC ? K - k0 : GEMM_KC;
-        for (long p = 0; p < panels; p++) pack_panel_i16(w + (n0 + p * GEMM_NR) * K, K, k0, kc, packed.data() + p * panel_size);
-        for (long g0 = 0; g0 < groups; g0 += GEMM_MC / I16_MR) {
-            const long g1 = groups - g0 < GEMM_MC / I16_MR ? groups : g0 + GEMM_MC / I16_MR;
+        for (long p = 0; p < panels; p++) G::pack_w(w + (n0 + p * GEMM_NR) * K, K, k0, kc, packed.data() + p * G::PANEL);
+        for (long g0 = 0; g0 < groups; g0 += GEMM_MC / GEMM_MR) {
+            const long g1 = groups - g0 < GEMM_MC / GEMM_MR ? groups : g0 + GEMM_MC / GEMM_MR;
             for (long p = 0; p < panels; p++)
                 for (long g = g0; g < g1; g++) {
-                    const long m = g * I16_MR;
-                    gemm_tile_i16((kc + 1) / 2, a + (b * groups + g) * (GEMM_KC / 2 * I16_MR), packed.data() + p * panel_size,
-                                  y + m * ldy + n0 + p * GEMM_NR, ldy, k0 == 0, M - m < I16_MR ? M - m : I16_MR);
+                    const long m = g * GEMM_MR;
+                    G::tile(kc, a + (b * groups + g) * G::A_STRIDE, packed.data() + p * G::PANEL,
+                            y + m * ldy + n0 + p * GEMM_NR, ldy, k0 == 0, M - m < GEMM_MR ? M - m : GEMM_MR);
                 }
         }
     }
-    for (long m = 0; m < M; m++) {
-        const __m256 step = _mm256_set1_ps(steps[m]);
-        for (long n = n0; n < n1; n += 8) {
-            float *out = y + m * ldy + n;
-            _mm256_storeu_ps(out, _mm256_mul_ps(_mm256_loadu_ps(out), _mm256_mul_ps(_mm256_loadu_ps(scales + n), step)));
+    if (scales || steps)
+        for (long m = 0; m < M; m++) {
+            const __m256 step = _mm256_set1_ps(steps ? steps[m] : 1.0f);
+            for (long n = n0; n < n1; n += 8) {
+                float *out = y + m * ldy + n;
+                const __m256 scale = scales ? _mm256_mul_ps(_mm256_loadu_ps(scales + n), step) : step;
+                _mm256_storeu_ps(out, _mm256_mul_ps(_mm256_loadu_ps(out), scale));
+            }
         }
-    }
 }
 
-// y = x @ w^T for M <= GEMM_ROWS rows of x as int16 (q, their steps), over whole panels of w's N rows.
-void gemm_rows_i16(const int16_t *q, long ldq, const float *steps, const int8_t *w, float *y, long ldy, long M, long K,
-                   long N, int threads) {
-    const long groups = (M + I16_MR - 1) / I16_MR, blocks = (K + GEMM_KC - 1) / GEMM_KC;
-    const long stride = GEMM_KC / 2 * I16_MR;
-    AlignedPairs x_panels((size_t)(blocks * groups * stride));
-    int32_t *a = x_panels.data();
+// y = x @ w^T for rows [0, M) of x, whatever their number, GEMM_ROWS or fewer; steps: each row's int16 step
+// (Int16Pairs), or none.
+template <class G, class TX, class TW>
+void gemm_rows(const TX *x, long ldx, const float *steps, const TW *w, float *y, long ldy, long M, long K, long N,
+               int threads) {
+    const float *scales = row_scales(w, N, K);
+    const long groups = (M + GEMM_MR - 1) / GEMM_MR, blocks = (K + GEMM_KC - 1) / GEMM_KC;
+    // x once as micro-panels, for every thread's columns; as big as x, so allocated per call, not
+    // kept (a thread_local named inside the lambdas would be each helper's own, not this one)
+    AlignedBuffer<typename G::Packed> x_panels((size_t)(blocks * groups * G::A_STRIDE));
+    typename G::Packed *a = x_panels.data();
     pool().run(groups, threads, [&](long g) {
         for (long k0 = 0, b = 0; k0 < K; k0 += GEMM_KC, b++)
-            pack_rows_i16(q, ldq, M, k0, K - k0 < GEMM_KC ? K - k0 : GEMM_KC, g, a + (b * groups + g) * stride);
+            G::pack_x(x, ldx, M, k0, K - k0 < GEMM_KC ? K - k0 : GEMM_KC, g, a + (b * groups + g) * G::A_STRIDE);
     });
-    const float *scales = row_scales(w, N, K);
     const long chunks = (N + GEMM_COLS - 1) / GEMM_COLS;
     pool().run(chunks, threads, [&](long c) {
         const long n0 = c * GEMM_COLS, n1 = n0 + GEMM_COLS < N ? n0 + GEMM_COLS : N;
-        gemm_columns_i16(a, w, scales, steps, y, ldy, M, K, n0, n1);
+        gemm_columns<G>(a, w, scales, steps, y, ldy, M, K, n0, n1);
     });
 }
+
+// True when it took the product: float32 activations, enough rows, whole panels of columns.
+template <class TX, class TW>
+bool gemm(const TX *x, long ldx, const TW *w, TX *y, long ldy, long M, long K, long N, int threads) {
+    if constexpr (!std::is_same_v<TX, float>) {
+        return false;
+    } else {
+        if (M < GEMM_MIN_ROWS || N % GEMM_NR != 0) return false;
+        for (long m0 = 0; m0 < M; m0 += GEMM_ROWS)
+            gemm_rows<FloatPanels>(x + m0 * ldx, ldx, nullptr, w, y + m0 * ldy, ldy, M - m0 < GEMM_ROWS ? M - m0 : GEMM_ROWS, K, N, threads);
+        return true;
+    }
+}
+
 #endif
 
 #if defined(LLK_VEC512)
@@ -1772,7 +1757,7 @@ void linear_int16_rows(const float *x, long ldx, const int8_t *w, float *y, long
     quantize_rows_i16(x, ldx, M, K, q, K, s);
     if (M >= GEMM_MIN_ROWS && N % GEMM_NR == 0) {
         for (long m0 = 0; m0 < M; m0 += GEMM_ROWS)
-            gemm_rows_i16(q + m0 * K, K, s + m0, w, y + m0 * ldy, ldy, std::min(M - m0, GEMM_ROWS), K, N, threads);
+            gemm_rows<Int16Pairs>(q + m0 * K, K, s + m0, w, y + m0 * ldy, ldy, std::min(M - m0, GEMM_ROWS), K, N, threads);
         return;
     }
     const float *scales = row_scales(w, N, K);
