@@ -116,6 +116,30 @@ def test_linear_computes_the_same_bits_at_every_prefetch_distance(kernels, x_dty
         assert_product(results[0], x, w)
 
 
+@pytest.mark.parametrize("kernels", ISAS, indirect=True)
+@pytest.mark.parametrize("x_dtype, w_dtype", [(torch.float32, torch.bfloat16), (torch.float32, torch.int8),
+                                              (torch.bfloat16, torch.int8), (torch.float32, torch.float32)])
+def test_linear_computes_the_same_bits_on_one_thread_and_on_several(kernels, x_dtype, w_dtype):
+    """The threads split w's rows into chunks whose size depends on the thread count (as many as a multiple of
+    the threads), each a whole number of tiles: the tiles, and so every output's bits, are the same however
+    many threads share them. 769 rows of 768 int8 weights: 3 chunks on one thread, 4 on two, 3 of another size
+    on three."""
+    gen = torch.Generator().manual_seed(11)
+    w = torch.randn(769, 768, generator=gen)  # one row past whole tiles of every shape
+    w = int8_rows.quantize(w) if w_dtype == torch.int8 else w.to(w_dtype)
+    previous = torch.get_num_threads()
+    try:
+        for rows in (1, 3, 8):
+            x = torch.randn(rows, 768, generator=gen).to(x_dtype)
+            results = []
+            for threads in (1, 2, 3):
+                torch.set_num_threads(threads)
+                results.append(kernels.linear(x, w))
+            assert all(torch.equal(results[0], got) for got in results[1:]), rows
+    finally:
+        torch.set_num_threads(previous)
+
+
 def test_the_prefetch_distance_chosen_is_the_fastest_only_where_it_clearly_beats_the_default():
     default = cpu_kernels.PREFETCH_CANDIDATES[0]
     assert cpu_kernels.choose_prefetch({default: [10.0, 10.2, 11.0], 1024: [8.0, 8.1, 9.5]}) == 1024
