@@ -833,7 +833,6 @@ class AlignedBuffer {
   private:
     T *data_;
 };
-using AlignedFloats = AlignedBuffer<float>;
 
 static constexpr int GEMM_MR = 6, GEMM_NR = 16;
 // The vector GEMMs (gemm, gemm512) take a prompt's rows GEMM_ROWS at a time (a multiple of both builds' tile
@@ -970,9 +969,7 @@ inline void pack_rows(const TX *x, long ldx, long M, long k0, long kc, long g, f
 // The GEMM for int16 rows over int8 weights (see quantize_rows_i16), its blocking the float GEMM's: each
 // element of a micro-panel or panel is a pair of int16 along K, (k, k + 1) in one 32-bit lane, so that one
 // broadcast of a row's pair and vpmaddwd against a panel's 8 outputs take 16 products. A K block's 128 pairs
-// sum exactly in int32 (128 * 2 * 32767 * 127 < 2^31) before they add to y in float32.
-// Its micro-panels take GEMM_MR rows, as the float GEMM's do.
-static constexpr int I16_MR = GEMM_MR;
+// sum exactly in int32 (128 * 2 * 32767 * 127 < 2^31) before they add to y in float32. Micro-panels of GEMM_MR rows.
 
 inline int32_t pair_i16(int16_t first, int16_t second) {
     int32_t both;
@@ -981,14 +978,14 @@ inline int32_t pair_i16(int16_t first, int16_t second) {
     return both;
 }
 
-// Rows [g * I16_MR, +I16_MR) of q, K's [k0, k0 + kc) as out[p * I16_MR + i] = (q[i][k0 + 2p], q[i][k0 + 2p + 1]),
+// Rows [g * GEMM_MR, +GEMM_MR) of q, K's [k0, k0 + kc) as out[p * GEMM_MR + i] = (q[i][k0 + 2p], q[i][k0 + 2p + 1]),
 // zero past M and past kc.
 inline void pack_rows_i16(const int16_t *q, long ldq, long M, long k0, long kc, long g, int32_t *out) {
-    for (int i = 0; i < I16_MR; i++) {
-        const long row = g * I16_MR + i;
+    for (int i = 0; i < GEMM_MR; i++) {
+        const long row = g * GEMM_MR + i;
         const int16_t *src = q + row * ldq + k0;
         for (long k = 0; k < kc; k += 2)
-            out[k / 2 * I16_MR + i] = row < M ? pair_i16(src[k], k + 1 < kc ? src[k + 1] : 0) : 0;
+            out[k / 2 * GEMM_MR + i] = row < M ? pair_i16(src[k], k + 1 < kc ? src[k + 1] : 0) : 0;
     }
 }
 
@@ -1010,7 +1007,7 @@ inline void pack_panel_i16(const int8_t *w, long K, long k0, long kc, int32_t *p
 // y[i][0:GEMM_NR] (+)= the products over `pairs` pairs of a's micro-panel and the panel, for rows i < mr. Written
 // out, as gemm_tile is: over arrays, GCC moved or spilled the accumulators every step.
 inline void gemm_tile_i16(long pairs, const int32_t *a, const int32_t *panel, float *y, long ldy, bool first, long mr) {
-    static_assert(I16_MR == 6, "gemm_tile_i16 is written out for 6 rows");
+    static_assert(GEMM_MR == 6, "gemm_tile_i16 is written out for 6 rows");
     __m256i c00 = _mm256_setzero_si256(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00,
             c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
 #define I16_ROW(i, lo, hi)                                                                                 \
@@ -1063,7 +1060,7 @@ struct FloatPanels {  // float32, each weight widened as its panel is packed
 };
 struct Int16Pairs {  // int16 rows over int8 weights, pairs along K
     using Packed = int32_t;
-    static constexpr long PANEL = GEMM_KC / 2 * GEMM_NR, A_STRIDE = GEMM_KC / 2 * I16_MR;
+    static constexpr long PANEL = GEMM_KC / 2 * GEMM_NR, A_STRIDE = GEMM_KC / 2 * GEMM_MR;
     static void pack_x(const int16_t *q, long ldq, long M, long k0, long kc, long g, int32_t *out) {
         pack_rows_i16(q, ldq, M, k0, kc, g, out);
     }
@@ -1254,7 +1251,7 @@ void gemm512_rows(const TX *x, long ldx, PackW &pack_w, TX *y, long ldy, long M,
                   const float *scales) {
     const long groups = (M + G5_MR - 1) / G5_MR, blocks = (K + G5_KC - 1) / G5_KC;
     const long stride = G5_KC * G5_MR;  // floats of one micro-panel (rows group g, K block b: (b * groups + g))
-    AlignedFloats x_panels((size_t)(blocks * groups * stride));
+    AlignedBuffer<float> x_panels((size_t)(blocks * groups * stride));
     float *a = x_panels.data();
     pool().run(groups, threads, [&](long g) {
         for (long k0 = 0, b = 0; k0 < K; k0 += G5_KC, b++)
@@ -2155,7 +2152,7 @@ template <class Tiles, class TQ, class TC>
 void prompt_attention_on(const TQ *q, long ldq, const TC *k, const TC *v, const long *ld, long T, long start, long H,
                          long Hkv, long D, float scale, TQ *out, int threads) {
     const long L = start + T, Lp = round_up(L, Tiles::NR), head_floats = Lp * D, G = H / Hkv;
-    AlignedFloats packed((size_t)(2 * Hkv * head_floats));
+    AlignedBuffer<float> packed((size_t)(2 * Hkv * head_floats));
     float *kt = packed.data(), *vt = kt + Hkv * head_floats;
     pool().run(Hkv, threads, [&](long h) {
         pack_kv_head<Tiles>(k + h * ld[1], ld[0], v + h * ld[3], ld[2], L, Lp, D, kt + h * head_floats,
