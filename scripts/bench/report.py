@@ -28,6 +28,8 @@ VARIANT_LABELS = {SERVED: "micro", CONTINUOUS: "continuous", LLAMACPP: "llamacpp
 INPROCESS = "inprocess"
 #: The llamacpp backend's back-to-back pairs with llama-server (on one GGUF): both bracketed by bandwidth samples.
 LLAMACPP_PAIRS = f"paired-peer/{VARIANT_LABELS[LLAMACPP]}"
+#: The int8 variant's back-to-back pairs with the micro-batching handler over the weights as served.
+INT8_PAIRS = "paired-int8"
 PEER_NAMES = ("llama.cpp", "llama.cpp-q8_0", "vllm")
 #: Peer ratio goals (served / peer output tok/s) by concurrency: llama.cpp in the dtype served.
 LLAMA_CPP_GOALS = {8: 1.0, 1: 0.8}
@@ -132,9 +134,9 @@ def _batch1_run(runs, system) -> Optional[dict]:
 
 
 def int8_ratios(runs, results: dict, c: int) -> dict:
-    """Where the int8 variant ran: its output tok/s against llama-server's on the q8_0 GGUF (back-to-back pairs
-    where the run has them, else the sweeps), against the handler's over the weights as served (the sweeps),
-    and its batch-1 decode against the memory's speed at int8's bytes (values and scales)."""
+    """Where the int8 variant ran: its output tok/s against llama-server's on the q8_0 GGUF and against the
+    handler's over the weights as served (each from back-to-back pairs where the run has them, else from the
+    sweeps), and its batch-1 decode against the memory's speed at int8's bytes (values and scales)."""
     out = {}
     for suffix, conc in (("", c), ("_1_stream", 1)):
         for key, other, whose, note in (
@@ -158,14 +160,16 @@ def int8_ratios(runs, results: dict, c: int) -> dict:
 
 def _int8_against(runs, other: str, conc: int, what: str) -> Optional[dict]:
     """The int8 variant's output tok/s over ``other``'s (``what``, for the definition) at ``conc`` streams: the
-    median of their back-to-back pairs where the run has them (the q8_0 peer's), else the two sweeps'; None
-    where either did not run."""
-    pair = find(runs, INT8, f"paired-peer/{VARIANT_LABELS[INT8]}", concurrency=conc) if other == QUANTIZED_PEER else None
+    median of their back-to-back pairs where the run has them, else the two sweeps'; None where either did not
+    run."""
+    scenario, key = {QUANTIZED_PEER: (f"paired-peer/{VARIANT_LABELS[INT8]}", "served_over_peer"),
+                     SERVED: (INT8_PAIRS, "int8_over_weights")}[other]
+    pair = find(runs, INT8, scenario, concurrency=conc)
     definition = f"{INT8} output tok/s / {what}"
-    if pair and pair.get("served_over_peer_median"):
-        return _ratio(pair["served_over_peer_median"], "report", None,
-                      f"{definition}: median of {len(pair['served_over_peer'])} back-to-back A/B pairs of the same wave",
-                      concurrency=conc, pairs=pair["served_over_peer"])
+    if pair and pair.get(f"{key}_median"):
+        return _ratio(pair[f"{key}_median"], "report", None,
+                      f"{definition}: median of {len(pair[key])} back-to-back A/B pairs of the same wave",
+                      concurrency=conc, pairs=pair[key])
     mine, theirs = (find(runs, system, "concurrency", concurrency=conc) for system in (INT8, other))
     if mine and theirs:
         return _ratio(mine["output_tokens_per_s"] / theirs["output_tokens_per_s"], "report", None,
@@ -1097,7 +1101,8 @@ ahead of micro-batching on the Poisson load at all: `.venv/bin/python -m scripts
    picks: bf16 on a CPU with native bf16, else f16, which holds its weights exactly and which llama.cpp decodes faster there); when `make llamacpp` has built
    it; its concurrency sweep and the llama-server pairs only), (5) the micro-batching handler over int8 weights
    (`torchserve-int8`: `handler.weight_dtype: int8`, opt-in and lossy, half of bf16's bytes; its waves at 1 and 8
-   streams, then back to back with llama-server on the q8_0 GGUF, the `int8_*` ratios: reported, never the bar),
+   streams, then back to back with the micro-batching handler over the weights as served (`paired-int8` rows) and
+   with llama-server on the q8_0 GGUF, the `int8_*` ratios: reported, never the bar),
    (6) peers when installed
    (`make bench-peers` builds them under `build/peers/`): llama.cpp's `llama-server` (`POST /completion`,
    `stream: true`, `n_predict`, `ignore_eos: true`; built from the llama.cpp tree in the llama-cpp-python

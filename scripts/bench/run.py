@@ -525,6 +525,7 @@ class BenchRun:
                        prompts, plan, self.runs, self.monitor, scenario="paired-variants", ratio="continuous_over_micro",
                        concurrency=[c for c in plan["paired_concurrency"] if c > 1])
                 self.phases["paired_variants_s"] = time.perf_counter() - t
+            self._int8_against_served_weights()
             for load, scenario in (("mixed", "poisson"), ("wide", "poisson-wide"), ("steady", "poisson-steady")):
                 if load == "steady":
                     self._steady_at_served_capacity()
@@ -532,6 +533,20 @@ class BenchRun:
                     self.poisson_rounds(names, load)
         except Exception:  # noqa: BLE001 - reported, the peers still run
             traceback.print_exc()
+
+    def _int8_against_served_weights(self) -> None:
+        """The int8 variant against the micro-batching handler over the weights as served, in back-to-back A/B
+        waves at the paired concurrencies (``paired-int8`` rows): their sweeps ran minutes apart, and on the
+        Zen 3 two runs of the same code read 1.38 and 0.90 from them at 8 streams."""
+        plan = self.plan
+        if not {report.SERVED, report.INT8} <= set(self.kept) or "paired" not in plan["scenarios"] \
+                or not plan["paired_rounds"] or not self.budget.ok("paired int8", 60):
+            return
+        t = time.perf_counter()
+        paired(*((name, lambda ps, n, a=self.kept[name][1]: run_wave(a, ps, n, self.timeout))
+                 for name in (report.SERVED, report.INT8)),
+               self.prompts, plan, self.runs, self.monitor, scenario=report.INT8_PAIRS, ratio="int8_over_weights")
+        self.phases["paired_int8_s"] = time.perf_counter() - t
 
     def _paced(self, load: str) -> bool:
         """Whether ``load`` has its arrival rate: its plan's own, one the continuous bound set (a load given

@@ -93,6 +93,23 @@ def test_the_int8_variant_is_measured_against_the_q8_0_peer_never_against_the_ba
     assert not any(key.startswith("int8") for key in report.ratios(_results(runs[:2] + runs[4:8])))
 
 
+def test_the_int8_variant_is_held_to_the_served_weights_by_its_back_to_back_pairs_where_it_has_them():
+    """Sweeps minutes apart carry the host's drift (two runs of the same code read 1.38 and 0.90 from them on
+    the Zen 3): the ``paired-int8`` rows' median takes over, at each concurrency they ran at."""
+    runs = [_run("torchserve", "concurrency", 60.0, concurrency=8), _run("torchserve", "concurrency", 20.0, concurrency=1),
+            _run("torchserve-int8", "concurrency", 90.0, concurrency=8),
+            _run("torchserve-int8", "concurrency", 30.0, concurrency=1),
+            _run("torchserve-int8", "paired-int8", 1.0, concurrency=8, int8_over_weights=[1.1, 1.3, 1.2],
+                 int8_over_weights_median=1.2),
+            _run("torchserve", "paired-int8", 1.0, concurrency=8, int8_over_weights=[1.1, 1.3, 1.2],
+                 int8_over_weights_median=1.2)]
+    rs = report.ratios(_results(runs))
+    eight, one = rs["int8_vs_served_weights"], rs["int8_vs_served_weights_1_stream"]
+    assert eight["value"] == 1.2 and eight["inputs"]["pairs"] == [1.1, 1.3, 1.2]
+    assert "median of 3 back-to-back A/B pairs" in eight["definition"] and eight["met"] is None
+    assert one["value"] == 1.5 and "(the sweeps)" in one["definition"]  # no pairs at 1 stream: the sweeps
+
+
 def test_the_llamacpp_backends_batch1_is_reported_beside_its_engines_own():
     runs = [_run("llama.cpp", "concurrency", 50.0, concurrency=1)]
     rs = report.ratios(_results(runs))

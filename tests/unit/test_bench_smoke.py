@@ -111,9 +111,15 @@ def test_smoke_runs_cover_each_scenario_with_full_length_streams(smoke):
     assert ("torchserve", "poisson") in seen
     assert ("torchserve-llamacpp", "concurrency") in seen  # the llamacpp backend's sweep (no Poisson rounds)
     assert not any(s == "torchserve-llamacpp" and sc == "poisson" for s, sc in seen)
-    # the int8 variant: its waves at the paired concurrencies the sweep has, nothing else
-    assert {(r["scenario"], r["concurrency"]) for r in runs if r["system"] == "torchserve-int8"} == {("concurrency", 4)}
-    assert results["ratios"]["int8_vs_served_weights"]["value"] > 0
+    # the int8 variant: its waves at the paired concurrencies the sweep has, then back to back with the
+    # micro-batching handler at each paired concurrency, nothing else
+    assert {(r["scenario"], r["concurrency"]) for r in runs if r["system"] == "torchserve-int8"} == {
+        ("concurrency", 4), ("paired-int8", 1), ("paired-int8", 4)}
+    assert {r["concurrency"] for r in runs if r["system"] == "torchserve" and r["scenario"] == "paired-int8"} == {1, 4}
+    for suffix in ("", "_1_stream"):
+        weights = results["ratios"][f"int8_vs_served_weights{suffix}"]
+        assert weights["value"] > 0 and len(weights["inputs"]["pairs"]) == 2
+        assert "back-to-back" in weights["definition"]
     assert results["model"]["int8_weight_bytes_per_token"] < results["model"]["weight_bytes_per_token"] / 3
     # the two TorchServe variants run each load's schedule in alternating rounds (one in --smoke)
     paired = [r for r in runs if r["scenario"] == "poisson" and r["system"].startswith("torchserve")]
