@@ -521,8 +521,8 @@ class BenchRun:
         try:
             if len(names) == 2 and "paired" in plan["scenarios"] and self.budget.ok("paired variants", 60):
                 t = time.perf_counter()
-                paired(*((name, lambda ps, n, a=self.kept[name][1]: run_wave(a, ps, n, self.timeout)) for name in names),
-                       prompts, plan, self.runs, self.monitor, scenario="paired-variants", ratio="continuous_over_micro",
+                paired(*(self._kept_runner(name) for name in names), prompts, plan, self.runs, self.monitor,
+                       scenario="paired-variants", ratio="continuous_over_micro",
                        concurrency=[c for c in plan["paired_concurrency"] if c > 1])
                 self.phases["paired_variants_s"] = time.perf_counter() - t
             self._int8_against_served_weights()
@@ -534,6 +534,11 @@ class BenchRun:
         except Exception:  # noqa: BLE001 - reported, the peers still run
             traceback.print_exc()
 
+    def _kept_runner(self, name: str):
+        """``(name, runner)`` of a variant kept up, a wave at a time, for :func:`~scripts.bench.scenarios.paired`."""
+        adapter = self.kept[name][1]
+        return name, lambda prompts, n: run_wave(adapter, prompts, n, self.timeout)
+
     def _int8_against_served_weights(self) -> None:
         """The int8 variant against the micro-batching handler over the weights as served, in back-to-back A/B
         waves at the paired concurrencies (``paired-int8`` rows): their sweeps ran minutes apart, and on the
@@ -543,9 +548,8 @@ class BenchRun:
                 or not plan["paired_rounds"] or not self.budget.ok("paired int8", 60):
             return
         t = time.perf_counter()
-        paired(*((name, lambda ps, n, a=self.kept[name][1]: run_wave(a, ps, n, self.timeout))
-                 for name in (report.SERVED, report.INT8)),
-               self.prompts, plan, self.runs, self.monitor, scenario=report.INT8_PAIRS, ratio="int8_over_weights")
+        paired(self._kept_runner(report.SERVED), self._kept_runner(report.INT8), self.prompts, plan, self.runs,
+               self.monitor, scenario=report.INT8_PAIRS, ratio="int8_over_weights")
         self.phases["paired_int8_s"] = time.perf_counter() - t
 
     def _paced(self, load: str) -> bool:
@@ -772,14 +776,13 @@ class BenchRun:
                 or not self.budget.ok(f"paired {name}", 60):
             return
         t = time.perf_counter()
-        for variant, (_, served) in self.kept.items():
+        for variant in self.kept:
             if (variant == report.INT8) != (name == report.QUANTIZED_PEER):
                 continue
             # llama.cpp in both, on one GGUF: both held to the bandwidth around their waves, as the torch rows are
             same_engine = variant == report.LLAMACPP and name == "llama.cpp"
             bracket = (self._bandwidth_now, self.results["decode_bound"]["weight_bytes_per_token"]) if same_engine else None
-            paired((name, lambda ps, n: run_wave(adapter, ps, n, self.timeout)),
-                   (variant, lambda ps, n, a=served: run_wave(a, ps, n, self.timeout)),
+            paired((name, lambda ps, n: run_wave(adapter, ps, n, self.timeout)), self._kept_runner(variant),
                    self.prompts, plan, self.runs, self.monitor, scenario=f"paired-peer/{report.VARIANT_LABELS[variant]}",
                    ratio="served_over_peer", efficiency=bracket)
         self.phases[f"paired_{name}_s"] = time.perf_counter() - t

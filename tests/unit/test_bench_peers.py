@@ -230,6 +230,7 @@ def test_llama_servers_pairs_with_the_llamacpp_backend_alone_are_held_to_the_ban
                                   report.INT8: (None, "int8")}, prompts=None,
                             budget=SimpleNamespace(ok=lambda *args: True), phases={}, _bandwidth_now=lambda: 10.0,
                             results={"decode_bound": {"weight_bytes_per_token": 4e8}})
+    bench._kept_runner = lambda name: run.BenchRun._kept_runner(bench, name)
     for peer in ("llama.cpp", "llama.cpp-q8_0"):
         run.BenchRun._paired_with_peer(bench, peer, "adapter")
     bracketed = {(first, scenario): efficiency for first, _, scenario, efficiency in calls}
