@@ -129,6 +129,11 @@ def make_plan(mode: str, scenarios: List[str], poisson_rate: Optional[float] = N
     return plan
 
 
+def pairs_planned(plan: dict) -> bool:
+    """Whether ``plan`` runs back-to-back A/B waves: the ``paired`` scenario with at least one round."""
+    return "paired" in plan["scenarios"] and bool(plan["paired_rounds"])
+
+
 def parse_systems(value: str) -> List[str]:
     """``--systems``: a comma-separated subset of SYSTEMS, in SYSTEMS' order."""
     names = [n.strip() for n in value.split(",") if n.strip()]

@@ -46,6 +46,7 @@ from scripts.bench.plan import (
     derived_config,
     log,
     make_plan,
+    pairs_planned,
     parse_scenarios,
     parse_systems,
 )
@@ -376,7 +377,7 @@ class BenchRun:
 
     def _paired_with_inprocess(self, system, adapter) -> None:
         plan = self.plan
-        if self.engine is not None and "paired" in plan["scenarios"] and plan["paired_rounds"] and self.budget.ok("paired A/B", 60):
+        if self.engine is not None and pairs_planned(plan) and self.budget.ok("paired A/B", 60):
             t = time.perf_counter()
             paired(("inprocess", self.engine.run_wave),
                    ("torchserve", lambda ps, n: run_wave(adapter, ps, n, self.timeout)),
@@ -519,7 +520,7 @@ class BenchRun:
         plan, prompts = self.plan, self.prompts
         names = [name for name in VARIANTS if name in self.kept]  # both, unless one failed to start
         try:
-            if len(names) == 2 and "paired" in plan["scenarios"] and self.budget.ok("paired variants", 60):
+            if len(names) == 2 and pairs_planned(plan) and self.budget.ok("paired variants", 60):
                 t = time.perf_counter()
                 paired(*(self._kept_runner(name) for name in names), prompts, plan, self.runs, self.monitor,
                        scenario="paired-variants", ratio="continuous_over_micro",
@@ -544,8 +545,7 @@ class BenchRun:
         waves at the paired concurrencies (``paired-int8`` rows): their sweeps ran minutes apart, and on the
         Zen 3 two runs of the same code read 1.38 and 0.90 from them at 8 streams."""
         plan = self.plan
-        if not {report.SERVED, report.INT8} <= set(self.kept) or "paired" not in plan["scenarios"] \
-                or not plan["paired_rounds"] or not self.budget.ok("paired int8", 60):
+        if not {report.SERVED, report.INT8} <= set(self.kept) or not pairs_planned(plan) or not self.budget.ok("paired int8", 60):
             return
         t = time.perf_counter()
         paired(self._kept_runner(report.SERVED), self._kept_runner(report.INT8), self.prompts, plan, self.runs,
@@ -732,7 +732,7 @@ class BenchRun:
         from scripts.bench.plan import gguf_type_of
 
         if self.weight_dtype != "bfloat16" or self.args.llama_gguf or peer.name != "llama.cpp" \
-                or "paired" not in self.plan["scenarios"] or not self.plan["paired_rounds"]:
+                or not pairs_planned(self.plan):
             return
         default = gguf_type_of(self.weight_dtype)
         other = other_16_bit_gguf(peer.gguf, default)
@@ -756,7 +756,7 @@ class BenchRun:
         """llama-server's ``-fa`` for this run, the faster here (:mod:`scripts.bench.peer_flags`)."""
         from scripts.bench.peer_flags import choose_flash_attn, timed_detail
 
-        if "paired" in self.plan["scenarios"] and self.plan["paired_rounds"] and self.budget.ok(f"{peer.name} -fa", 180):
+        if pairs_planned(self.plan) and self.budget.ok(f"{peer.name} -fa", 180):
             t = time.perf_counter()
             try:
                 status["flash_attn"] = choose_flash_attn(peer, self.prompts, self.plan, self.monitor,
@@ -772,8 +772,7 @@ class BenchRun:
         rows): the sweeps ran tens of minutes apart, and this host's speed drifts by tens of percent. The int8
         variant meets llama-server on the q8_0 GGUF, the others llama-server in the dtype served."""
         plan = self.plan
-        if not self.kept or "paired" not in plan["scenarios"] or not plan["paired_rounds"] \
-                or not self.budget.ok(f"paired {name}", 60):
+        if not self.kept or not pairs_planned(plan) or not self.budget.ok(f"paired {name}", 60):
             return
         t = time.perf_counter()
         for variant in self.kept:
