@@ -275,6 +275,29 @@ def test_float32_linears_go_to_the_kernel_a_measurement_finds_fastest(tiny_model
 
 
 @FP32
+def test_onednn_fast_at_a_decode_steps_rows_but_slow_at_a_prompts_leaves_the_linears_plain(monkeypatch):
+    """Packing replaces the weight, so a prompt's rows go through oneDNN too: its time there counts. Faster at a
+    decode step's rows by more than the 10% a decode-only score asked, but 2.15x nn.Linear's time at a prompt's
+    (as a CPU without AVX2 measured, oneDNN under SSE4.1), it is not taken; as fast at a prompt's, it is."""
+    calls = []
+
+    def passes(runs, rounds):
+        calls.append(sorted(runs))
+        return {side: [times[len(calls) - 1][side]] for side in runs}
+
+    monkeypatch.setattr(cpu_kernels, "alternate_passes", passes)
+    linears = [torch.nn.Linear(64, 64) for _ in range(3)]
+    for times, kind in (([{"plain": 17.7, "onednn": 12.7}, {"plain": 39.2, "onednn": 33.0},
+                          {"plain": 255.0, "onednn": 548.0}], "plain"),
+                        ([{"plain": 17.7, "onednn": 12.7}, {"plain": 39.2, "onednn": 33.0},
+                          {"plain": 255.0, "onednn": 250.0}], "onednn")):
+        calls.clear()
+        monkeypatch.setattr(fast_linear, "_FP32_DECISIONS", {})
+        assert fast_linear.float32_linear_kernel(linears) == kind
+        assert calls == [["onednn", "plain"]] * 3  # 1 row, 8 rows, a prompt's
+
+
+@FP32
 @needs_native
 def test_a_tie_goes_to_the_native_kernels_and_the_switch_overrides_the_measurement(tiny_model_dir, monkeypatch):
     """Native products within ``NATIVE_FP32_FAVOUR`` of oneDNN's take the model (its decode step then
