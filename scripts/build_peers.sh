@@ -9,7 +9,7 @@
 #
 #   scripts/build_peers.sh [llama|gguf|vllm ...]   default: all three, in that order
 #   scripts/build_peers.sh llama-avx2              llama-server for an AVX2-only CPU, in build/peers/llama.cpp/build-avx2:
-#                                                 the peer of python -m scripts.bench --cpu-class avx2 (also llama-avx512)
+#                                                 the peer of python -m scripts.bench --cpu-class avx2 (also llama-avx512, and llama-other for one without AVX2)
 #   scripts/build_peers.sh backend                 llama-cpp-python in $PY's venv (the llamacpp backend) and
 #                                                 the tree whose converter the build step runs (make llamacpp)
 #
@@ -131,9 +131,12 @@ build_backend() {
 # newer CPU (python -m scripts.bench --cpu-class CLASS): what GGML_NATIVE would pick on such a CPU.
 ggml_isa_flags() {
   case $1 in
+    # x86-64-v2, SSE4.2 and no AVX: a CPU without AVX2 (llama_engine.cpu's "other"), as the bench's emulation
+    # holds MKL and oneDNN to SSE4.2 / SSE4.1 there
+    other) echo "-DGGML_SSE42=ON -DGGML_AVX=OFF -DGGML_AVX2=OFF -DGGML_FMA=OFF -DGGML_F16C=OFF -DGGML_BMI2=OFF -DGGML_AVX512=OFF" ;;
     avx2) echo "-DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF" ;;
     avx512) echo "-DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON" ;;
-    *) die "no llama-server build for CPU class '$1' (llama-avx2 or llama-avx512; plain 'llama' builds for this CPU)" ;;
+    *) die "no llama-server build for CPU class '$1' (llama-other, llama-avx2 or llama-avx512; plain 'llama' builds for this CPU)" ;;
   esac
 }
 
@@ -245,7 +248,7 @@ main() {
       gguf) build_gguf ;;
       vllm) build_vllm ;;
       backend) build_backend ;;
-      *) die "unknown step '$step' (llama, llama-avx2, llama-avx512, gguf, vllm, backend)" ;;
+      *) die "unknown step '$step' (llama, llama-other, llama-avx2, llama-avx512, gguf, vllm, backend)" ;;
     esac
   done
   say "done: ${steps[*]}"

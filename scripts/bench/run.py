@@ -107,9 +107,9 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     parser.add_argument("--llama-gguf", type=Path, help="GGUF of the bench model for llama-server")
     parser.add_argument("--max-minutes", type=float, help="time budget; later phases are skipped past it")
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompts and Poisson schedules (default 0)")
-    parser.add_argument("--cpu-class", choices=CLASSES[1:], metavar="CLASS",
-                        help="measure as a CPU of this lower class would (avx2, avx512, avx512-bf16): its dtype, "
-                             "native kernels and torch's kernels (llama_engine.cpu.emulation_env); llama.cpp's peer "
+    parser.add_argument("--cpu-class", choices=CLASSES, metavar="CLASS",
+                        help="measure as a CPU of this lower class would (other: no AVX2, avx2, avx512, avx512-bf16): "
+                             "its dtype, native kernels and torch's kernels (llama_engine.cpu.emulation_env); llama.cpp's peer "
                              "from build/peers/llama.cpp/build-CLASS (make bench-peers BENCH_PEERS=llama-CLASS); "
                              "the docs page docs/benchmarks-CLASS-emulated.md")
     parser.add_argument("--render", type=Path, metavar="JSON",

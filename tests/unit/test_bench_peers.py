@@ -205,12 +205,14 @@ def test_an_emulated_cpu_class_takes_only_a_llama_server_built_for_it(tmp_path, 
 def test_build_peers_knows_ggmls_flags_for_each_class_it_builds_for():
     script = ROOT / "scripts" / "build_peers.sh"
     flags = {}
-    for cls in ("avx2", "avx512", "amx"):
+    for cls in ("other", "avx2", "avx512", "amx"):
         probe = subprocess.run(["bash", "-c", f'source <(sed "/^main \\"\\$@\\"/d" {script}); ggml_isa_flags {cls}'],
                                capture_output=True, text=True, timeout=30)
         flags[cls] = (probe.returncode, probe.stdout.split(), probe.stderr)
     assert flags["avx2"][0] == 0 and "-DGGML_AVX2=ON" in flags["avx2"][1] and "-DGGML_AVX512=OFF" in flags["avx2"][1]
     assert flags["avx512"][0] == 0 and "-DGGML_AVX512=ON" in flags["avx512"][1]
+    assert flags["other"][0] == 0 and {"-DGGML_SSE42=ON", "-DGGML_AVX=OFF", "-DGGML_AVX2=OFF", "-DGGML_FMA=OFF",
+                                       "-DGGML_F16C=OFF"} <= set(flags["other"][1])
     assert flags["amx"][0] != 0 and "no llama-server build for CPU class 'amx'" in flags["amx"][2]
 
 

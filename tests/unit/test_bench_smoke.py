@@ -436,3 +436,35 @@ def test_smoke_as_an_avx2_cpu_serves_with_that_classs_dtype_and_kernels(smoke, t
         assert list(json.loads((tmp_path / "page-by-cpu.json").read_text())) == [f"avx2 (emulated on {host})"]
     else:
         assert "emulated_on" not in machine
+
+
+def test_smoke_as_a_cpu_without_avx2_serves_on_torchs_kernels_alone(tiny_model_dir, tmp_path):
+    """--cpu-class other on any AVX2 CPU: a CPU without AVX2 gets float32, no native kernels (they need AVX2 and
+    FMA) and torch's baseline kernels, in the bench and in the TorchServe worker it starts, and its page says so."""
+    from llama_engine import cpu
+
+    host = cpu.cpu_class(cpu.host_cpu_flags())
+    if host == "other":
+        pytest.skip("this CPU has no AVX2: every run here is a run of the class, unemulated")
+    out = tmp_path / "bench"
+    proc = subprocess.run([sys.executable, "-m", "scripts.bench", "--smoke", "--cpu-class", "other", "--out", str(out),
+                           "--tiny", str(tiny_model_dir), "--systems", "inprocess,torchserve",
+                           "--scenarios", "concurrency", "--docs", str(tmp_path / "page.md")],
+                          cwd=ROOT, env=host_env(), capture_output=True, text=True, timeout=480,
+                          start_new_session=True)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    results = json.loads((out / "latest.json").read_text())
+    machine = results["machine"]
+    assert (machine["cpu_class"], machine["auto_dtype"], machine["torch_cpu_capability"]) == \
+        ("other", "float32", "DEFAULT")
+    assert not {"avx2", "avx512f", "amx_bf16"} & set(machine["cpu_flags"])
+    assert machine["emulated_on"] == host
+    assert (machine["emulation_env"]["MKL_ENABLE_INSTRUCTIONS"], machine["emulation_env"]["ONEDNN_MAX_CPU_ISA"]) == \
+        ("SSE4_2", "SSE41")
+    assert results["systems"]["torchserve"]["status"] == "ok"
+    assert any(r["system"] == "torchserve" and r["ok"] for r in results["runs"])
+    log = read_log(out / "work" / "torchserve", "model_log")
+    assert "native CPU kernels: none for this CPU (needs AVX2 and FMA); torch's kernels" in log
+    assert "LLAMA_CPU_CLASS=other: choosing as a CPU of class other would" in log
+    page = (tmp_path / "page.md").read_text()
+    assert page.startswith("# Benchmarks\n\n**An emulated CPU class.** This run computed as an `other` CPU would")
