@@ -279,19 +279,17 @@ def test_onednn_fast_at_a_decode_steps_rows_but_slow_at_a_prompts_leaves_the_lin
     """Packing replaces the weight, so a prompt's rows go through oneDNN too: its time there counts. Faster at a
     decode step's rows by more than the 10% a decode-only score asked, but 2.15x nn.Linear's time at a prompt's
     (as a CPU without AVX2 measured, oneDNN under SSE4.1), it is not taken; as fast at a prompt's, it is."""
-    calls = []
-
-    def passes(runs, rounds):
-        calls.append(sorted(runs))
-        return {side: [times[len(calls) - 1][side]] for side in runs}
-
-    monkeypatch.setattr(cpu_kernels, "alternate_passes", passes)
+    calls, decode = [], [{"plain": 17.7, "onednn": 12.7}, {"plain": 39.2, "onednn": 33.0}]  # 1 and 8 rows
     linears = [torch.nn.Linear(64, 64) for _ in range(3)]
-    for times, kind in (([{"plain": 17.7, "onednn": 12.7}, {"plain": 39.2, "onednn": 33.0},
-                          {"plain": 255.0, "onednn": 548.0}], "plain"),
-                        ([{"plain": 17.7, "onednn": 12.7}, {"plain": 39.2, "onednn": 33.0},
-                          {"plain": 255.0, "onednn": 250.0}], "onednn")):
+    for prompt, kind in (({"plain": 255.0, "onednn": 548.0}, "plain"), ({"plain": 255.0, "onednn": 250.0}, "onednn")):
         calls.clear()
+        times = decode + [prompt]
+
+        def passes(runs, rounds, times=times):
+            calls.append(sorted(runs))
+            return {side: [times[len(calls) - 1][side]] for side in runs}
+
+        monkeypatch.setattr(cpu_kernels, "alternate_passes", passes)
         monkeypatch.setattr(fast_linear, "_FP32_DECISIONS", {})
         assert fast_linear.float32_linear_kernel(linears) == kind
         assert calls == [["onednn", "plain"]] * 3  # 1 row, 8 rows, a prompt's
@@ -303,14 +301,17 @@ def test_a_tie_goes_to_the_native_kernels_and_the_switch_overrides_the_measureme
     """Native products within ``NATIVE_FP32_FAVOUR`` of oneDNN's take the model (its decode step then
     runs in one native call); ``LLAMA_PACKED_LINEAR=native`` and ``=1`` decide without measuring."""
     monkeypatch.setattr(fast_linear, "native_kernels_for", lambda *args: None)
-    times = {"plain": 1.0, "onednn": 0.50, "native": 0.52}
-    monkeypatch.setattr(cpu_kernels, "alternate_passes", lambda runs, rounds: {side: [times[side]] for side in runs})
+    times, timed = {"plain": 1.0, "onednn": 0.50, "native": 0.52}, []
+    monkeypatch.setattr(cpu_kernels, "alternate_passes",
+                        lambda runs, rounds: timed.append(sorted(runs)) or {side: [times[side]] for side in runs})
     monkeypatch.setattr(fast_linear, "_FP32_DECISIONS", {})
     linears = [torch.nn.Linear(64, 64) for _ in range(3)]
     assert fast_linear.float32_linear_kernel(linears, NATIVE) == "native"
-    times["native"] = 0.56
+    assert timed == [["native", "onednn", "plain"]] * 2  # 1 and 8 rows; no weight packed, no prompt's rows timed
+    times["native"], timed[:] = 0.56, []
     monkeypatch.setattr(fast_linear, "_FP32_DECISIONS", {})
     assert fast_linear.float32_linear_kernel(linears, NATIVE) == "onednn"
+    assert timed == [["native", "onednn", "plain"]] * 2 + [["onednn", "plain"]]
     monkeypatch.setattr(cpu_kernels, "alternate_passes", None)  # no measurement below
     for setting, kind in (("native", NativeLinear), ("1", PackedLinear)):
         monkeypatch.setenv(fast_linear.ENV, setting)

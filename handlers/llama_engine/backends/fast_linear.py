@@ -684,7 +684,7 @@ def float32_linear_kernel(linears: Sequence[nn.Linear], native=None, repeats: in
     """The kernel that runs float32 products fastest on this CPU, measured: ``"onednn"`` (packed) where it beats
     ``nn.Linear`` by 10% over a decode step's rows and a prompt's, else ``"plain"``; ``"native"`` where ``native``
     (kernels of :func:`measured_native_kernels`) scores within :data:`NATIVE_FP32_FAVOUR` of the faster of those
-    two at a decode step's rows.
+    two at a decode step's rows (then nothing else is timed: no weight is packed for oneDNN).
 
     Linears of the shapes of ``linears`` (:data:`SAMPLE_BYTES` of weights, :func:`_streamed_sample`) run
     each way, in turns (:func:`cpu_kernels.alternate_passes`), at 1 row and at ``ONEDNN_BATCH_HINT`` rows
@@ -713,23 +713,31 @@ def float32_linear_kernel(linears: Sequence[nn.Linear], native=None, repeats: in
              for side, layers in sides.items()}, repeats)
         for side, times in passes.items():
             best[side].append(min(times))
+    score = {side: sum(times) for side, times in best.items()}
+    if native is not None and score["native"] <= (1 + NATIVE_FP32_FAVOUR) * min(score["onednn"], score["plain"]):
+        kind, prompt = "native", ""  # the weights stay plain: a prompt's rows go where they went before
+    else:
+        kind, prompt = _packed_or_plain(linears, best, repeats)
+    _FP32_DECISIONS[key] = kind
+    names = {"plain": "nn.Linear", "onednn": "oneDNN packed", "native": f"native ({key[1]})"}
+    logger.info("float32 linears, %d threads, %.0f MB of weights, 1 / %d rows: %s%s -> %s", key[0], size / 1e6,
+                ONEDNN_BATCH_HINT, ", ".join(f"{names[side]} " + " / ".join(f"{1e3 * t:.2f}" for t in times) + " ms"
+                                             for side, times in best.items()), prompt, names[kind])
+    return kind
+
+
+def _packed_or_plain(linears: Sequence[nn.Linear], best: Dict[str, list], repeats: int) -> Tuple[str, str]:
+    """``"onednn"`` where the geometric mean of oneDNN's packed products' time over ``nn.Linear``'s, at the rows of
+    ``best`` (each side's fastest passes at 1 and 8 rows) and at a prompt's (:func:`_prompt_pass_times`), is below
+    0.9, else ``"plain"``; and the prompt's timings for the log."""
     prompt = _prompt_pass_times(linears, repeats)
     ratios = [onednn / plain for onednn, plain in zip(best["onednn"] + [prompt["onednn"]],
                                                         best["plain"] + [prompt["plain"]])]
-    onednn_ratio = math.prod(ratios) ** (1 / len(ratios))
-    kind = "onednn" if onednn_ratio < 0.9 else "plain"
-    score = {side: sum(times) for side, times in best.items()}
-    if native is not None and score["native"] <= (1 + NATIVE_FP32_FAVOUR) * min(score["onednn"], score["plain"]):
-        kind = "native"
-    _FP32_DECISIONS[key] = kind
-    names = {"plain": "nn.Linear", "onednn": "oneDNN packed", "native": f"native ({key[1]})"}
-    logger.info("float32 linears, %d threads, %.0f MB of weights, 1 / %d rows: %s; %d rows: %s (oneDNN packed / "
-                "nn.Linear %s, geometric mean %.2f) -> %s", key[0], size / 1e6, ONEDNN_BATCH_HINT,
-                ", ".join(f"{names[side]} " + " / ".join(f"{1e3 * t:.2f}" for t in times) + " ms"
-                          for side, times in best.items()),
-                WIDE_ROWS, ", ".join(f"{names[side]} {1e3 * t:.1f} ms" for side, t in prompt.items()),
-                " / ".join(f"{r:.2f}" for r in ratios), onednn_ratio, names[kind])
-    return kind
+    mean = math.prod(ratios) ** (1 / len(ratios))
+    detail = (f"; {WIDE_ROWS} rows: nn.Linear {1e3 * prompt['plain']:.1f} ms, oneDNN packed "
+              f"{1e3 * prompt['onednn']:.1f} ms (oneDNN packed / nn.Linear {' / '.join(f'{r:.2f}' for r in ratios)}, "
+              f"geometric mean {mean:.2f})")
+    return ("onednn" if mean < 0.9 else "plain"), detail
 
 
 def _prompt_pass_times(linears: Sequence[nn.Linear], repeats: int) -> Dict[str, float]:
