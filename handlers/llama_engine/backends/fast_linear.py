@@ -691,28 +691,25 @@ def float32_linear_kernel(linears: Sequence[nn.Linear], native=None, repeats: in
     (a decode step alone and in a full batch); each side's score is the sum of its fastest pass at each,
     so a busy machine slows every side and the minimum keeps what each kernel can do. oneDNN's packed weight
     replaces the plain one, so it takes a prompt's rows too: it is taken where the geometric mean of its time
-    over ``nn.Linear``'s at 1 and 8 rows and at a prompt's (:func:`_prompt_pass_times`) is below 0.9. On a CPU
-    without AVX2 (emulated on a Zen 3 EPYC: oneDNN held to SSE4.1, MKL to SSE4.2), five loads timed oneDNN at
-    0.61-1.06x ``nn.Linear``'s time at 1 row and 0.84-1.14x at 8, and chose either, where it took 2.15x at 256
-    rows; the bench model's whole steps, packed against plain: 256-token prefills 1.7x the time (1,108-1,284
-    against 700-747 ms), decode steps 0.89x at 1 row and at 8.
+    over ``nn.Linear``'s at 1 and 8 rows and at a prompt's (:data:`WIDE_ROWS`, over :data:`WIDE_SAMPLE_BYTES` of
+    weights: many rows are bound by arithmetic, not the caches) is below 0.9. On a CPU without AVX2 (emulated
+    on a Zen 3 EPYC: oneDNN held to SSE4.1, MKL to SSE4.2), five loads timed oneDNN at 0.61-1.06x
+    ``nn.Linear``'s time at 1 row and 0.84-1.14x at 8, and chose either, where it took 2.15x at 256 rows; the
+    bench model's whole steps, packed against plain: 256-token prefills 1.7x the time (1,108-1,284 against
+    700-747 ms), decode steps 0.89x at 1 row and at 8.
     """
     key = (torch.get_num_threads(), None if native is None else native.isa)
     if key in _FP32_DECISIONS:
         return _FP32_DECISIONS[key]
     sample = _streamed_sample(linears, SAMPLE_BYTES)
     size = sum(linear.weight.numel() * linear.weight.element_size() for linear in sample)
-    sides = {"plain": sample, "onednn": [PackedLinear(linear, FP32_BATCH_HINT) for linear in sample]}
+    sides = _plain_and_packed(sample)
     if native is not None:
         sides["native"] = [NativeLinear(linear, native, NATIVE_MAX_ROWS) for linear in sample]
     best: Dict[str, list] = {side: [] for side in sides}
     for rows in (1, ONEDNN_BATCH_HINT):
-        inputs = [torch.randn(rows, linear.in_features) for linear in sample]
-        passes = cpu_kernels.alternate_passes(
-            {side: (lambda layers=layers, inputs=inputs: [layer(x) for layer, x in zip(layers, inputs)])
-             for side, layers in sides.items()}, repeats)
-        for side, times in passes.items():
-            best[side].append(min(times))
+        for side, fastest in _fastest_passes(sides, rows, repeats).items():
+            best[side].append(fastest)
     score = {side: sum(times) for side, times in best.items()}
     if native is not None and score["native"] <= (1 + NATIVE_FP32_FAVOUR) * min(score["onednn"], score["plain"]):
         kind, prompt = "native", ""  # the weights stay plain: a prompt's rows go where they went before
@@ -728,9 +725,9 @@ def float32_linear_kernel(linears: Sequence[nn.Linear], native=None, repeats: in
 
 def _packed_or_plain(linears: Sequence[nn.Linear], best: Dict[str, list], repeats: int) -> Tuple[str, str]:
     """``"onednn"`` where the geometric mean of oneDNN's packed products' time over ``nn.Linear``'s, at the rows of
-    ``best`` (each side's fastest passes at 1 and 8 rows) and at a prompt's (:func:`_prompt_pass_times`), is below
+    ``best`` (each side's fastest passes at 1 and 8 rows) and at a prompt's (:data:`WIDE_ROWS`), is below
     0.9, else ``"plain"``; and the prompt's timings for the log."""
-    prompt = _prompt_pass_times(linears, repeats)
+    prompt = _fastest_passes(_plain_and_packed(_streamed_sample(linears, WIDE_SAMPLE_BYTES)), WIDE_ROWS, repeats)
     ratios = [onednn / plain for onednn, plain in zip(best["onednn"] + [prompt["onednn"]],
                                                         best["plain"] + [prompt["plain"]])]
     mean = math.prod(ratios) ** (1 / len(ratios))
@@ -740,13 +737,15 @@ def _packed_or_plain(linears: Sequence[nn.Linear], best: Dict[str, list], repeat
     return ("onednn" if mean < 0.9 else "plain"), detail
 
 
-def _prompt_pass_times(linears: Sequence[nn.Linear], repeats: int) -> Dict[str, float]:
-    """The fastest pass of ``nn.Linear`` and of oneDNN's packed products over :data:`WIDE_ROWS` rows (a prompt's),
-    through linears of the shapes of ``linears`` over :data:`WIDE_SAMPLE_BYTES` of weights (many rows are bound
-    by arithmetic: the caches do not change them)."""
-    sample = _streamed_sample(linears, WIDE_SAMPLE_BYTES)
-    sides = {"plain": sample, "onednn": [PackedLinear(linear, FP32_BATCH_HINT) for linear in sample]}
-    inputs = [torch.randn(WIDE_ROWS, linear.in_features) for linear in sample]
+def _plain_and_packed(sample: Sequence[nn.Linear]) -> Dict[str, list]:
+    """The linears of ``sample`` as they are and packed for oneDNN: the sides :func:`float32_linear_kernel` times."""
+    return {"plain": list(sample), "onednn": [PackedLinear(linear, FP32_BATCH_HINT) for linear in sample]}
+
+
+def _fastest_passes(sides: Dict[str, list], rows: int, repeats: int) -> Dict[str, float]:
+    """Each side's fastest pass through its linears with ``rows`` rows of input, the sides in turns
+    (:func:`cpu_kernels.alternate_passes`)."""
+    inputs = [torch.randn(rows, linear.in_features) for linear in next(iter(sides.values()))]
     passes = cpu_kernels.alternate_passes(
         {side: (lambda layers=layers: [layer(x) for layer, x in zip(layers, inputs)]) for side, layers in sides.items()},
         repeats)
