@@ -398,6 +398,19 @@ def test_a_peer_whose_port_was_taken_starts_again_on_another(tmp_path, monkeypat
             peer.stop()
 
 
+def emulated_smoke(cpu_class: str, tiny_model_dir, tmp_path):
+    """A smoke bench of the in-process engine and TorchServe as a CPU of ``cpu_class``, its page at
+    ``tmp_path / "page.md"``: its output directory and results."""
+    out = tmp_path / "bench"
+    proc = subprocess.run([sys.executable, "-m", "scripts.bench", "--smoke", "--cpu-class", cpu_class, "--out", str(out),
+                           "--tiny", str(tiny_model_dir), "--systems", "inprocess,torchserve",
+                           "--scenarios", "concurrency", "--docs", str(tmp_path / "page.md")],
+                          cwd=ROOT, env=host_env(), capture_output=True, text=True, timeout=480,
+                          start_new_session=True)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return out, json.loads((out / "latest.json").read_text())
+
+
 def test_smoke_as_an_avx2_cpu_serves_with_that_classs_dtype_and_kernels(smoke, tiny_model_dir, tmp_path):
     """--cpu-class avx2 on a newer CPU: the bench, and the TorchServe worker it starts, choose and
     compute as an AVX2-only CPU would, and the run says it was emulated. On an AVX2-only CPU the
@@ -410,14 +423,7 @@ def test_smoke_as_an_avx2_cpu_serves_with_that_classs_dtype_and_kernels(smoke, t
     if host == "avx2":
         out, results = smoke[0], smoke[1]
     else:
-        out = tmp_path / "bench"
-        proc = subprocess.run([sys.executable, "-m", "scripts.bench", "--smoke", "--cpu-class", "avx2", "--out",
-                               str(out), "--tiny", str(tiny_model_dir), "--systems", "inprocess,torchserve",
-                               "--scenarios", "concurrency", "--docs", str(tmp_path / "page.md")],
-                              cwd=ROOT, env=host_env(), capture_output=True, text=True, timeout=480,
-                              start_new_session=True)
-        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-        results = json.loads((out / "latest.json").read_text())
+        out, results = emulated_smoke("avx2", tiny_model_dir, tmp_path)
     machine = results["machine"]
     assert (machine["cpu_class"], machine["auto_dtype"], machine["torch_cpu_capability"]) == ("avx2", "float32", "AVX2")
     assert not {"avx512f", "avx512_bf16", "amx_bf16"} & set(machine["cpu_flags"])
@@ -446,14 +452,7 @@ def test_smoke_as_a_cpu_without_avx2_serves_on_torchs_kernels_alone(tiny_model_d
     host = cpu.cpu_class(cpu.host_cpu_flags())
     if host == "other":
         pytest.skip("this CPU has no AVX2: every run here is a run of the class, unemulated")
-    out = tmp_path / "bench"
-    proc = subprocess.run([sys.executable, "-m", "scripts.bench", "--smoke", "--cpu-class", "other", "--out", str(out),
-                           "--tiny", str(tiny_model_dir), "--systems", "inprocess,torchserve",
-                           "--scenarios", "concurrency", "--docs", str(tmp_path / "page.md")],
-                          cwd=ROOT, env=host_env(), capture_output=True, text=True, timeout=480,
-                          start_new_session=True)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    results = json.loads((out / "latest.json").read_text())
+    out, results = emulated_smoke("other", tiny_model_dir, tmp_path)
     machine = results["machine"]
     assert (machine["cpu_class"], machine["auto_dtype"], machine["torch_cpu_capability"]) == \
         ("other", "float32", "DEFAULT")
