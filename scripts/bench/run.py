@@ -160,6 +160,11 @@ def render(args) -> int:
     return 0
 
 
+def wave_runner(name: str, adapter, timeout: float):
+    """``(name, runner)`` of a server behind ``adapter``, a wave at a time, for :func:`~scripts.bench.scenarios.paired`."""
+    return name, lambda prompts, n: run_wave(adapter, prompts, n, timeout)
+
+
 class BenchRun:
     """One bench run. Its steps are the methods below, in the order :func:`main` calls them;
     each adds what it measured to ``results`` (the JSON) and its duration to ``phases``.
@@ -380,7 +385,7 @@ class BenchRun:
         if self.engine is not None and pairs_planned(plan) and self.budget.ok("paired A/B", 60):
             t = time.perf_counter()
             paired(("inprocess", self.engine.run_wave),
-                   ("torchserve", lambda ps, n: run_wave(adapter, ps, n, self.timeout)),
+                   wave_runner("torchserve", adapter, self.timeout),
                    self.prompts, plan, self.runs, self.monitor,
                    efficiency=(self._bandwidth_now, self.results["decode_bound"]["weight_bytes_per_token"]))
             self.phases["paired_s"] = time.perf_counter() - t
@@ -537,8 +542,7 @@ class BenchRun:
 
     def _kept_runner(self, name: str):
         """``(name, runner)`` of a variant kept up, a wave at a time, for :func:`~scripts.bench.scenarios.paired`."""
-        adapter = self.kept[name][1]
-        return name, lambda prompts, n: run_wave(adapter, prompts, n, self.timeout)
+        return wave_runner(name, self.kept[name][1], self.timeout)
 
     def _int8_against_served_weights(self) -> None:
         """The int8 variant against the micro-batching handler over the weights as served, in back-to-back A/B
@@ -781,7 +785,7 @@ class BenchRun:
             # llama.cpp in both, on one GGUF: both held to the bandwidth around their waves, as the torch rows are
             same_engine = variant == report.LLAMACPP and name == "llama.cpp"
             bracket = (self._bandwidth_now, self.results["decode_bound"]["weight_bytes_per_token"]) if same_engine else None
-            paired((name, lambda ps, n: run_wave(adapter, ps, n, self.timeout)), self._kept_runner(variant),
+            paired(wave_runner(name, adapter, self.timeout), self._kept_runner(variant),
                    self.prompts, plan, self.runs, self.monitor, scenario=f"paired-peer/{report.VARIANT_LABELS[variant]}",
                    ratio="served_over_peer", efficiency=bracket)
         self.phases[f"paired_{name}_s"] = time.perf_counter() - t

@@ -44,6 +44,7 @@ streams them (:data:`BF16_WEIGHT_MAX_ROWS`).
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import os
@@ -703,7 +704,7 @@ def float32_linear_kernel(linears: Sequence[nn.Linear], native=None, repeats: in
         return _FP32_DECISIONS[key]
     sample = _streamed_sample(linears, SAMPLE_BYTES)
     size = sum(linear.weight.numel() * linear.weight.element_size() for linear in sample)
-    sides = _plain_and_packed(sample)
+    sides = {"plain": sample, "onednn": [PackedLinear(linear, FP32_BATCH_HINT) for linear in sample]}
     if native is not None:
         sides["native"] = [NativeLinear(linear, native, NATIVE_MAX_ROWS) for linear in sample]
     best: Dict[str, list] = {side: [] for side in sides}
@@ -714,7 +715,7 @@ def float32_linear_kernel(linears: Sequence[nn.Linear], native=None, repeats: in
     if native is not None and score["native"] <= (1 + NATIVE_FP32_FAVOUR) * min(score["onednn"], score["plain"]):
         kind, prompt = "native", ""  # the weights stay plain: a prompt's rows go where they went before
     else:
-        kind, prompt = _packed_or_plain(linears, best, repeats)
+        kind, prompt = _packed_or_plain(sides, best, repeats)
     _FP32_DECISIONS[key] = kind
     names = {"plain": "nn.Linear", "onednn": "oneDNN packed", "native": f"native ({key[1]})"}
     logger.info("float32 linears, %d threads, %.0f MB of weights, 1 / %d rows: %s%s -> %s", key[0], size / 1e6,
@@ -723,11 +724,14 @@ def float32_linear_kernel(linears: Sequence[nn.Linear], native=None, repeats: in
     return kind
 
 
-def _packed_or_plain(linears: Sequence[nn.Linear], best: Dict[str, list], repeats: int) -> Tuple[str, str]:
+def _packed_or_plain(sides: Dict[str, list], best: Dict[str, list], repeats: int) -> Tuple[str, str]:
     """``"onednn"`` where the geometric mean of oneDNN's packed products' time over ``nn.Linear``'s, at the rows of
-    ``best`` (each side's fastest passes at 1 and 8 rows) and at a prompt's (:data:`WIDE_ROWS`), is below
-    0.9, else ``"plain"``; and the prompt's timings for the log."""
-    prompt = _fastest_passes(_plain_and_packed(_streamed_sample(linears, WIDE_SAMPLE_BYTES)), WIDE_ROWS, repeats)
+    ``best`` (each side's fastest passes at 1 and 8 rows) and at a prompt's (:data:`WIDE_ROWS`, through the first
+    :data:`WIDE_SAMPLE_BYTES` of ``sides``' linears), is below 0.9, else ``"plain"``; and the prompt's timings
+    for the log."""
+    totals = itertools.accumulate(linear.weight.numel() * linear.weight.element_size() for linear in sides["plain"])
+    count = next((i + 1 for i, total in enumerate(totals) if total >= WIDE_SAMPLE_BYTES), len(sides["plain"]))
+    prompt = _fastest_passes({side: sides[side][:count] for side in ("plain", "onednn")}, WIDE_ROWS, repeats)
     ratios = [onednn / plain for onednn, plain in zip(best["onednn"] + [prompt["onednn"]],
                                                         best["plain"] + [prompt["plain"]])]
     mean = math.prod(ratios) ** (1 / len(ratios))
@@ -735,11 +739,6 @@ def _packed_or_plain(linears: Sequence[nn.Linear], best: Dict[str, list], repeat
               f"{1e3 * prompt['onednn']:.1f} ms (oneDNN packed / nn.Linear {' / '.join(f'{r:.2f}' for r in ratios)}, "
               f"geometric mean {mean:.2f})")
     return ("onednn" if mean < 0.9 else "plain"), detail
-
-
-def _plain_and_packed(sample: Sequence[nn.Linear]) -> Dict[str, list]:
-    """The linears of ``sample`` as they are and packed for oneDNN: the sides :func:`float32_linear_kernel` times."""
-    return {"plain": list(sample), "onednn": [PackedLinear(linear, FP32_BATCH_HINT) for linear in sample]}
 
 
 def _fastest_passes(sides: Dict[str, list], rows: int, repeats: int) -> Dict[str, float]:
